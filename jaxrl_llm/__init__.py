@@ -1,0 +1,29 @@
+"""jaxrl_llm: exact, composable, long-sequence RL for language models in JAX.
+
+A flat public API over small modules (import from here, not from submodules)::
+
+  import jaxrl_llm as rl
+  adv, ret = rl.gae(rewards, values, mask, gamma=1.0, lam=0.95)
+"""
+
+from jaxrl_llm.masked import (
+    explained_variance, masked_count, masked_mean, masked_std, masked_sum, masked_var,
+    masked_whiten)
+from jaxrl_llm.advantages import (
+    broadcast_to_tokens, discounted_returns, dr_grpo_advantages, gae, group_advantages,
+    grpo_advantages, hybrid_advantages, lambda_returns, nstep_returns,
+    reinforce_pp_advantages, remax_advantages, reverse_linear_recurrence,
+    rloo_advantages, self_critical_advantages)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # masked statistics
+    "masked_sum", "masked_count", "masked_mean", "masked_var", "masked_std",
+    "masked_whiten", "explained_variance",
+    # advantages
+    "gae", "nstep_returns", "lambda_returns", "discounted_returns", "hybrid_advantages",
+    "reverse_linear_recurrence", "self_critical_advantages", "group_advantages",
+    "grpo_advantages", "rloo_advantages", "dr_grpo_advantages",
+    "reinforce_pp_advantages", "remax_advantages", "broadcast_to_tokens",
+]

@@ -1,0 +1,41 @@
+"""Small shared helpers for the test-suite (no chex variants needed)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def assert_close(actual, expected, atol=1e-5, rtol=1e-5, err_msg=""):
+  """Pytree-aware np.testing.assert_allclose in float64 (lists count as arrays)."""
+  if isinstance(expected, list):
+    expected = np.asarray(expected, np.float64)
+  a_leaves, a_def = jax.tree_util.tree_flatten(actual)
+  e_leaves, e_def = jax.tree_util.tree_flatten(expected)
+  assert a_def == e_def, f"tree structures differ: {a_def} vs {e_def}"
+  for a, e in zip(a_leaves, e_leaves):
+    np.testing.assert_allclose(
+        np.asarray(a, np.float64), np.asarray(e, np.float64), atol=atol, rtol=rtol,
+        err_msg=err_msg)
+
+
+def assert_no_recompile(fn, *calls):
+  """Jits `fn`, calls it with each argument tuple in `calls`, asserts one compilation.
+
+  Use it with calls that differ only in coefficient values (gamma, lam, epsilon...).
+  """
+  jitted = jax.jit(fn)
+  for args in calls:
+    jax.block_until_ready(jitted(*args))
+  assert jitted._cache_size() == 1, f"recompiled: {jitted._cache_size()} compilations"
+
+
+def random_mask(rng: np.random.Generator, batch: int, time: int, p_hole=0.15,
+                all_masked_row=True) -> np.ndarray:
+  """A [B, T] 0/1 float32 mask with ragged lengths, holes, and (optionally) one empty row."""
+  lengths = rng.integers(1, time + 1, size=batch)
+  mask = (np.arange(time)[None, :] < lengths[:, None]).astype(np.float32)
+  mask *= (rng.random((batch, time)) > p_hole)
+  if all_masked_row and batch > 1:
+    mask[-1] = 0.0
+  return mask
