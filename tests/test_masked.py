@@ -1,0 +1,82 @@
+"""Tests for jaxrl_llm.masked."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jaxrl_llm.masked import (explained_variance, masked_mean, masked_std, masked_sum,
+                              masked_var, masked_whiten)
+from tests.utils import assert_close, assert_no_recompile, random_mask
+
+
+def test_fixtures_by_hand():
+  x = np.array([1., 2., 3., 99.], np.float32)
+  m = np.array([1, 1, 1, 0], np.float32)
+  assert float(masked_sum(x, m)) == 6.0
+  assert float(masked_mean(x, m)) == 2.0
+  assert float(masked_var(x, m)) == 1.0              # ddof=1
+  assert_close(masked_var(x, m, ddof=0), 2 / 3)
+  assert_close(masked_whiten(x, m), [-1, 0, 1, 0], atol=1e-6)
+  assert_close(masked_whiten(x, m, shift_mean=False), [1, 2, 3, 0], atol=1e-6)
+  assert_close(explained_variance(np.array([1., 2., 3.]), np.array([1., 2., 3.])), 1.0)
+
+
+def test_zero_and_one_valid_elements_are_finite():
+  x = np.array([[5., 7.]], np.float32)
+  for m in (np.zeros((1, 2)), np.array([[1., 0.]])):
+    for fn in (masked_mean, masked_var, masked_std, masked_whiten):
+      assert np.all(np.isfinite(np.asarray(fn(x, m))))
+  assert float(masked_mean(x, np.zeros((1, 2)))) == 0.0
+  assert float(masked_var(x, np.array([[1., 0.]]))) == 0.0
+  assert_close(masked_whiten(x, np.array([[1., 0.]])), [[0., 0.]])
+  assert float(explained_variance(x, x + 1, np.array([[1., 0.]]))) == 0.0
+
+
+def test_nan_outside_mask_never_leaks():
+  x = np.array([1., np.nan, np.inf, 3.], np.float32)
+  m = np.array([1, 0, 0, 1], np.float32)
+  assert float(masked_mean(x, m)) == 2.0
+  assert np.all(np.isfinite(np.asarray(masked_whiten(x, m))))
+  g = jax.grad(lambda x: masked_mean(x, m))(jnp.asarray(x))
+  assert_close(g, [0.5, 0, 0, 0.5])
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), ddof=st.sampled_from([0, 1]))
+def test_matches_numpy_on_random_masked_inputs(seed, ddof):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(4, 9)).astype(np.float32)
+  m = random_mask(rng, 4, 9, all_masked_row=False)
+  vals = x[m > 0].astype(np.float64)
+  assert_close(masked_mean(x, m), vals.mean(), atol=1e-5)
+  expected_var = vals.var(ddof=ddof) if len(vals) > ddof else 0.0
+  assert_close(masked_var(x, m, ddof=ddof), expected_var, atol=1e-5)
+  w = np.asarray(masked_whiten(x, m, ddof=ddof))
+  assert_close(w[m > 0], (vals - vals.mean()) / np.sqrt(expected_var + 1e-8), atol=1e-4)
+  assert np.all(w[m == 0] == 0)
+  # per-row axis reduction
+  for b in range(4):
+    row = x[b][m[b] > 0]
+    assert_close(masked_mean(x, m, axis=1)[b], row.mean() if len(row) else 0, atol=1e-5)
+
+
+def test_bf16_dtype_preserved_jit_vmap_no_recompile():
+  x = jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3)
+  m = jnp.ones((2, 3))
+  assert masked_whiten(x, m).dtype == jnp.bfloat16
+  assert masked_mean(x, m).dtype == jnp.float32
+  out = jax.vmap(lambda a, b: masked_whiten(a, b))(x.astype(jnp.float32), m)
+  assert_close(out[0], [-1, 0, 1], atol=1e-3)
+  assert_no_recompile(lambda x, m, e: masked_whiten(x, m, eps=e),
+                      (x, m, 1e-8), (x, m, 1e-5))
+
+
+def test_bad_inputs():
+  with pytest.raises(ValueError, match="mask"):
+    masked_mean(np.zeros(3, np.float32), np.zeros(4))
+  with pytest.raises(ValueError, match="`x`"):
+    masked_mean(np.zeros(3, np.int32), np.zeros(3))
+  with pytest.raises(ValueError, match="y_true"):
+    explained_variance(np.zeros(3), np.zeros(4))
