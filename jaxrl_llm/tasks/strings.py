@@ -1,0 +1,122 @@
+"""String-transformation tasks: copy, reverse and sort a short digit string.
+
+Prompt ``"<s>="``, answer ``f(s)``, then eos. E.g. reverse: ``"384="`` -> ``"483"``.
+Reward (``partial`` = p):
+
+.. math::
+  r = \\begin{cases} 1 & c = a \\\\ p \\cdot \\mathrm{match}(a, c) & \\text{otherwise}
+  \\end{cases}
+
+where ``match`` is the left-aligned `position_match` (missing or extra characters
+count as wrong). ``partial=0`` gives the sparse exact-match reward. The completion is
+compared as is: no stripping, so the policy must stop with eos.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import numpy as np
+
+from jaxrl_llm.tasks.base import Problem, Task, position_match
+from jaxrl_llm.tasks.tokenizer import DIGITS
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StringTask(Task):
+  """Base of the string tasks: a random string of ``min_len..max_len`` characters.
+
+  Attributes:
+    min_len: shortest input string.
+    max_len: longest input string.
+    chars: the characters strings are drawn from (must be in the tokenizer).
+    partial: weight of the per-position partial credit, in [0, 1].
+  """
+
+  name = "string"
+  min_len: int = 3
+  max_len: int = 3
+  chars: str = DIGITS
+  partial: float = 0.5
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not 1 <= self.min_len <= self.max_len:
+      raise ValueError(
+          f"`min_len` and `max_len` must satisfy 1 <= min_len <= max_len, got "
+          f"min_len={self.min_len}, max_len={self.max_len}.")
+    if not self.chars or any(c not in self.tokenizer.chars or c == "=" for c in self.chars):
+      raise ValueError(
+          f"`chars` {self.chars!r} must be non-empty, exclude '=' and lie in the "
+          f"tokenizer vocabulary {self.tokenizer.chars!r}.")
+    if not 0.0 <= self.partial <= 1.0:
+      raise ValueError(f"`partial` must be in [0, 1], got {self.partial!r}.")
+
+  @abc.abstractmethod
+  def transform(self, s: str) -> str:
+    """The answer for input string ``s``."""
+
+  @property
+  def max_prompt_len(self) -> int:
+    return self.max_len + 1
+
+  @property
+  def max_new_tokens(self) -> int:
+    return self.max_len + 1
+
+  @property
+  def answer_chars(self) -> str:
+    return self.chars
+
+  def draw(self, rng: np.random.Generator) -> Problem:
+    n = int(rng.integers(self.min_len, self.max_len + 1))
+    s = "".join(self.chars[i] for i in rng.integers(0, len(self.chars), size=n))
+    return Problem(prompt=s + "=", answer=self.transform(s))
+
+  def is_correct(self, problem: Problem, completion: str) -> bool:
+    return completion == problem.answer
+
+  def reward(self, problem: Problem, completion: str) -> float:
+    if self.is_correct(problem, completion):
+      return 1.0
+    return self.partial * position_match(problem.answer, completion)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CopyTask(StringTask):
+  """Repeat the string: ``"384="`` -> ``"384"``."""
+
+  name = "copy"
+
+  def transform(self, s: str) -> str:
+    return s
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReverseTask(StringTask):
+  """Reverse the string: ``"384="`` -> ``"483"``.
+
+  Examples:
+    >>> task = ReverseTask()
+    >>> p = Problem("384=", "483")
+    >>> task.reward(p, "483"), task.reward(p, "489"), task.reward(p, "")
+    (1.0, 0.3333333333333333, 0.0)
+  """
+
+  name = "reverse"
+
+  def transform(self, s: str) -> str:
+    return s[::-1]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SortTask(StringTask):
+  """Sort the characters ascending: ``"3142="`` -> ``"1234"`` (lengths 3-4 by default)."""
+
+  name = "sort"
+  min_len: int = 3
+  max_len: int = 4
+
+  def transform(self, s: str) -> str:
+    return "".join(sorted(s))
