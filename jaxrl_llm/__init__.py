@@ -21,6 +21,11 @@ from jaxrl_llm.losses import (
 from jaxrl_llm.control import (
     AdaptiveClipState, AdaptiveKLState, adaptive_clip_init, adaptive_clip_update,
     adaptive_kl_init, adaptive_kl_update)
+from jaxrl_llm.logprobs import token_logprobs, token_logprobs_from_hidden
+from jaxrl_llm.train import (
+    TrainConfig, TrainState, init_train_state, make_grpo_train_step,
+    make_ppo_train_step, make_train_step, policy_forward)
+from jaxrl_llm.checkpoint import Checkpointer
 
 __version__ = "0.1.0"
 
@@ -41,4 +46,9 @@ __all__ = [
     # controllers
     "adaptive_kl_init", "adaptive_kl_update", "adaptive_clip_init",
     "adaptive_clip_update", "AdaptiveKLState", "AdaptiveClipState",
+    # log-probs
+    "token_logprobs", "token_logprobs_from_hidden",
+    # train steps and checkpoints
+    "TrainConfig", "TrainState", "init_train_state", "make_train_step",
+    "make_ppo_train_step", "make_grpo_train_step", "policy_forward", "Checkpointer",
 ]
