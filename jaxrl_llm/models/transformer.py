@@ -1,0 +1,628 @@
+"""A reference causal transformer LM with an optional value head (Flax NNX).
+
+Architecture (pre-norm, LLaMA-style): token embedding -> ``n_layers`` blocks of
+``x + Attn(RMSNorm(x))`` and ``x + SwiGLU(RMSNorm(x))`` -> final RMSNorm. The LM head is
+the transposed embedding (tied) or its own ``[D, V]`` matrix; the optional value head is
+a ``Linear(D -> 1)`` on the same final hidden states (shared trunk). A separate critic is
+simply another ``Transformer`` whose ``hidden`` output is ignored.
+
+Conventions:
+
+* ``attention_mask`` ``[B, T]``: 1 = real token, 0 = padding. A padded key is never
+  attended to, so the ids at padded positions never change the outputs at real ones,
+  and ``hidden``/``values`` at padded positions are set to 0.
+* ``positions`` default to ``max(cumsum(attention_mask) - 1, 0)``: the k-th real token of
+  a row has position k-1 wherever it sits. Left padding, right padding and holes all
+  give the same outputs at real tokens.
+* Causality is by array index: the query at index t sees the real keys at indices <= t.
+* Every parameter carries logical axis names (``vocab``, ``embed``, ``heads``,
+  ``kv_heads``, ``head_dim``, ``mlp``, or ``None``) as ``out_sharding`` metadata with
+  eager sharding off; ``nnx.get_partition_spec(nnx.state(model))`` gives the logical
+  spec of each parameter, and the caller maps names to mesh axes (e.g. inside
+  ``flax.linen.logical_axis_rules``).
+* Matmuls run in ``config.dtype``; RMSNorm, RoPE, the attention softmax, logits and
+  values are computed in float32.
+
+Pure functional use (train steps never touch the class):
+
+.. code-block:: python
+
+  graphdef, params = split_model(Transformer(config, rngs=nnx.Rngs(0)))
+  apply = make_apply_fn(graphdef)
+  hidden, values, lm_head = apply(params, tokens, None, mask)   # jit/grad over params
+
+KV-cache decoding: ``init_cache`` -> ``prefill`` (the prompt, any padding layout) ->
+``decode`` (one token per row per call). ``make_decode_fns(graphdef)`` wraps these as
+pure functions of ``params`` returning next-token logits, the protocol of
+:func:`jaxrl_llm.rollout.sampler.sample`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_llm import _validate as v
+
+_NEG = -1e30  # finite "minus infinity" for masked attention scores
+
+PRESETS = ("tiny", "small")
+
+
+# ----------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Static sizes and options of :class:`Transformer`.
+
+  Attributes:
+    vocab_size: V, number of token ids.
+    d_model: D, width of the residual stream.
+    n_layers: number of transformer blocks.
+    n_heads: H, number of query heads.
+    n_kv_heads: K, number of key/value heads; ``K < H`` is grouped-query attention
+      (each K/V head serves ``H // K`` query heads), ``K == H`` is multi-head.
+    d_ff: hidden width F of the SwiGLU MLP.
+    max_seq_len: the longest sequence (prompt + completion) the model is meant for;
+      informational for RoPE (which has no table) and used as the default cache size.
+    head_dim: per-head width; ``None`` means ``d_model // n_heads``. Must be even.
+    rope_theta: RoPE base :math:`\\theta`.
+    tie_embeddings: use the transposed embedding as the LM head.
+    value_head: add a scalar value head ``Linear(D -> 1)`` on the final hidden states.
+    remat: wrap each block in ``nnx.remat`` (``jax.checkpoint``) in the full forward,
+      trading recomputation for activation memory; results are identical.
+    dtype: parameter and matmul dtype (e.g. ``jnp.float32`` or ``jnp.bfloat16``).
+    norm_eps: RMSNorm epsilon.
+  """
+
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  d_ff: int
+  max_seq_len: int
+  head_dim: int | None = None
+  rope_theta: float = 10000.0
+  tie_embeddings: bool = True
+  value_head: bool = True
+  remat: bool = False
+  dtype: Any = jnp.float32
+  norm_eps: float = 1e-6
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                 "max_seq_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"`n_heads` ({self.n_heads}) must be a multiple of `n_kv_heads` "
+          f"({self.n_kv_heads}).")
+    if self.head_dim is None and self.d_model % self.n_heads:
+      raise ValueError(
+          f"`d_model` ({self.d_model}) must be divisible by `n_heads` ({self.n_heads}) "
+          "when `head_dim` is None.")
+    if self.dim_per_head % 2:
+      raise ValueError(f"`head_dim` must be even for RoPE, got {self.dim_per_head}.")
+    if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
+      raise ValueError(f"`dtype` must be a floating dtype, got {self.dtype!r}.")
+
+  @property
+  def dim_per_head(self) -> int:
+    return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+  @classmethod
+  def tiny(cls, vocab_size: int, **overrides) -> "TransformerConfig":
+    """64 wide, 2 layers, 4 query / 2 KV heads: a CPU fwd+bwd in milliseconds."""
+    base = dict(vocab_size=vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                d_ff=128, max_seq_len=128)
+    return cls(**{**base, **overrides})
+
+  @classmethod
+  def small(cls, vocab_size: int, **overrides) -> "TransformerConfig":
+    """256 wide, 4 layers, 8 query / 4 KV heads, d_ff 1024, 512 tokens (~3M + 256 V)."""
+    base = dict(vocab_size=vocab_size, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4,
+                d_ff=1024, max_seq_len=512)
+    return cls(**{**base, **overrides})
+
+
+def get_config(name: str, vocab_size: int, **overrides) -> TransformerConfig:
+  """A preset config by name (``"tiny"`` or ``"small"``), with field overrides.
+
+  Examples:
+    >>> get_config("tiny", 32, value_head=False).d_model
+    64
+  """
+  v.check_choice("name", name, PRESETS)
+  return getattr(TransformerConfig, name)(vocab_size, **overrides)
+
+
+# ----------------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------------
+
+
+def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
+  """A Param with logical axis names as (non-eager) ``out_sharding`` metadata."""
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=tuple(names),
+                   eager_sharding=False)
+
+
+def _normal(stddev):
+  return nnx.initializers.normal(stddev=stddev)
+
+
+def rope(x, positions, theta):
+  r"""Rotary position embedding (rotate-half form), computed in float32.
+
+  For each head vector split into halves :math:`(a, b)` of width ``d/2`` and frequency
+  :math:`\omega_i = \theta^{-2i/d}`, position :math:`p` maps
+
+  .. math::
+
+    (a_i, b_i) \mapsto (a_i \cos p\omega_i - b_i \sin p\omega_i,\;
+                        b_i \cos p\omega_i + a_i \sin p\omega_i),
+
+  so :math:`\langle \mathrm{rope}(q, p), \mathrm{rope}(k, s)\rangle` depends on
+  :math:`p - s` only.
+
+  Args:
+    x: ``[B, T, N, d]`` queries or keys (``d`` even).
+    positions: ``[B, T]`` integer positions.
+    theta: RoPE base.
+
+  Returns:
+    ``[B, T, N, d]`` in the dtype of ``x``.
+  """
+  d = x.shape[-1]
+  freqs = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  angles = positions.astype(jnp.float32)[..., None] * freqs  # [B, T, d/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  a, b = x32[..., : d // 2], x32[..., d // 2:]
+  out = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  r""":math:`y = x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \cdot g` (float32 inside)."""
+
+  def __init__(self, dim: int, eps: float, dtype, *, rngs: nnx.Rngs):
+    self.eps = eps
+    self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",), dtype)
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def attend(q, k, v, q_index, kv_valid):
+  r"""Causal, padding-masked (grouped-query) dot-product attention.
+
+  Query ``t`` attends to key ``s`` iff ``s <= q_index[t]`` and ``kv_valid[b, s]``:
+
+  .. math::
+
+    o_t = \sum_s \mathrm{softmax}_s\big(q_t \cdot k_s / \sqrt{d}\big)\, v_s .
+
+  A query with no allowed key (a padded position at the start of a row) gets a finite
+  uniform average instead of NaN; real queries always see at least themselves.
+
+  Args:
+    q: ``[B, T, H, d]``.
+    k, v: ``[B, S, K, d]`` with ``H % K == 0`` (query head ``h`` uses KV head
+      ``h // (H // K)``).
+    q_index: ``[T]`` int, the key index of each query (causal limit).
+    kv_valid: ``[B, S]`` bool, real keys.
+
+  Returns:
+    ``[B, T, H, d]`` in the dtype of ``q``.
+  """
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  qg = q.reshape(b, t, kvh, h // kvh, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+  scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
+  allowed = (jnp.arange(k.shape[1])[None, :] <= q_index[:, None])[None] & kv_valid[:, None]
+  scores = jnp.where(allowed[:, None, None], scores, _NEG)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+  """Multi-head / grouped-query self-attention with RoPE and an optional KV cache."""
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    c = config
+    d, h, kvh, hd = c.d_model, c.n_heads, c.n_kv_heads, c.dim_per_head
+    self.theta = c.rope_theta
+    std_in = d ** -0.5
+    std_out = (h * hd) ** -0.5 / (2 * c.n_layers) ** 0.5
+    self.wq = _param(rngs, _normal(std_in), (d, h, hd), ("embed", "heads", "head_dim"),
+                     c.dtype)
+    self.wk = _param(rngs, _normal(std_in), (d, kvh, hd),
+                     ("embed", "kv_heads", "head_dim"), c.dtype)
+    self.wv = _param(rngs, _normal(std_in), (d, kvh, hd),
+                     ("embed", "kv_heads", "head_dim"), c.dtype)
+    self.wo = _param(rngs, _normal(std_out), (h, hd, d), ("heads", "head_dim", "embed"),
+                     c.dtype)
+
+  def __call__(self, x, positions, kv_valid, cache_kv=None, index=None):
+    """Attention over ``x`` ``[B, T, D]``; with a cache, over cache + ``x``.
+
+    Without ``cache_kv`` the keys are ``x``'s own (``kv_valid`` ``[B, T]``). With
+    ``cache_kv = (k, v)`` ``[B, S, K, d]`` the new keys are written at slots
+    ``index .. index+T-1`` and ``kv_valid`` ``[B, S]`` covers the whole cache.
+    Returns ``(out [B, T, D], (k, v))``.
+    """
+    dtype = x.dtype
+    q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
+    k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
+    val = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))
+    q = rope(q, positions, self.theta)
+    k = rope(k, positions, self.theta)
+    t = x.shape[1]
+    if cache_kv is None:
+      q_index = jnp.arange(t)
+    else:
+      ck, cv = cache_kv
+      k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
+      val = jax.lax.dynamic_update_slice(cv, val.astype(cv.dtype), (0, index, 0, 0))
+      q_index = index + jnp.arange(t)
+    out = attend(q, k.astype(dtype), val.astype(dtype), q_index, kv_valid)
+    out = jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dtype))
+    return out, (k, val)
+
+
+class MLP(nnx.Module):
+  r"""SwiGLU: :math:`W_{down}(\mathrm{silu}(x W_{gate}) \odot x W_{up})`."""
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    c = config
+    std_in = c.d_model ** -0.5
+    std_out = c.d_ff ** -0.5 / (2 * c.n_layers) ** 0.5
+    self.w_gate = _param(rngs, _normal(std_in), (c.d_model, c.d_ff), ("embed", "mlp"),
+                         c.dtype)
+    self.w_up = _param(rngs, _normal(std_in), (c.d_model, c.d_ff), ("embed", "mlp"),
+                       c.dtype)
+    self.w_down = _param(rngs, _normal(std_out), (c.d_ff, c.d_model), ("mlp", "embed"),
+                         c.dtype)
+
+  def __call__(self, x):
+    dtype = x.dtype
+    gate = x @ self.w_gate[...].astype(dtype)
+    up = x @ self.w_up[...].astype(dtype)
+    return (jax.nn.silu(gate) * up) @ self.w_down[...].astype(dtype)
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block: attention then SwiGLU, each with a residual."""
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.attn_norm = RMSNorm(c.d_model, c.norm_eps, c.dtype, rngs=rngs)
+    self.attn = Attention(c, rngs=rngs)
+    self.mlp_norm = RMSNorm(c.d_model, c.norm_eps, c.dtype, rngs=rngs)
+    self.mlp = MLP(c, rngs=rngs)
+
+  def __call__(self, x, positions, kv_valid, cache_kv=None, index=None):
+    attn_out, new_kv = self.attn(self.attn_norm(x), positions, kv_valid, cache_kv, index)
+    x = x + attn_out
+    x = x + self.mlp(self.mlp_norm(x))
+    return x, new_kv
+
+
+def _block_forward(block, x, positions, kv_valid):
+  return block(x, positions, kv_valid)[0]
+
+
+_block_forward_remat = nnx.remat(_block_forward)
+
+
+# ----------------------------------------------------------------------------------
+# KV cache
+# ----------------------------------------------------------------------------------
+
+
+class KVCache(NamedTuple):
+  """Decoding state of :class:`Transformer` (a pytree of arrays).
+
+  Attributes:
+    k, v: tuples of ``n_layers`` arrays ``[B, S, K, head_dim]`` (rotated keys, values).
+    valid: ``[B, S]`` bool, slots holding a real token (padding and unwritten slots are
+      False and never attended to).
+    index: ``[]`` int32, the next slot to write (shared by all rows).
+    positions: ``[B]`` int32, the RoPE position of each row's next real token (= the
+      number of real tokens seen so far).
+  """
+
+  k: tuple
+  v: tuple
+  valid: jax.Array
+  index: jax.Array
+  positions: jax.Array
+
+
+# ----------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------
+
+
+def _positions_from_mask(mask):
+  return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def _check_tokens(tokens, attention_mask, positions=None):
+  v.check_rank("tokens", tokens, 2)
+  if not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+    raise ValueError(
+        f"`tokens` must be an integer array, got dtype {jnp.result_type(tokens)} "
+        f"with shape {v.shape_of(tokens)}.")
+  v.check_same_shape(("tokens", "attention_mask", "positions"),
+                     (tokens, attention_mask, positions))
+
+
+class Transformer(nnx.Module):
+  """Causal transformer LM with an optional scalar value head.
+
+  Args:
+    config: a :class:`TransformerConfig`.
+    rngs: initialisation randomness.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> model = Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0))
+    >>> tokens = jnp.array([[0, 0, 5, 6], [1, 2, 3, 4]])   # row 0 left-padded
+    >>> mask = jnp.array([[0, 0, 1, 1], [1, 1, 1, 1]])
+    >>> hidden, values = model(tokens, attention_mask=mask)
+    >>> hidden.shape, values.shape, model.logits(hidden).shape
+    ((2, 4, 64), (2, 4), (2, 4, 32))
+  """
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs = None):
+    if rngs is None:
+      rngs = nnx.Rngs(0)
+    c = config
+    self.config = c
+    embed_std = c.d_model ** -0.5 if c.tie_embeddings else 1.0
+    self.embed = _param(rngs, _normal(embed_std), (c.vocab_size, c.d_model),
+                        ("vocab", "embed"), c.dtype)
+    self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.n_layers)])
+    self.final_norm = RMSNorm(c.d_model, c.norm_eps, c.dtype, rngs=rngs)
+    if not c.tie_embeddings:
+      self.lm_head = _param(rngs, _normal(c.d_model ** -0.5), (c.d_model, c.vocab_size),
+                            ("embed", "vocab"), c.dtype)
+    if c.value_head:
+      self.value_w = _param(rngs, _normal(c.d_model ** -0.5), (c.d_model, 1),
+                            ("embed", None), c.dtype)
+      self.value_b = _param(rngs, nnx.initializers.zeros, (1,), (None,), c.dtype)
+
+  # -- pieces ----------------------------------------------------------------------
+
+  def _embed(self, tokens):
+    return jnp.take(self.embed[...], tokens, axis=0, mode="clip").astype(self.config.dtype)
+
+  def _values(self, hidden, mask):
+    if not self.config.value_head:
+      return None
+    h32 = hidden.astype(jnp.float32)
+    values = (h32 @ self.value_w[...].astype(jnp.float32))[..., 0]
+    values = values + self.value_b[...].astype(jnp.float32)[0]
+    return values * mask
+
+  def lm_head_weight(self):
+    """The LM head ``[D, V]``: ``embed.T`` when tied, else the ``lm_head`` parameter."""
+    if self.config.tie_embeddings:
+      return self.embed[...].T
+    return self.lm_head[...]
+
+  def logits(self, hidden):
+    """Float32 logits ``hidden @ lm_head_weight()`` (``[..., D] -> [..., V]``)."""
+    return jnp.einsum("...d,dv->...v", hidden.astype(jnp.float32),
+                      self.lm_head_weight().astype(jnp.float32))
+
+  # -- full forward ----------------------------------------------------------------
+
+  def __call__(self, tokens, positions=None, attention_mask=None):
+    """Full causal forward.
+
+    Args:
+      tokens: ``[B, T]`` int token ids (out-of-range ids are clipped into range).
+      positions: ``[B, T]`` int RoPE positions; default
+        ``max(cumsum(attention_mask) - 1, 0)`` (or ``arange(T)`` without a mask).
+      attention_mask: ``[B, T]``, 1 = real token; default all ones.
+
+    Returns:
+      ``(hidden, values)``: ``hidden`` ``[B, T, D]`` (``config.dtype``) after the final
+      norm and ``values`` ``[B, T]`` float32 (``None`` without a value head); both are 0
+      at padded positions.
+    """
+    _check_tokens(tokens, attention_mask, positions)
+    b, t = tokens.shape
+    if attention_mask is None:
+      mask = jnp.ones((b, t), jnp.float32)
+    else:
+      mask = v.as_f32(attention_mask)
+    if positions is None:
+      positions = _positions_from_mask(mask)
+    kv_valid = mask > 0
+    block_fn = _block_forward_remat if self.config.remat else _block_forward
+    x = self._embed(tokens)
+    for block in self.blocks:
+      x = block_fn(block, x, positions, kv_valid)
+    hidden = self.final_norm(x) * mask[..., None].astype(x.dtype)
+    return hidden, self._values(hidden, mask)
+
+  # -- cached decoding -------------------------------------------------------------
+
+  def init_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
+    """An empty :class:`KVCache` for ``batch`` rows and ``max_len`` slots.
+
+    ``max_len`` defaults to ``config.max_seq_len``; it must cover prompt + generated
+    tokens (a write past the end is clamped by XLA and corrupts the last slots).
+    """
+    c = self.config
+    max_len = c.max_seq_len if max_len is None else max_len
+    dtype = c.dtype if dtype is None else dtype
+    shape = (batch, max_len, c.n_kv_heads, c.dim_per_head)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(c.n_layers))
+    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(c.n_layers)),
+                   valid=jnp.zeros((batch, max_len), bool),
+                   index=jnp.zeros((), jnp.int32),
+                   positions=jnp.zeros((batch,), jnp.int32))
+
+  def extend(self, tokens, cache: KVCache, attention_mask=None):
+    """Appends ``tokens`` ``[B, T]`` at slot ``cache.index`` and runs them.
+
+    New real tokens get positions ``cache.positions + (cumsum(mask) - 1)``; they attend
+    to every valid cache slot and to the earlier real tokens among themselves. Both
+    prefill (T = prompt length, empty cache) and decode (T = 1) are this call, so the
+    result at each real token equals the full forward of the concatenated sequence.
+
+    Returns:
+      ``(hidden [B, T, D], values [B, T] or None, new_cache)``.
+    """
+    _check_tokens(tokens, attention_mask)
+    b, t = tokens.shape
+    if v.shape_of(cache.valid)[0] != b:
+      raise ValueError(
+          f"`cache` has batch {v.shape_of(cache.valid)[0]}, `tokens` has shape "
+          f"{v.shape_of(tokens)}.")
+    if attention_mask is None:
+      mask = jnp.ones((b, t), jnp.float32)
+    else:
+      mask = v.as_f32(attention_mask)
+    positions = cache.positions[:, None] + _positions_from_mask(mask)
+    valid = jax.lax.dynamic_update_slice(cache.valid, mask > 0, (0, cache.index))
+    x = self._embed(tokens)
+    new_k, new_v = [], []
+    for layer, block in enumerate(self.blocks):
+      x, (k, val) = block(x, positions, valid, (cache.k[layer], cache.v[layer]),
+                          cache.index)
+      new_k.append(k)
+      new_v.append(val)
+    hidden = self.final_norm(x) * mask[..., None].astype(x.dtype)
+    new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid,
+                        index=cache.index + t,
+                        positions=cache.positions + jnp.sum(mask, axis=1).astype(jnp.int32))
+    return hidden, self._values(hidden, mask), new_cache
+
+  def prefill(self, tokens, attention_mask, cache: KVCache):
+    """Runs a prompt ``[B, P]`` (any padding layout) into an empty ``cache``.
+
+    Returns ``(hidden [B, P, D], values [B, P] or None, cache)``.
+    """
+    return self.extend(tokens, cache, attention_mask)
+
+  def decode(self, tokens, cache: KVCache):
+    """One new real token per row, ``tokens`` ``[B]``.
+
+    Returns ``(hidden [B, D], values [B] or None, cache)``.
+    """
+    v.check_rank("tokens", tokens, 1)
+    hidden, values, cache = self.extend(tokens[:, None], cache)
+    return hidden[:, 0], (None if values is None else values[:, 0]), cache
+
+
+# ----------------------------------------------------------------------------------
+# Pure functional adapters
+# ----------------------------------------------------------------------------------
+
+
+def split_model(model: Transformer):
+  """``(graphdef, params)``: the static structure and the ``nnx.Param`` state pytree.
+
+  ``params`` is an ``nnx.State`` (a pytree of arrays) to hand to optax, ``jax.grad``,
+  ``jax.jit`` shardings or orbax; ``nnx.merge(graphdef, params)`` rebuilds the model.
+  """
+  return nnx.split(model, nnx.Param)
+
+
+def make_apply_fn(graphdef) -> Callable:
+  """A pure forward ``apply(params, tokens, positions=None, attention_mask=None)``.
+
+  The returned function rebuilds the model from ``params`` (``nnx.merge``) and returns
+  ``(hidden [B, T, D], values [B, T] or None, lm_head [D, V])``; it is a pure function
+  of ``params`` and so works under ``jax.jit``, ``jax.grad`` and shardings. Log-probs
+  of targets are ``log_softmax(hidden @ lm_head)`` gathered at the targets (the
+  hidden state at index t predicts the token at t + 1).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> graphdef, params = split_model(
+    ...     Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0)))
+    >>> apply = jax.jit(make_apply_fn(graphdef))
+    >>> hidden, values, lm_head = apply(params, jnp.ones((2, 8), jnp.int32))
+    >>> hidden.shape, values.shape, lm_head.shape
+    ((2, 8, 64), (2, 8), (64, 32))
+  """
+
+  def apply(params, tokens, positions=None, attention_mask=None):
+    model = nnx.merge(graphdef, params)
+    hidden, values = model(tokens, positions, attention_mask)
+    return hidden, values, model.lm_head_weight()
+
+  return apply
+
+
+class DecodeFns(NamedTuple):
+  """Pure decoding functions of a model; the protocol the sampler consumes.
+
+  Attributes:
+    init_cache: ``init_cache(params, batch, max_len) -> cache`` (any pytree).
+    prefill: ``prefill(params, tokens [B, P] int, mask [B, P], cache) ->
+      (logits [B, V] float32, cache)``; ``logits`` are the next-token logits after each
+      row's last real prompt token.
+    decode: ``decode(params, tokens [B] int, cache) -> (logits [B, V] float32, cache)``
+      appends one real token per row and returns the logits that follow it.
+  """
+
+  init_cache: Callable
+  prefill: Callable
+  decode: Callable
+
+
+def _last_real_index(mask):
+  """Index of the last 1 in each row of ``mask`` ``[B, T]`` (0 for an empty row)."""
+  t = mask.shape[1]
+  return jnp.max(jnp.where(mask > 0, jnp.arange(t)[None, :], 0), axis=1)
+
+
+def make_decode_fns(graphdef) -> DecodeFns:
+  """:class:`DecodeFns` of the reference :class:`Transformer` (pure in ``params``).
+
+  ``prefill`` takes the logits at each row's last real prompt token, so left-padded,
+  right-padded or holed prompts all work; a row with an empty prompt gets zero hidden
+  state there, i.e. all-zero logits (a uniform first token). Create the functions once
+  and reuse them: they are hashed by identity when passed as a static jit argument.
+  """
+
+  def init_cache(params, batch, max_len):
+    return nnx.merge(graphdef, params).init_cache(batch, max_len)
+
+  def prefill(params, tokens, mask, cache):
+    model = nnx.merge(graphdef, params)
+    hidden, _, cache = model.prefill(tokens, mask, cache)
+    last = jnp.take_along_axis(hidden, _last_real_index(mask)[:, None, None], axis=1)
+    return model.logits(last[:, 0]), cache
+
+  def decode(params, tokens, cache):
+    model = nnx.merge(graphdef, params)
+    hidden, _, cache = model.decode(tokens, cache)
+    return model.logits(hidden), cache
+
+  return DecodeFns(init_cache=init_cache, prefill=prefill, decode=decode)
