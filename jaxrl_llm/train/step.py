@@ -1,0 +1,443 @@
+r"""Pure PPO / GRPO train steps: ``train_step(state, batch) -> (state, metrics)``.
+
+Token alignment. Per-token batch arrays have the shape of ``tokens`` ``[B, L]`` and
+entry ``t`` is about *generating token t* from the prefix ``tokens[:, :t]``: the model
+output at position ``t - 1`` gives ``logp[:, t]`` and ``values[:, t]``; column 0 is
+never trainable. ``loss_mask`` is 1 on trainable response tokens.
+
+Batch keys:
+
+==================  ==========  =====================================================
+key                 shape       meaning
+==================  ==========  =====================================================
+``tokens``          [B, L] int  prompt + response
+``attention_mask``  [B, L]      1 on real tokens (padding anywhere)
+``loss_mask``       [B, L]      1 on trainable response tokens
+``old_logp``        [B, L]      behaviour log-probs (sampler or pre-update forward)
+``advantages``      [B, L]/[B]  optional; per-token or per-sequence
+``rewards``         [B, L]      token rewards (needed when ``advantages`` is absent)
+``old_values``      [B, L]      critic values at rollout (PPO with a value head)
+``returns``         [B, L]      optional value targets (computed by GAE if absent)
+``ref_logp``        [B, L]      reference-model log-probs (``kl_mode`` loss/reward)
+``positions``       [B, L] int  optional; default ``cumsum(attention_mask) - 1``
+==================  ==========  =====================================================
+
+One step runs ``num_epochs`` x ``num_minibatches`` optimizer updates as nested
+``lax.scan`` (a fresh permutation per epoch); each update accumulates gradients over
+``num_microbatches`` with the exact minibatch-wide reduction: every loss term's
+denominator (:func:`jaxrl_llm.aggregate_parts`) is computed over the whole minibatch
+first, so microbatching changes nothing but rounding.
+
+An update whose loss or gradients are not finite is skipped (parameters and
+optimizer state unchanged) and counted in ``metrics["skipped"]``.
+
+The model is any pure ``apply_fn(params, tokens, positions, attention_mask)``
+returning ``(logits [B,L,V], values [B,L] or None)`` or ``(hidden [B,L,D], values,
+lm_head [D,V])``; the second form computes log-probs chunk by chunk
+(:func:`jaxrl_llm.token_logprobs_from_hidden`) without ever forming ``[B, L, V]``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrl_llm import _validate as v
+from jaxrl_llm import losses as L
+from jaxrl_llm.advantages import gae, hybrid_advantages
+from jaxrl_llm.control import adaptive_clip_update, adaptive_kl_update
+from jaxrl_llm.logprobs import token_logprobs, token_logprobs_from_hidden
+from jaxrl_llm.masked import explained_variance, masked_whiten
+from jaxrl_llm.train.state import TrainConfig, TrainState
+
+TOKEN_KEYS = ("attention_mask", "loss_mask", "old_logp", "rewards", "old_values",
+              "returns", "ref_logp", "positions")
+
+
+# ------------------------------------------------------------------------------ batch
+
+
+def validate_batch(batch: dict, config: TrainConfig) -> None:
+  """Raises ``ValueError`` naming the key for a missing, mis-shaped or mistyped entry.
+
+  Shape/dtype checks only: safe before and during tracing.
+  """
+  if not isinstance(batch, dict):
+    raise ValueError(f"`batch` must be a dict of arrays, got {type(batch).__name__}.")
+  required = ["tokens", "attention_mask", "loss_mask", "old_logp"]
+  if "advantages" not in batch:
+    required.append("rewards")
+  if config.use_value:
+    required.append("old_values")
+  if config.kl_mode != "none":
+    required.append("ref_logp")
+  missing = [k for k in required if k not in batch]
+  if missing:
+    raise ValueError(f"batch is missing key(s) {missing} (has {sorted(batch)}).")
+  tokens = batch["tokens"]
+  if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+    raise ValueError(f"batch['tokens'] must be an int [B, L] array, got shape "
+                     f"{v.shape_of(tokens)} dtype {jnp.result_type(tokens)}.")
+  shape = v.shape_of(tokens)
+  for key in TOKEN_KEYS:
+    if key in batch and v.shape_of(batch[key]) != shape:
+      raise ValueError(f"batch['{key}'] must have the shape of batch['tokens'] {shape}, "
+                       f"got {v.shape_of(batch[key])}.")
+  for key in ("old_logp", "rewards", "old_values", "returns", "ref_logp", "advantages"):
+    if key in batch and not jnp.issubdtype(jnp.result_type(batch[key]), jnp.floating):
+      raise ValueError(f"batch['{key}'] must be floating point, got dtype "
+                       f"{jnp.result_type(batch[key])}.")
+  if "advantages" in batch and v.shape_of(batch["advantages"]) not in (shape, shape[:1]):
+    raise ValueError(f"batch['advantages'] must have shape {shape} or {shape[:1]}, got "
+                     f"{v.shape_of(batch['advantages'])}.")
+  if not config.use_value and "advantages" not in batch:
+    raise ValueError("batch['advantages'] is required without a value model "
+                     "(use_value=False): compute them with a group estimator.")
+  b = shape[0]
+  per_update = config.num_minibatches * config.num_microbatches
+  if b % per_update:
+    raise ValueError(f"batch size {b} (batch['tokens'] {shape}) is not divisible by "
+                     f"num_minibatches * num_microbatches = {per_update}.")
+
+
+def default_positions(attention_mask):
+  """Positions that skip padding: ``max(cumsum(mask) - 1, 0)``."""
+  return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def _shift_right(x):
+  """Aligns model outputs at position t-1 with token t; column 0 becomes 0."""
+  return jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+
+
+def policy_forward(apply_fn, params, batch, *, chunk_size=None, temperature=1.0):
+  """Token log-probs, entropies and values of ``batch['tokens']`` under ``params``.
+
+  Returns ``(logp, entropy, values)``, each ``[B, L]`` aligned with the tokens (entry t
+  is about generating token t; column 0 is 0); ``values`` is None without a value head.
+  Use it for old / reference log-probs as well as inside the loss.
+  """
+  tokens, attn = batch["tokens"], batch["attention_mask"]
+  positions = batch.get("positions")
+  if positions is None:
+    positions = default_positions(attn)
+  out = apply_fn(params, tokens, positions, attn)
+  targets = tokens[:, 1:]
+  target_mask = attn[:, 1:]
+  if len(out) == 3:
+    hidden, values, lm_head = out
+    logp, ent = token_logprobs_from_hidden(
+        hidden[:, :-1], lm_head, targets, mask=target_mask, chunk_size=chunk_size,
+        return_entropy=True, temperature=temperature)
+  else:
+    logits, values = out
+    logp, ent = token_logprobs(logits[:, :-1] / temperature, targets, target_mask,
+                               return_entropy=True)
+  pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)
+  values = None if values is None else _shift_right(v.as_f32(values))
+  return pad(logp), pad(ent), values
+
+
+def _psum(x, axis_name):
+  return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def _global_mean(x, mask, axis_name=None):
+  """Masked mean over all devices of ``axis_name`` (:func:`masked_mean` without one)."""
+  m = v.as_f32(mask)
+  total = _psum(jnp.sum(jnp.where(m > 0, v.as_f32(x), 0.0)), axis_name)
+  return total / jnp.maximum(_psum(jnp.sum(m), axis_name), 1.0)
+
+
+def _global_whiten(x, mask, axis_name=None, eps=1e-8):
+  """:func:`masked_whiten` (ddof=1) with statistics over all devices of ``axis_name``."""
+  if axis_name is None:
+    return masked_whiten(x, mask, eps=eps)
+  m = v.as_f32(mask)
+  x = jnp.where(m > 0, v.as_f32(x), 0.0)
+  count = _psum(jnp.sum(m), axis_name)
+  mean = _psum(jnp.sum(x * m), axis_name) / jnp.maximum(count, 1.0)
+  sq = _psum(jnp.sum(jnp.square(x - mean) * m), axis_name)
+  var = jnp.where(count > 1, sq / jnp.maximum(count - 1.0, 1.0), 0.0)
+  return jnp.where(m > 0, (x - mean) * jax.lax.rsqrt(var + eps), 0.0)
+
+
+def prepare_batch(batch: dict, state: TrainState, config: TrainConfig,
+                  axis_name=None) -> dict:
+  """Fills in ``advantages`` / ``returns`` (GAE, KL-in-reward, whitening).
+
+  * ``kl_mode="reward"``: ``rewards - kl_coef * kl(old_logp, ref_logp)`` per token.
+  * No ``advantages``: GAE (or the hybrid n-step/GAE estimator) over ``rewards`` and
+    ``old_values`` with ``gamma``/``lam`` from ``state.hparams``;
+    ``returns = advantages + old_values`` unless given.
+
+  The advantage variance before whitening is kept as ``batch["adv_raw_var"]`` (a
+  scalar, for comparing estimators).
+  * ``whiten_advantages``: :func:`jaxrl_llm.masked_whiten` over the batch's mask
+    (per-sequence advantages are broadcast over the mask first).
+  """
+  batch = dict(batch)
+  mask = v.as_f32(batch["loss_mask"])
+  hp = state.hparams
+  kl_coef = _kl_coef(state, config)
+  if "advantages" not in batch:
+    rewards = v.as_f32(batch["rewards"])
+    if config.kl_mode == "reward":
+      kl = L.kl_penalty(batch["old_logp"], batch["ref_logp"], config.reward_kl_kind,
+                        mask=mask)
+      rewards = rewards - kl_coef * kl
+    if config.advantage_estimator == "hybrid":
+      adv, ret = hybrid_advantages(rewards, batch["old_values"], mask, n=config.hybrid_n,
+                                   gamma=hp["gamma"], lam=hp["lam"],
+                                   mix=hp["hybrid_mix"], method=config.gae_method)
+    else:
+      adv, ret = gae(rewards, batch["old_values"], mask, gamma=hp["gamma"],
+                     lam=hp["lam"], method=config.gae_method)
+    batch["advantages"] = adv
+    batch.setdefault("returns", ret)
+  adv = v.as_f32(batch["advantages"])
+  if adv.ndim == 1:
+    adv = adv[:, None] * mask
+  raw_mean = _global_mean(adv, mask, axis_name)
+  batch["adv_raw_var"] = _global_mean(jnp.square(adv - raw_mean), mask, axis_name)
+  if config.whiten_advantages:
+    adv = _global_whiten(adv, mask, axis_name)
+  batch["advantages"] = adv * mask
+  if config.use_value and "returns" not in batch:
+    batch["returns"] = (adv + v.as_f32(batch["old_values"])) * mask
+  return batch
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def _kl_coef(state, config):
+  return state.kl_ctrl.coef if config.adaptive_kl else state.hparams["kl_coef"]
+
+
+def _clip_range(state, config):
+  """(eps_low, eps_high) for this step: schedule, adaptive controller or fixed."""
+  hp = state.hparams
+  if config.clip_schedule is not None:
+    low = v.as_f32(config.clip_schedule(state.step))
+  elif config.adaptive_clip:
+    low = state.clip_ctrl.eps
+  else:
+    low = hp["clip_low"]
+  if "clip_high" in hp:
+    return low, low * hp["clip_high"] / hp["clip_low"]
+  return low, low
+
+
+def _policy_loss(config, logp, mb, eps_low, eps_high, hp):
+  adv, mask, old = mb["advantages"], mb["loss_mask"], mb["old_logp"]
+  kind = config.policy_loss
+  if kind == "ppo":
+    return L.ppo_policy_loss(logp, old, adv, mask, clip_low=eps_low, clip_high=eps_high,
+                             dual_clip=hp.get("dual_clip"))
+  if kind == "gspo":
+    return L.gspo_policy_loss(logp, old, adv, mask, clip_low=eps_low, clip_high=eps_high)
+  if kind == "cispo":
+    # verl form: the stop-gradient IS weight is clipped to [1 - eps_low, 1 + eps_high].
+    return L.cispo_policy_loss(logp, old, adv, mask, clip_low=eps_low, clip_high=eps_high,
+                               mode="verl")
+  if kind == "sapo":
+    return L.sapo_policy_loss(logp, old, adv, mask)
+  if kind == "gmpo":
+    return L.gmpo_policy_loss(logp, old, adv, mask, clip_low=eps_low, clip_high=eps_high)
+  return L.reinforce_policy_loss(logp, adv, mask)
+
+
+def _denominators(mb, config, axis_name=None):
+  """Loss denominators over a whole minibatch, summed over ``axis_name`` devices.
+
+  They depend on the mask only, so they are known before any gradient is taken.
+  """
+  mask = mb["loss_mask"]
+  zeros = jnp.zeros(mask.shape, jnp.float32)
+  _, pg = L.aggregate_parts(zeros, mask, config.loss_agg_mode,
+                            norm_length=config.norm_length)
+  tokens = jnp.sum(v.as_f32(mask))
+  pg, tokens = _psum(pg, axis_name), _psum(tokens, axis_name)
+  return {"pg": jnp.maximum(pg, 1.0), "tokens": jnp.maximum(tokens, 1.0)}
+
+
+def _loss_fn(params, mb, denoms, state, config, apply_fn, eps_low, eps_high):
+  """Scalar loss of one microbatch, scaled by minibatch-wide denominators."""
+  hp = state.hparams
+  mask = v.as_f32(mb["loss_mask"])
+  logp, ent, values = policy_forward(apply_fn, params, mb,
+                                     chunk_size=config.logprob_chunk_size,
+                                     temperature=hp["temperature"])
+  agg = lambda x: L.aggregate_parts(x, mask, config.loss_agg_mode,
+                                    norm_length=config.norm_length)[0] / denoms["pg"]
+  pg_tok, pg_metrics = _policy_loss(config, logp, mb, eps_low, eps_high, hp)
+  pg_loss = agg(pg_tok)
+  entropy = agg(ent)
+  loss = pg_loss - hp["entropy_coef"] * entropy
+  terms = {"pg_loss": pg_loss, "entropy": entropy}
+  if config.use_value:
+    if values is None:
+      raise ValueError("config.use_value=True but apply_fn returned no values.")
+    vf_tok, vf_metrics = L.value_loss(values, mb["old_values"], mb["returns"], mask,
+                                      clip=hp.get("vf_clip"))
+    vf_loss = jnp.sum(vf_tok * mask) / denoms["tokens"]
+    loss = loss + hp["vf_coef"] * vf_loss
+    terms["vf_loss"] = vf_loss
+    pg_metrics = {**pg_metrics, **vf_metrics}
+  if config.kl_mode == "loss":
+    kl = agg(L.kl_penalty(logp, mb["ref_logp"], config.kl_kind, mask=mask))
+    loss = loss + _kl_coef(state, config) * kl
+    terms["kl_loss"] = kl
+  if "ref_logp" in mb:
+    terms["kl_ref"] = jnp.sum(
+        jax.lax.stop_gradient(logp - mb["ref_logp"]) * mask) / denoms["tokens"]
+  # Mean-type metrics are token means of this microbatch: re-weight them by its
+  # share of the minibatch's tokens so that their sum over microbatches is exact.
+  share = jnp.sum(mask) / denoms["tokens"]
+  metrics = {k: val * share for k, val in pg_metrics.items()}
+  metrics.update(terms)
+  metrics["loss"] = loss
+  return loss, metrics
+
+
+# ------------------------------------------------------------------------------- step
+
+
+def _split(x, n):
+  return x.reshape((n, x.shape[0] // n) + x.shape[1:])
+
+
+def _all_finite(tree):
+  leaves = jax.tree_util.tree_leaves(tree)
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
+                    config: TrainConfig, *, axis_name=None) -> Callable:
+  """Returns a pure ``train_step(state, batch) -> (state, metrics)``; jit it yourself.
+
+  ``axis_name``: set it when the step runs per device under ``jax.pmap`` or
+  ``shard_map`` with the batch split over that axis. Loss denominators, gradients,
+  metrics and the advantage-whitening statistics are then ``psum``-reduced over it,
+  so every device applies the same update as one device on the whole batch would
+  (minibatch shuffling is per device). Not needed with ``jax.jit`` shardings, where
+  the step is written for the global batch.
+
+  ``jax.jit(step, donate_argnums=0)`` is the usual wrapping. Metrics (float32 scalars)
+  are averaged over the ``num_epochs * num_minibatches`` updates: ``loss``, ``pg_loss``,
+  ``entropy``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``approx_kl``, ``grad_norm``,
+  (``vf_loss``, ``vf_clipfrac``, ``explained_variance``), (``kl_loss``, ``kl_ref``),
+  ``adv_mean``, ``adv_std``, ``clip_eps``, ``kl_coef``; ``skipped`` is a count.
+  """
+
+  def train_step(state: TrainState, batch: dict):
+    validate_batch(batch, config)
+    batch = prepare_batch(batch, state, config, axis_name)
+    adv_raw_var = batch.pop("adv_raw_var")
+    eps_low, eps_high = _clip_range(state, config)
+    mask = batch["loss_mask"]
+    grad_fn = jax.grad(
+        lambda params, mb, denoms: _loss_fn(params, mb, denoms, state, config, apply_fn,
+                                            eps_low, eps_high), has_aux=True)
+
+    def update(carry, mb):
+      """One optimizer update on a minibatch, gradients accumulated over microbatches."""
+      params, opt_state = carry
+      denoms = _denominators(mb, config, axis_name)
+      micro = jax.tree_util.tree_map(lambda x: _split(x, config.num_microbatches), mb)
+
+      def accumulate(acc, micro_batch):
+        out = grad_fn(params, micro_batch, denoms)
+        return jax.tree_util.tree_map(jnp.add, acc, out), None
+
+      first = jax.tree_util.tree_map(lambda x: x[0], micro)
+      zero = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                    jax.eval_shape(grad_fn, params, first, denoms))
+      (grads, metrics), _ = jax.lax.scan(accumulate, zero, micro)
+      grads, metrics = _psum((grads, metrics), axis_name)
+
+      updates, new_opt_state = optimizer.update(grads, opt_state, params)
+      new_params = optax.apply_updates(params, updates)
+      ok = _all_finite((grads, metrics["loss"])) if config.skip_nonfinite else True
+      keep = lambda new, old: jax.tree_util.tree_map(
+          lambda a, b: jnp.where(ok, a, b), new, old)
+      metrics["grad_norm"] = optax.tree.norm(grads)
+      metrics["skipped"] = 1.0 - jnp.asarray(ok, jnp.float32)
+      return (keep(new_params, params), keep(new_opt_state, opt_state)), metrics
+
+    n = config.num_minibatches
+    rng, epoch_rng = jax.random.split(state.rng)
+    keys = jax.random.split(epoch_rng, config.num_epochs)
+
+    def epoch(carry, key):
+      size = batch["tokens"].shape[0]
+      perm = jax.random.permutation(key, size) if n > 1 else jnp.arange(size)
+      shuffled = jax.tree_util.tree_map(lambda x: _split(x[perm], n), batch)
+      return jax.lax.scan(update, carry, shuffled)
+
+    carry = (state.params, state.opt_state)
+    (params, opt_state), metrics = jax.lax.scan(epoch, carry, keys)
+    metrics = jax.tree_util.tree_map(jnp.mean, metrics)
+    metrics["skipped"] = metrics["skipped"] * config.num_epochs * n
+    adv = batch["advantages"]
+    metrics["adv_mean"] = _global_mean(adv, mask, axis_name)
+    metrics["adv_std"] = jnp.sqrt(_global_mean(jnp.square(adv - metrics["adv_mean"]),
+                                               mask, axis_name))
+    metrics["adv_raw_var"] = adv_raw_var
+    metrics["clip_eps"] = eps_low
+    kl_coef = _kl_coef(state, config)
+    metrics["kl_coef"] = kl_coef
+    if config.use_value:
+      ev = explained_variance(batch["old_values"], batch["returns"], mask)
+      metrics["explained_variance"] = (ev if axis_name is None
+                                       else jax.lax.pmean(ev, axis_name))
+
+    kl_ctrl, clip_ctrl = state.kl_ctrl, state.clip_ctrl
+    if config.adaptive_kl:
+      # verl: the KL of the behaviour policy to the reference, measured at rollout.
+      rollout_kl = _global_mean(L.kl_penalty(batch["old_logp"], batch["ref_logp"],
+                                             config.reward_kl_kind, mask=mask),
+                                mask, axis_name)
+      metrics["rollout_kl"] = rollout_kl
+      kl_ctrl = adaptive_kl_update(kl_ctrl, rollout_kl, mask.shape[0])
+    if config.adaptive_clip:
+      observed = metrics["approx_kl" if config.adaptive_clip_metric == "kl"
+                         else "pg_clipfrac"]
+      clip_ctrl = adaptive_clip_update(clip_ctrl, observed)
+    new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
+                              kl_ctrl=kl_ctrl, clip_ctrl=clip_ctrl, rng=rng)
+    return new_state, metrics
+
+  return train_step
+
+
+def make_ppo_train_step(apply_fn, optimizer, config: TrainConfig | None = None,
+                        **overrides) -> Callable:
+  """PPO with a value head (GAE from ``rewards``/``old_values`` or given advantages).
+
+  Defaults: clipped surrogate (``clip_low=0.2``), clipped value loss (0.5, coef 0.5),
+  token-mean aggregation, whitened advantages.
+  """
+  config = config or TrainConfig(**overrides)
+  return make_train_step(apply_fn, optimizer, config)
+
+
+def make_grpo_train_step(apply_fn, optimizer, config: TrainConfig | None = None,
+                         **overrides) -> Callable:
+  """GRPO-family step: no value model, per-sequence advantages from a group estimator,
+  KL to the reference in the loss (k3) when ``kl_coef > 0``.
+
+  Defaults: ``use_value=False, whiten_advantages=False, kl_mode="loss",
+  kl_kind="k3", loss_agg_mode="token-mean"`` (DAPO / TRL default); Dr.GRPO is
+  ``loss_agg_mode="seq-mean-token-sum-norm"`` with :func:`jaxrl_llm.dr_grpo_advantages`.
+  """
+  if config is None:
+    kw = dict(use_value=False, whiten_advantages=False, kl_mode="loss", kl_kind="k3",
+              vf_clip=None)
+    kw.update(overrides)
+    config = TrainConfig(**kw)
+  return make_train_step(apply_fn, optimizer, config)

@@ -1,0 +1,208 @@
+"""Train steps on the tiny reference model: learning, exact microbatching, guards."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrl_llm.checkpoint import Checkpointer
+from jaxrl_llm.models.transformer import (Transformer, TransformerConfig, make_apply_fn,
+                                          split_model)
+from jaxrl_llm.train import (TrainConfig, init_train_state, make_grpo_train_step,
+                             make_ppo_train_step, make_train_step, policy_forward)
+from tests.utils import assert_close
+
+B, L, V = 8, 12, 32
+
+
+@pytest.fixture(scope="module")
+def setup():
+  graphdef, params = split_model(Transformer(TransformerConfig.tiny(V), rngs=nnx.Rngs(0)))
+  apply = make_apply_fn(graphdef)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, V, (B, L)).astype(np.int32)
+  attn = np.ones((B, L), np.float32)
+  attn[:2, :2] = 0                                   # left padding
+  loss_mask = np.zeros((B, L), np.float32)
+  loss_mask[:, 6:] = 1
+  loss_mask[3, 9:] = 0
+  attn[3, 9:] = 0                                    # a shorter response, right padded
+  rewards = np.zeros((B, L), np.float32)
+  rewards[:, -1] = rng.normal(size=B)
+  rewards[3, 8] = 1.0
+  batch = dict(tokens=tokens, attention_mask=attn, loss_mask=loss_mask)
+  logp, _, values = jax.jit(lambda p, b: policy_forward(apply, p, b))(params, batch)
+  batch.update(old_logp=np.asarray(logp), old_values=np.asarray(values), rewards=rewards,
+               ref_logp=np.asarray(logp) - 0.05)
+  return apply, params, batch
+
+
+def _run(apply, params, batch, config, steps=1, lr=1e-3, opt=None):
+  opt = opt or optax.adam(lr)
+  state = init_train_state(params, opt, config)
+  step = jax.jit(make_train_step(apply, opt, config))
+  history = []
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+    history.append(jax.tree_util.tree_map(float, metrics))
+  return state, history, step
+
+
+def test_ppo_loss_decreases_on_a_fixed_batch(setup):
+  apply, params, batch = setup
+  _, hist, step = _run(apply, params, batch, TrainConfig(num_minibatches=2), steps=6)
+  assert hist[-1]["loss"] < hist[0]["loss"]
+  assert hist[-1]["vf_loss"] < hist[0]["vf_loss"]
+  assert all(h["skipped"] == 0 for h in hist)
+  assert step._cache_size() == 1
+  for key in ("pg_clipfrac", "pg_clipfrac_lower", "approx_kl", "entropy", "grad_norm",
+              "vf_clipfrac", "adv_mean", "adv_std", "clip_eps", "explained_variance"):
+    assert np.isfinite(hist[-1][key]), key
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_microbatches_equal_full_batch(setup, mode):
+  apply, params, batch = setup
+  results = []
+  for micro in (1, 4):
+    config = TrainConfig(num_microbatches=micro, loss_agg_mode=mode, entropy_coef=0.01,
+                         kl_mode="loss", kl_coef=0.1)
+    # SGD: Adam's g / sqrt(v) would turn rounding noise on ~0 gradients into +-lr.
+    state, hist, _ = _run(apply, params, batch, config, opt=optax.sgd(0.5))
+    results.append((state.params, hist[0]))
+  assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+  for key in ("loss", "pg_loss", "vf_loss", "pg_clipfrac", "approx_kl", "kl_loss"):
+    assert results[0][1][key] == pytest.approx(results[1][1][key], abs=1e-5), key
+
+
+def test_chunked_logprob_gradients_equal_naive(setup):
+  apply, params, batch = setup
+
+  def apply_logits(p, tokens, positions, attn):
+    hidden, values, lm_head = apply(p, tokens, positions, attn)
+    return hidden @ lm_head, values
+
+  def loss(fn, chunk):
+    def f(p):
+      logp, ent, values = policy_forward(fn, p, batch, chunk_size=chunk)
+      return jnp.sum(logp * batch["loss_mask"]) + 0.1 * jnp.sum(ent) + jnp.sum(values)
+    return jax.jit(jax.grad(f))(params)
+
+  assert_close(loss(apply, 4), loss(apply_logits, None), atol=1e-5, rtol=1e-5)
+
+
+def test_nonfinite_batch_is_skipped_and_state_kept(setup):
+  apply, params, batch = setup
+  for key in ("rewards", "old_logp"):
+    bad = dict(batch)
+    bad[key] = np.array(batch[key])
+    bad[key][0, 7] = np.nan
+    opt = optax.adam(1e-3)
+    config = TrainConfig()
+    state = init_train_state(params, opt, config)
+    new_state, metrics = jax.jit(make_train_step(apply, opt, config))(state, bad)
+    assert float(metrics["skipped"]) == 1.0
+    assert_close(new_state.params, state.params, atol=0, rtol=0)
+    assert_close(new_state.opt_state, state.opt_state, atol=0, rtol=0)
+  # NaN outside the loss mask is harmless.
+  ok = dict(batch)
+  ok["old_logp"] = np.array(batch["old_logp"])
+  ok["old_logp"][0, 0] = np.nan
+  _, hist, _ = _run(apply, params, ok, TrainConfig())
+  assert hist[0]["skipped"] == 0
+
+
+def test_bad_batches_raise_naming_the_key(setup):
+  apply, params, batch = setup
+  opt = optax.adam(1e-3)
+  config = TrainConfig()
+  state = init_train_state(params, opt, config)
+  step = make_train_step(apply, opt, config)
+  missing = {k: v for k, v in batch.items() if k != "old_values"}
+  with pytest.raises(ValueError, match="old_values"):
+    step(state, missing)
+  with pytest.raises(ValueError, match="loss_mask"):
+    step(state, {**batch, "loss_mask": batch["loss_mask"][:, :-1]})
+  with pytest.raises(ValueError, match="old_logp"):
+    step(state, {**batch, "old_logp": batch["old_logp"].astype(np.int32)})
+  with pytest.raises(ValueError, match="tokens"):
+    step(state, {**batch, "tokens": batch["tokens"].astype(np.float32)})
+  with pytest.raises(ValueError, match="divisible"):
+    make_train_step(apply, opt, TrainConfig(num_minibatches=3))(state, batch)
+  with pytest.raises(ValueError, match="policy_loss"):
+    TrainConfig(policy_loss="trpo")
+
+
+def test_hparams_are_traced_and_clip_schedule(setup):
+  apply, params, batch = setup
+  schedule = optax.linear_schedule(0.2, 0.05, transition_steps=2)
+  opt = optax.sgd(1e-3)
+  config = TrainConfig(clip_schedule=schedule)
+  state = init_train_state(params, opt, config)
+  step = jax.jit(make_train_step(apply, opt, config))
+  eps = []
+  for i in range(3):
+    state, m = step(state, batch)
+    eps.append(float(m["clip_eps"]))
+    state = state.replace(hparams={**state.hparams, "vf_coef": jnp.float32(0.1 * i),
+                                   "lam": jnp.float32(0.9)})
+  assert eps == pytest.approx([0.2, 0.125, 0.05])
+  assert step._cache_size() == 1
+
+
+def test_adaptive_clip_and_kl_controllers_move(setup):
+  apply, params, batch = setup
+  config = TrainConfig(adaptive_clip=True, adaptive_kl=True, kl_mode="reward",
+                       kl_coef=0.05, kl_target=0.01, num_epochs=2)
+  state, hist, _ = _run(apply, params, batch, config, steps=3, lr=3e-3)
+  assert hist[-1]["clip_eps"] != pytest.approx(hist[0]["clip_eps"])
+  assert hist[-1]["kl_coef"] > hist[0]["kl_coef"]      # observed KL 0.05 > target 0.01
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo", "sapo", "gmpo", "reinforce"])
+def test_grpo_family_steps_learn(setup, loss):
+  apply, params, batch = setup
+  seq_adv = np.array([1., -1., 1., -1., .5, -.5, 1., -1.], np.float32)
+  grpo_batch = {k: batch[k] for k in ("tokens", "attention_mask", "loss_mask",
+                                      "old_logp", "ref_logp")}
+  grpo_batch["advantages"] = seq_adv
+  opt = optax.adam(3e-3)
+  step = jax.jit(make_grpo_train_step(apply, opt, policy_loss=loss, kl_coef=0.01,
+                                      clip_low=0.2 if loss != "gspo" else 3e-4,
+                                      clip_high=None if loss != "gspo" else 4e-4))
+  state = init_train_state(params, opt, TrainConfig(
+      use_value=False, kl_coef=0.01, clip_low=0.2 if loss != "gspo" else 3e-4,
+      clip_high=None if loss != "gspo" else 4e-4))
+  logp0, _, _ = policy_forward(apply, params, grpo_batch)
+  for _ in range(3):
+    state, m = step(state, grpo_batch)
+    assert np.isfinite(float(m["loss"])) and float(m["skipped"]) == 0
+  logp1, _, _ = policy_forward(apply, state.params, grpo_batch)
+  # Sequences with positive advantage became more likely, negative ones less.
+  delta = np.asarray(((logp1 - logp0) * batch["loss_mask"]).sum(1))
+  assert np.corrcoef(delta, seq_adv)[0, 1] > 0.5
+
+
+def test_checkpoint_resume_is_bit_identical(setup, tmp_path):
+  apply, params, batch = setup
+  opt = optax.adam(1e-3)
+  config = TrainConfig(num_minibatches=2, adaptive_clip=True)
+  step = jax.jit(make_train_step(apply, opt, config))
+  state = init_train_state(params, opt, config, rng=jax.random.PRNGKey(7))
+  with Checkpointer(str(tmp_path), max_to_keep=2) as ckpt:
+    for i in range(4):
+      state, _ = step(state, batch)
+      ckpt.save(int(state.step), state, extra={"step": int(state.step)})
+      if i == 1:
+        at_two = state
+    assert ckpt.all_steps() == [3, 4]          # keep-last-N
+    uninterrupted = state
+    # a "restarted process": restore step 3 into a freshly built template
+    template = init_train_state(params, opt, config)
+    restored, extra = ckpt.restore(template, step=3)
+  assert extra == {"step": 3}
+  resumed, _ = step(restored, batch)
+  assert_close(resumed, uninterrupted, atol=0, rtol=0)
+  assert int(at_two.step) == 2
