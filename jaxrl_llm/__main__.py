@@ -1,0 +1,5 @@
+import sys
+
+from jaxrl_llm.cli import main
+
+sys.exit(main())
