@@ -54,7 +54,7 @@ class RunConfig:
   task: str = "reverse"
   algo: str = "grpo"
   model: str = "tiny"
-  steps: int = 120
+  steps: int = 400
   prompts_per_step: int = 32
   group_size: int = 8
   lr: float = 1e-3
@@ -72,9 +72,9 @@ class RunConfig:
   hybrid_mix: float = 0.5
   vf_coef: float = 0.5
   entropy_coef: float = 0.0
-  eval_every: int = 20
+  eval_every: int = 25
   eval_size: int = 256
-  save_every: int = 20
+  save_every: int = 50
   out: str = "runs/default"
   resume: bool = False
   overwrite: bool = False
