@@ -50,6 +50,12 @@ def _add_train_args(p: argparse.ArgumentParser):
   p.add_argument("--eval-every", type=int, default=d.eval_every)
   p.add_argument("--eval-size", type=int, default=d.eval_size)
   p.add_argument("--save-every", type=int, default=d.save_every)
+  p.add_argument("--data", dest="mesh_data", type=int, default=d.mesh_data,
+                 help="data-parallel mesh axis size (-1: all remaining devices)")
+  p.add_argument("--fsdp", dest="mesh_fsdp", type=int, default=d.mesh_fsdp,
+                 help="FSDP mesh axis size (parameters and optimizer state sharded)")
+  p.add_argument("--tensor", dest="mesh_tensor", type=int, default=d.mesh_tensor,
+                 help="tensor-parallel mesh axis size (heads / mlp / vocab sharded)")
   p.add_argument("--out", default=d.out, help="run folder (default: %(default)s)")
   p.add_argument("--resume", action="store_true", help="continue the run in --out")
   p.add_argument("--overwrite", action="store_true", help="replace the run in --out")

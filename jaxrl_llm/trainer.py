@@ -41,7 +41,7 @@ GROUP_ALGOS = ("grpo", "dr_grpo", "rloo")
 MODELS = ("tiny", "small")
 # Fields that may differ between a run and its resumption.
 RESUMABLE_FIELDS = ("steps", "out", "resume", "overwrite", "eval_every", "save_every",
-                    "progress")
+                    "progress", "mesh_data", "mesh_fsdp", "mesh_tensor")
 
 
 class RunFolderError(ValueError):
@@ -75,6 +75,9 @@ class RunConfig:
   eval_every: int = 25
   eval_size: int = 256
   save_every: int = 50
+  mesh_data: int = 1                      # device mesh: 1 x 1 x 1 = one device;
+  mesh_fsdp: int = 1                      # -1 on one axis takes the remaining devices
+  mesh_tensor: int = 1
   out: str = "runs/default"
   resume: bool = False
   overwrite: bool = False
@@ -230,6 +233,17 @@ def build_batch(run, task, policy, params, ref_params, rng_np, key):
 # ----------------------------------------------------------------------------- loop
 
 
+def _compile_step(run: RunConfig, step_fn, state):
+  """``(jitted step, placed state, batch placer)``: one device, or a mesh via
+  :func:`jaxrl_llm.parallel.shard_train_step` when ``mesh_*`` asks for one."""
+  if (run.mesh_data, run.mesh_fsdp, run.mesh_tensor) == (1, 1, 1):
+    return jax.jit(step_fn, donate_argnums=0), state, lambda batch: batch
+  from jaxrl_llm.parallel import make_mesh, shard_batch, shard_train_step
+  mesh = make_mesh(data=run.mesh_data, fsdp=run.mesh_fsdp, tensor=run.mesh_tensor)
+  jitted, state = shard_train_step(step_fn, state, mesh)
+  return jitted, state, lambda batch: shard_batch(batch, mesh)
+
+
 def _prepare_run_folder(run: RunConfig) -> Optional[int]:
   """Creates/validates the run folder; returns the step to resume from (or None)."""
   cfg_path = os.path.join(run.out, "config.json")
@@ -295,11 +309,12 @@ def train(run: RunConfig, *, on_step: Optional[Callable[[dict], None]] = None) -
                   tok.pad_id)
   config = train_config_for(run, task.max_new_tokens)
   optimizer = optax.adam(run.lr)
-  step_fn = jax.jit(make_train_step(policy.apply, optimizer, config), donate_argnums=0)
   # A frozen copy: the train step donates (and so invalidates) the state's buffers.
   ref_params = jax.tree_util.tree_map(jnp.copy, policy.init_params)
   state = init_train_state(policy.init_params, optimizer, config,
                            rng=jax.random.PRNGKey(run.seed))
+  step_fn, state, place = _compile_step(
+      run, make_train_step(policy.apply, optimizer, config), state)
   eval_problems = task.eval_problems(run.eval_size)
   metrics_path = os.path.join(run.out, "metrics.jsonl")
   ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), max_to_keep=2)
@@ -326,7 +341,7 @@ def train(run: RunConfig, *, on_step: Optional[Callable[[dict], None]] = None) -
       key = jax.random.fold_in(base_key, step)
       t_step = time.time()
       batch, stats = build_batch(run, task, policy, state.params, ref_params, rng_np, key)
-      state, m = step_fn(state, batch)
+      state, m = step_fn(state, place(batch))
       row = {"step": step, **stats, **{k: float(val) for k, val in m.items()},
              "time_s": time.time() - t_step}
       if step % run.eval_every == 0 or step == run.steps:

@@ -72,9 +72,12 @@ def test_bad_input_is_refused_with_clear_messages(tmp_path):
 
 def test_cli_train_eval_plot_as_subprocess(tmp_path):
   out = str(tmp_path / "cli_run")
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  # Two forced CPU devices and --data 2: the CLI trains on a data-parallel mesh.
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
   cmd = [sys.executable, "-m", "jaxrl_llm", "train", "--steps", "2", "--prompts-per-step",
-         "4", "--group-size", "2", "--eval-size", "8", "--eval-every", "2", "--out", out]
+         "4", "--group-size", "2", "--eval-size", "8", "--eval-every", "2", "--data", "2",
+         "--out", out]
   done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
   assert done.returncode == 0, done.stderr
   assert "eval_accuracy_end" in done.stdout

@@ -308,7 +308,14 @@ def _loss_fn(params, mb, denoms, state, config, apply_fn, eps_low, eps_high):
 
 
 def _split(x, n):
-  return x.reshape((n, x.shape[0] // n) + x.shape[1:])
+  """``[B, ...] -> [n, B / n, ...]``; part ``i`` holds rows ``i, i + n, i + 2n, ...``.
+
+  Strided rather than contiguous: when the rows are sharded over devices (each
+  holding a contiguous block, as ``jax.jit`` shardings lay them out), every part gets
+  an equal share of every device's rows, so the split is a local reshape and each
+  minibatch / microbatch stays sharded over all devices (no data movement).
+  """
+  return x.reshape((x.shape[0] // n, n) + x.shape[1:]).swapaxes(0, 1)
 
 
 def _all_finite(tree):
@@ -375,8 +382,11 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
 
     def epoch(carry, key):
       size = batch["tokens"].shape[0]
-      perm = jax.random.permutation(key, size) if n > 1 else jnp.arange(size)
-      shuffled = jax.tree_util.tree_map(lambda x: _split(x[perm], n), batch)
+      if n > 1:
+        perm = jax.random.permutation(key, size)
+        shuffled = jax.tree_util.tree_map(lambda x: _split(x[perm], n), batch)
+      else:  # one minibatch: no shuffle, and no gather of a sharded batch
+        shuffled = jax.tree_util.tree_map(lambda x: x[None], batch)
       return jax.lax.scan(update, carry, shuffled)
 
     carry = (state.params, state.opt_state)

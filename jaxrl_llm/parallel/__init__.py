@@ -1,0 +1,32 @@
+"""Parallel training: meshes, sharding rules, sharded and pmap train steps,
+sequence-parallel GAE / log-probs, multi-host initialisation.
+
+Data parallel, FSDP and tensor parallel layouts are all ``jax.jit`` with shardings
+derived from the parameters' logical axis names (:func:`shard_train_step`); the same
+code runs on one CPU, one accelerator, or a multi-host mesh.
+"""
+
+from jaxrl_llm.parallel.mesh import MESH_AXES, make_mesh, mesh_axis_sizes
+from jaxrl_llm.parallel.multihost import (gather_to_host, initialize_multihost,
+                                          resolve_multihost_args)
+from jaxrl_llm.parallel.pmap import (make_pmap_train_step, replicate, split_batch,
+                                     unreplicate)
+from jaxrl_llm.parallel.sequence import (sequence_parallel_gae,
+                                         sequence_parallel_token_logprobs)
+from jaxrl_llm.parallel.sharding import (DEFAULT_RULES, batch_shardings, batch_spec,
+                                         batch_specs, host_local_batch, logical_to_spec,
+                                         make_rules, param_shardings, param_specs,
+                                         put_sharded, shard_apply_fn, shard_batch,
+                                         shard_train_step,
+                                         sharding_summary, state_shardings, state_specs)
+
+__all__ = [
+    "MESH_AXES", "make_mesh", "mesh_axis_sizes",
+    "DEFAULT_RULES", "make_rules", "logical_to_spec", "param_specs", "param_shardings",
+    "state_specs", "state_shardings", "batch_spec", "batch_specs", "batch_shardings",
+    "shard_batch", "host_local_batch", "put_sharded", "shard_apply_fn",
+    "shard_train_step", "sharding_summary",
+    "make_pmap_train_step", "replicate", "unreplicate", "split_batch",
+    "sequence_parallel_gae", "sequence_parallel_token_logprobs",
+    "initialize_multihost", "resolve_multihost_args", "gather_to_host",
+]

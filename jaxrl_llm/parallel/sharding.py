@@ -1,0 +1,571 @@
+r"""Sharding rules and ``jax.jit``-sharded train steps (the modern ``pjit``).
+
+Parameters carry *logical* axis names (``vocab``, ``embed``, ``heads``, ``kv_heads``,
+``head_dim``, ``mlp``; see :mod:`jaxrl_llm.models.transformer`); a *rules* table maps
+each logical name to mesh axes, so a layout is a table, never a per-parameter list:
+
+==============  ====================  ===============================================
+logical name    default mesh axes     effect
+==============  ====================  ===============================================
+``batch``       ``("data", "fsdp")``  batch rows split over data x fsdp devices
+``sequence``    ``"sequence"``        token axis of batch arrays (if that axis > 1)
+``embed``       ``"fsdp"``            ZeRO-3: every weight split along its width D
+``vocab``       ``"tensor"``          embedding / LM head split over the vocabulary
+``heads``       ``"tensor"``          attention split by query heads (Megatron)
+``kv_heads``    ``"tensor"``          ... and by key/value heads
+``mlp``         ``"tensor"``          MLP split along its hidden width F
+``head_dim``    ``None``              replicated
+==============  ====================  ===============================================
+
+A parameter dimension whose size does not divide the product of its mesh axes raises
+``ValueError`` naming the parameter path, the dimension and the axes: a layout is
+never silently replicated. Mesh axes of size 1 are dropped from the specs (and so never
+fail a divisibility check); library axes absent from a foreign mesh count as size 1.
+
+The optimizer state mirrors the parameters: every state leaf whose key path *ends
+with* a parameter's key path and has its shape (Adam's ``mu``/``nu``, momentum, ...)
+gets that parameter's sharding; the rest (step counts, hyperparameters, controller
+states, the PRNG key) is replicated.
+
+:func:`shard_apply_fn` anchors the model's activations to the batch sharding and
+:func:`shard_train_step` jits a global-batch train step
+(:func:`jaxrl_llm.train.make_train_step` without ``axis_name``) with these shardings;
+XLA inserts the collectives (gradient all-reduce over ``data``, weight all-gathers and
+gradient reduce-scatters over ``fsdp``, activation all-reduces over ``tensor``). The
+update is the single-device update up to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping, Sequence, Union
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_llm.parallel.mesh import MESH_AXES, mesh_axis_sizes
+
+AxisRule = Union[None, str, Sequence[str]]
+
+DEFAULT_RULES: Mapping[str, AxisRule] = {
+    "batch": ("data", "fsdp"),
+    "sequence": "sequence",
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "head_dim": None,
+}
+
+
+# ------------------------------------------------------------------------------ rules
+
+
+def make_rules(rules=None) -> dict:
+  """:data:`DEFAULT_RULES` updated with ``rules`` (a dict or ``(name, axes)`` pairs).
+
+  Each value is ``None`` (replicate), a mesh axis name, or a tuple of mesh axis names
+  (the dimension is split over their product, major to minor). Returns a new dict with
+  tuple values.
+
+  Examples:
+    >>> make_rules({"embed": None})["embed"], make_rules()["batch"]
+    ((), ('data', 'fsdp'))
+  """
+  merged = dict(DEFAULT_RULES)
+  if rules is not None:
+    merged.update(dict(rules.items() if isinstance(rules, Mapping) else rules))
+  out = {}
+  for name, axes in merged.items():
+    if axes is None:
+      out[name] = ()
+    elif isinstance(axes, str):
+      out[name] = (axes,)
+    else:
+      if not isinstance(axes, Sequence) or not all(isinstance(a, str) for a in axes):
+        raise ValueError(f"rule for logical axis {name!r} must be None, a mesh axis name "
+                         f"or a tuple of names, got {axes!r}.")
+      out[name] = tuple(axes)
+  return out
+
+
+def _mesh_axes(name, rule_axes, sizes, where):
+  """The mesh axes of size > 1 that logical axis ``name`` maps to."""
+  axes = []
+  for axis in rule_axes:
+    if axis not in sizes:
+      if axis in MESH_AXES:   # a library axis the (foreign) mesh lacks: size 1
+        continue
+      raise ValueError(f"{where}: rule {name!r} -> {axis!r} names a mesh axis that is "
+                       f"not in the mesh {tuple(sizes)}.")
+    if sizes[axis] > 1:
+      axes.append(axis)
+  return tuple(axes)
+
+
+def logical_to_spec(names, shape, mesh, rules=None, *, where="array") -> PartitionSpec:
+  r"""The mesh :class:`PartitionSpec` of an array with logical axis ``names``.
+
+  Dimension ``i`` with logical name ``n_i`` is split over the mesh axes
+  ``rules[n_i]`` (those of size > 1); it must be divisible by their product
+  :math:`\prod_{a \in rules[n_i]} |a|`.
+
+  Args:
+    names: one logical name (or ``None``) per dimension, e.g. ``("vocab", "embed")``.
+    shape: the array's shape.
+    mesh: a ``Mesh`` or ``AbstractMesh``.
+    rules: rule overrides (see :func:`make_rules`) or an already merged table.
+    where: what to call the array in error messages (a parameter path).
+
+  Raises:
+    ValueError: unknown logical name, rank mismatch, a mesh axis used twice, or a
+      dimension not divisible by its mesh axes (naming ``where``, the dimension and the
+      axes).
+
+  Examples:
+    >>> mesh = jax.sharding.AbstractMesh((2, 4, 1, 1),
+    ...                                  ("data", "fsdp", "tensor", "sequence"))
+    >>> logical_to_spec(("vocab", "embed"), (32, 64), mesh)
+    P(None, 'fsdp')
+  """
+  rules = make_rules(rules)
+  sizes = mesh_axis_sizes(mesh)
+  names = tuple(names)
+  shape = tuple(shape)
+  if len(names) != len(shape):
+    raise ValueError(f"{where}: {len(names)} logical axis names {names} for an array of "
+                     f"shape {shape} (rank {len(shape)}).")
+  used = {}
+  parts = []
+  for dim, (name, size) in enumerate(zip(names, shape)):
+    if name is None:
+      parts.append(None)
+      continue
+    if name not in rules:
+      raise ValueError(
+          f"{where}: logical axis {name!r} (dimension {dim}) has no sharding rule; "
+          f"known names {sorted(rules)}. Pass rules={{{name!r}: ...}}.")
+    axes = _mesh_axes(name, rules[name], sizes, where)
+    total = math.prod(sizes[a] for a in axes)
+    if size % total:
+      raise ValueError(
+          f"{where}: dimension {dim} ({name!r}, size {size}) is not divisible by mesh "
+          f"axis {axes if len(axes) > 1 else axes[0]!r} of size {total}. Change the "
+          f"mesh, the model size, or the rule for {name!r}.")
+    for axis in axes:
+      if axis in used:
+        raise ValueError(f"{where}: mesh axis {axis!r} is used by dimension {used[axis]} "
+                         f"and dimension {dim} (logical axes {names}); a mesh axis may "
+                         "split only one dimension of an array.")
+      used[axis] = dim
+    parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return PartitionSpec(*parts)
+
+
+def _keystr(path) -> str:
+  return jax.tree_util.keystr(tuple(path))
+
+
+# ------------------------------------------------------------------------ parameters
+
+
+def _logical_names(params, logical_specs):
+  """Per-leaf logical names: ``logical_specs`` or the parameters' ``nnx`` metadata."""
+  if logical_specs is None:
+    logical_specs = nnx.get_partition_spec(params)
+  is_spec = lambda x: isinstance(x, (PartitionSpec, tuple)) or x is None
+  leaves = jax.tree_util.tree_leaves(logical_specs, is_leaf=is_spec)
+  return [() if s is None else tuple(s) for s in leaves]
+
+
+def param_specs(params, mesh, rules=None, *, logical_specs=None):
+  """Mesh ``PartitionSpec`` of every parameter, from its logical axis names.
+
+  Args:
+    params: the parameter pytree (e.g. the ``nnx.State`` of :func:`split_model`).
+    mesh: a ``Mesh`` or ``AbstractMesh``.
+    rules: rule overrides (see :func:`make_rules`).
+    logical_specs: optional pytree (structure of ``params``) of logical names per
+      leaf (``PartitionSpec("vocab", "embed")`` or tuples); default
+      ``nnx.get_partition_spec(params)``. A leaf without names (``P()``) is
+      replicated.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the structure of ``params``.
+
+  Raises:
+    ValueError: see :func:`logical_to_spec`; the message names the parameter path.
+  """
+  rules = make_rules(rules)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  names = _logical_names(params, logical_specs)
+  if len(names) != len(flat):
+    raise ValueError(
+        f"`logical_specs` has {len(names)} leaves, `params` has {len(flat)}.")
+  specs = []
+  for (path, leaf), leaf_names in zip(flat, names):
+    shape = np.shape(leaf)
+    if not leaf_names:
+      specs.append(PartitionSpec())
+      continue
+    specs.append(logical_to_spec(leaf_names, shape, mesh, rules,
+                                 where=f"parameter {_keystr(path)!r}"))
+  return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def _named(mesh, specs):
+  return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def param_shardings(params, mesh, rules=None, *, logical_specs=None):
+  """:class:`NamedSharding` of every parameter (:func:`param_specs` on ``mesh``).
+
+  Examples:
+    >>> from flax import nnx
+    >>> from jaxrl_llm.models.transformer import (Transformer, TransformerConfig,
+    ...                                           split_model)
+    >>> from jaxrl_llm.parallel.mesh import make_mesh
+    >>> _, params = split_model(Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0)))
+    >>> shardings = nnx.to_pure_dict(param_shardings(params, make_mesh()))
+    >>> shardings["embed"].spec, shardings["blocks"][0]["attn"]["wq"].spec
+    (P(None, None), P(None, None, None))
+  """
+  return _named(mesh, param_specs(params, mesh, rules, logical_specs=logical_specs))
+
+
+def _spec_like_params(tree, params, specs):
+  """Specs for ``tree``: a param's spec where a leaf's key path ends with the param's
+  key path and the shapes agree, ``P()`` elsewhere."""
+  index = {}
+  for (path, leaf), spec in zip(
+      jax.tree_util.tree_flatten_with_path(params)[0],
+      jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))):
+    index[tuple(str(k) for k in path)] = (np.shape(leaf), spec)
+  lengths = sorted({len(k) for k in index}, reverse=True)
+
+  def one(path, leaf):
+    keys = tuple(str(k) for k in path)
+    for n in lengths:
+      if n > len(keys):
+        continue
+      hit = index.get(keys[len(keys) - n:])
+      if hit is not None and hit[0] == np.shape(leaf):
+        return hit[1]
+    return PartitionSpec()
+
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def state_specs(state, mesh, rules=None, *, params=None, logical_specs=None):
+  """``PartitionSpec`` of every leaf of a train state (any pytree holding params).
+
+  ``state.params`` (or ``params``) get :func:`param_specs`; every other leaf whose key
+  path ends with a parameter's key path and has its shape (optimizer moments, EMA
+  copies) gets that parameter's spec; everything else is replicated (``P()``).
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the structure of ``state``.
+  """
+  params = state.params if params is None else params
+  specs = param_specs(params, mesh, rules, logical_specs=logical_specs)
+  return _spec_like_params(state, params, specs)
+
+
+def state_shardings(state, mesh, rules=None, *, params=None, logical_specs=None):
+  """:class:`NamedSharding` of every leaf of a train state (see :func:`state_specs`).
+
+  Examples:
+    >>> import optax
+    >>> from flax import nnx
+    >>> from jaxrl_llm.models.transformer import (Transformer, TransformerConfig,
+    ...                                           split_model)
+    >>> from jaxrl_llm.parallel.mesh import make_mesh
+    >>> from jaxrl_llm.train import TrainConfig, init_train_state
+    >>> _, params = split_model(Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0)))
+    >>> state = init_train_state(params, optax.adam(1e-3), TrainConfig())
+    >>> shardings = state_shardings(state, make_mesh())
+    >>> shardings.step.spec
+    P()
+  """
+  return _named(mesh, state_specs(state, mesh, rules, params=params,
+                                  logical_specs=logical_specs))
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def batch_spec(shape, mesh, rules=None, *, where="batch array") -> PartitionSpec:
+  """Spec of a batch array: dimension 0 is ``batch``, dimension 1 ``sequence``.
+
+  Further dimensions are replicated. ``shape`` is the *global* shape.
+  """
+  names = ("batch", "sequence", *([None] * max(len(shape) - 2, 0)))[:len(shape)]
+  return logical_to_spec(names, shape, mesh, rules, where=where)
+
+
+def batch_specs(batch, mesh, rules=None):
+  """``PartitionSpec`` of every array of a (global) batch dict: rows over
+  ``rules["batch"]``, tokens over ``rules["sequence"]``.
+
+  Raises:
+    ValueError: a dimension not divisible by its mesh axes, naming the batch key.
+  """
+  rules = make_rules(rules)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: batch_spec(np.shape(x), mesh, rules,
+                                 where=f"batch{_keystr(path)}"), batch)
+
+
+def batch_shardings(batch, mesh, rules=None):
+  """:class:`NamedSharding` of every array of a (global) batch (:func:`batch_specs`)."""
+  return _named(mesh, batch_specs(batch, mesh, rules))
+
+
+def _spec_axes(part):
+  return () if part is None else (part,) if isinstance(part, str) else tuple(part)
+
+
+def _process_shard_counts(mesh, spec, ndim):
+  """Per dimension: (number of shards, number of them held by this process)."""
+  devices = mesh.devices
+  pid = jax.process_index()
+  local = np.vectorize(lambda d: d.process_index == pid, otypes=[bool])(devices)
+  coords = np.argwhere(local)
+  names = list(mesh.axis_names)
+  parts = list(spec) + [None] * (ndim - len(spec))
+  counts = []
+  for part in parts:
+    idx = [names.index(a) for a in _spec_axes(part)]
+    if not idx:
+      counts.append((1, 1))
+      continue
+    total = math.prod(devices.shape[i] for i in idx)
+    held = len({tuple(c[idx]) for c in coords})
+    counts.append((total, held))
+  return counts
+
+
+def shard_batch(batch, mesh, rules=None):
+  """Places a host batch on ``mesh`` as global ``jax.Array`` s, multi-host ready.
+
+  Each process passes *its own rows* (its slice of the global batch, e.g. from
+  :func:`host_local_batch` or its own data loader);
+  ``jax.make_array_from_process_local_data`` assembles the global arrays without any
+  cross-host transfer. In a single process the local batch is the global batch.
+
+  Args:
+    batch: dict (pytree) of host arrays ``[B_local, L, ...]``.
+    mesh: the mesh.
+    rules: rule overrides (``batch``/``sequence`` entries).
+
+  Returns:
+    The batch as global arrays sharded by :func:`batch_specs`.
+
+  Raises:
+    ValueError: if a local dimension is not divisible by the number of shards this
+      process holds (naming the key, the dimension and the mesh axes).
+
+  Examples:
+    >>> import numpy as np
+    >>> from jaxrl_llm.parallel.mesh import make_mesh
+    >>> out = shard_batch({"tokens": np.zeros((4, 6), np.int32)}, make_mesh())
+    >>> out["tokens"].shape
+    (4, 6)
+  """
+  rules = make_rules(rules)
+
+  def one(path, x):
+    x = np.asarray(x)
+    where = f"batch{_keystr(path)}"
+    names = ("batch", "sequence", *([None] * max(x.ndim - 2, 0)))[:x.ndim]
+    # The spec of the global array: axes of size > 1 only (divisibility checked below).
+    spec = logical_to_spec(names, (0,) * x.ndim, mesh, rules, where=where)
+    global_shape = []
+    for dim, ((total, held), size) in enumerate(
+        zip(_process_shard_counts(mesh, spec, x.ndim), x.shape)):
+      if size % held:
+        raise ValueError(
+            f"{where}: dimension {dim} has {size} local entries (shape {x.shape}), not "
+            f"divisible by the {held} shards of mesh axis {spec[dim]!r} this process "
+            "holds.")
+      global_shape.append(size // held * total)
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_process_local_data(sharding, x, tuple(global_shape))
+
+  return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def host_local_batch(batch, mesh, rules=None):
+  """The part of a *global* host batch that this process feeds to :func:`shard_batch`.
+
+  For every array, the bounding box of the index ranges of this process's devices
+  under :func:`batch_specs` (its rows, and its columns when the sequence is sharded).
+  The whole batch in a single process.
+  """
+
+  def one(path, x):
+    x = np.asarray(x)
+    spec = batch_spec(x.shape, mesh, rules, where=f"batch{_keystr(path)}")
+    index_map = NamedSharding(mesh, spec).addressable_devices_indices_map(x.shape)
+    box = []
+    for dim in range(x.ndim):
+      starts = [idx[dim].indices(x.shape[dim])[0] for idx in index_map.values()]
+      stops = [idx[dim].indices(x.shape[dim])[1] for idx in index_map.values()]
+      box.append(slice(min(starts), max(stops)))
+    return x[tuple(box)]
+
+  return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def shard_apply_fn(apply_fn: Callable, mesh, rules=None) -> Callable:
+  """Wraps a model forward so its batch inputs and outputs stay batch-sharded.
+
+  ``apply(params, tokens, positions, attention_mask)`` gets
+  ``jax.lax.with_sharding_constraint`` on its inputs and on its per-token outputs
+  (``hidden``/``logits`` and ``values``; not the LM head): rows over
+  ``rules["batch"]``, tokens over ``rules["sequence"]`` (:func:`batch_spec`). Without
+  these anchors XLA's sharding propagation may keep FSDP-sharded weights in place and
+  shard the activations along the model width instead (all-reducing activations
+  rather than all-gathering weights); with them an FSDP step becomes the ZeRO-3
+  pattern. Values are unchanged. Build the step from the wrapped function:
+  ``make_train_step(shard_apply_fn(apply_fn, mesh), optimizer, config)``.
+
+  Raises:
+    ValueError: at trace time, if a (micro)batch dimension is not divisible by its
+      mesh axes (e.g. ``B / num_microbatches`` rows over ``data * fsdp`` devices).
+  """
+  rules = make_rules(rules)
+
+  def constrain(name, x):
+    if x is None or np.ndim(x) == 0:
+      return x
+    spec = batch_spec(np.shape(x), mesh, rules, where=f"model {name}")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+  def apply(params, tokens, positions=None, attention_mask=None):
+    out = apply_fn(params, constrain("tokens", tokens), constrain("positions", positions),
+                   constrain("attention_mask", attention_mask))
+    if len(out) == 3:
+      hidden, values, lm_head = out
+      return constrain("hidden", hidden), constrain("values", values), lm_head
+    logits, values = out
+    return constrain("logits", logits), constrain("values", values)
+
+  return apply
+
+
+# ------------------------------------------------------------------------- placement
+
+
+def put_sharded(tree, shardings):
+  """Places every leaf of ``tree`` with its sharding; works across processes.
+
+  In one process this is ``jax.device_put``. With several processes each leaf is
+  built from the (identical) host value on every process with
+  ``jax.make_array_from_callback``, so no cross-host transfer is needed; leaves that
+  already are global arrays are resharded with ``jax.device_put``.
+  """
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+
+  def one(x, sharding):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+  return jax.tree_util.tree_map(one, tree, shardings)
+
+
+def shard_train_step(step_fn: Callable, state, mesh, *, rules=None, batch=None,
+                     donate: bool = True):
+  """Jits a global-batch train step with parameter, state and batch shardings.
+
+  .. code-block:: python
+
+    jax.jit(step_fn,
+            in_shardings=(state_shardings, batch_shardings),
+            out_shardings=(state_shardings, replicated),   # metrics replicated
+            donate_argnums=0)
+
+  ``step_fn`` is a ``train_step(state, batch) -> (state, metrics)`` written for the
+  whole batch (:func:`jaxrl_llm.train.make_train_step` *without* ``axis_name``): the
+  shardings only tell XLA where data lives and the update equals the single-device
+  one up to float rounding. The output state has the input state's shardings, so
+  repeated calls never re-layout or recompile. Build ``step_fn`` from
+  :func:`shard_apply_fn` (as in the example) so activations stay batch-sharded; with
+  FSDP this is what makes XLA all-gather weights instead of all-reducing activations.
+
+  Args:
+    step_fn: the pure train step.
+    state: the initial state (host or device arrays); it is placed on the mesh.
+    mesh: the mesh (:func:`jaxrl_llm.parallel.make_mesh`).
+    rules: rule overrides (see :func:`make_rules`).
+    batch: an example global batch (arrays or ``jax.ShapeDtypeStruct``) giving
+      per-key batch shardings (and checking divisibility). Without it every batch
+      array is split along dimension 0 only, which requires a ``sequence`` axis of
+      size 1.
+    donate: donate the input state's buffers to the output (``donate_argnums=0``).
+
+  Returns:
+    ``(jitted_step, sharded_state)``. Feed the jitted step batches placed with
+    :func:`shard_batch` (required with several processes) or host arrays (one
+    process).
+
+  Examples:
+    >>> import optax
+    >>> from flax import nnx
+    >>> from jaxrl_llm.models.transformer import (Transformer, TransformerConfig,
+    ...                                           make_apply_fn, split_model)
+    >>> from jaxrl_llm.parallel.mesh import make_mesh
+    >>> from jaxrl_llm.train import TrainConfig, init_train_state, make_train_step
+    >>> graphdef, params = split_model(
+    ...     Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0)))
+    >>> opt, config = optax.sgd(1e-2), TrainConfig()
+    >>> mesh = make_mesh(data=-1)
+    >>> apply_fn = shard_apply_fn(make_apply_fn(graphdef), mesh)
+    >>> step, state = shard_train_step(make_train_step(apply_fn, opt, config),
+    ...                                init_train_state(params, opt, config), mesh)
+    >>> tokens = np.ones((2, 8), np.int32)
+    >>> zeros, ones = np.zeros((2, 8), np.float32), np.ones((2, 8), np.float32)
+    >>> batch = shard_batch(dict(tokens=tokens, attention_mask=ones, loss_mask=ones,
+    ...     old_logp=zeros, old_values=zeros, rewards=ones), mesh)
+    >>> state, metrics = step(state, batch)
+    >>> int(state.step)
+    1
+  """
+  rules = make_rules(rules)
+  s_shardings = state_shardings(state, mesh, rules)
+  if batch is not None:
+    b_shardings = batch_shardings(batch, mesh, rules)
+  else:
+    if mesh_axis_sizes(mesh).get("sequence", 1) > 1:
+      raise ValueError("a mesh with a `sequence` axis > 1 needs an example `batch` to "
+                       "build per-key batch shardings.")
+    # One sharding for the whole batch dict (a pytree prefix): rows split.
+    b_shardings = NamedSharding(mesh, logical_to_spec(("batch",), (0,), mesh, rules,
+                                                      where="batch"))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  jitted = jax.jit(step_fn, in_shardings=(s_shardings, b_shardings),
+                   out_shardings=(s_shardings, replicated),
+                   donate_argnums=(0,) if donate else ())
+  return jitted, put_sharded(state, s_shardings)
+
+
+def sharding_summary(tree) -> dict:
+  """``{key path: str(spec)}`` of the ``NamedSharding`` s of a pytree of arrays."""
+  out = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    sharding = getattr(x, "sharding", x)
+    out[_keystr(path)] = str(getattr(sharding, "spec", sharding))
+  return out
+
+
+__all__ = ["DEFAULT_RULES", "make_rules", "logical_to_spec", "param_specs",
+           "param_shardings", "state_specs", "state_shardings", "batch_spec",
+           "batch_specs", "batch_shardings", "shard_batch", "host_local_batch",
+           "put_sharded", "shard_apply_fn", "shard_train_step", "sharding_summary"]

@@ -1,0 +1,349 @@
+"""Writes the tutorial notebooks (outputs stripped) from the cell sources below.
+
+Run: ``python notebooks/build_notebooks.py`` (edit the cells here, not the .ipynb).
+"""
+
+from __future__ import annotations
+
+import os
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SETUP = '''\
+# Setup: make `jaxrl_llm` importable, read the SMALL switch.
+# Colab with a TPU runtime: first run `%pip install -U "jax[tpu]"` and restart the
+# runtime (installing jax for the accelerator is the user's step), then clone the
+# repository and run this notebook from its `notebooks/` folder.
+import importlib.util
+import os
+import subprocess
+import sys
+
+if importlib.util.find_spec("jaxrl_llm") is None:
+  root = os.path.abspath("..")
+  if os.path.exists(os.path.join(root, "pyproject.toml")):
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", root])
+    import site
+    importlib.invalidate_caches()
+    site.main()
+  else:
+    raise ImportError("jaxrl_llm is not installed: clone the repository, `pip install "
+                      "-e .` in it, and start this notebook from its notebooks/ folder.")
+
+# JAXRL_LLM_SMALL=1 shrinks every size so the notebook runs in seconds (the tests set it).
+SMALL = os.environ.get("JAXRL_LLM_SMALL", "0") == "1"
+print("SMALL =", SMALL)
+'''
+
+
+def nb01():
+  cells = [
+      new_markdown_cell(
+          "# 01 - Advantages and losses\n\n"
+          "The estimators and losses of `jaxrl_llm` are pure functions of `[B, T]` arrays "
+          "with a `mask` (1 = valid token). This notebook draws them: GAE (sequential "
+          "scan vs associative scan), group baselines (GRPO, Dr.GRPO, RLOO), the "
+          "self-critical baseline, the clipped PPO surrogate with dual clip, and the KL "
+          "estimators k1/k2/k3; then it composes a custom loss in a few lines."),
+      new_code_cell(SETUP),
+      new_code_cell(
+          "import jax\nimport jax.numpy as jnp\nimport numpy as np\n"
+          "import matplotlib.pyplot as plt\n"
+          "import jaxrl_llm as rl\n"
+          "print(jax.devices())"),
+      new_markdown_cell(
+          "## GAE: scan vs associative scan\n\n"
+          "$\\delta_t = r_t + \\gamma V_{t+1} - V_t$, "
+          "$A_t = \\delta_t + \\gamma\\lambda A_{t+1}$. `method='scan'` runs the "
+          "recurrence right to left; `method='associative'` solves the same linear "
+          "recurrence with `jax.lax.associative_scan` in $O(\\log T)$ depth. A sparse "
+          "terminal reward (the usual RLHF case) with a random critic:"),
+      new_code_cell(
+          "B, T = (4, 32) if SMALL else (8, 256)\n"
+          "rng = np.random.default_rng(0)\n"
+          "lengths = rng.integers(T // 2, T + 1, B)\n"
+          "mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)\n"
+          "rewards = np.zeros((B, T), np.float32)\n"
+          "rewards[np.arange(B), lengths - 1] = rng.uniform(size=B)\n"
+          "values = (rng.normal(size=(B, T)) * 0.1).astype(np.float32) * mask\n"
+          "adv_scan, ret = rl.gae(rewards, values, mask, gamma=1.0, lam=0.95)\n"
+          "adv_assoc, _ = rl.gae(rewards, values, mask, gamma=1.0, lam=0.95, "
+          "method='associative')\n"
+          "print('max |scan - associative| =', float(jnp.max(jnp.abs(adv_scan - adv_assoc))))\n"
+          "fig, ax = plt.subplots(figsize=(8, 3))\n"
+          "for lam in (0.0, 0.9, 0.95, 1.0):\n"
+          "  a, _ = rl.gae(rewards, values, mask, gamma=1.0, lam=lam)\n"
+          "  ax.plot(np.asarray(a[0, :lengths[0]]), label=f'lambda={lam}')\n"
+          "ax.set_xlabel('token'); ax.set_ylabel('advantage (row 0)'); ax.legend()\n"
+          "ax.set_title('GAE of a terminal reward: lambda spreads credit backwards')\n"
+          "plt.show()"),
+      new_markdown_cell(
+          "## Group baselines and the self-critical baseline\n\n"
+          "With G samples per prompt the group itself is the baseline: GRPO "
+          "$(s_i-\\mu_g)/(\\sigma_g+\\epsilon)$, Dr.GRPO $s_i-\\mu_g$, RLOO "
+          "$s_i - \\frac{1}{G-1}\\sum_{j\\ne i}s_j$. Self-critical subtracts the reward "
+          "of the greedy decode of the same prompt."),
+      new_code_cell(
+          "G = 4\n"
+          "scores = jnp.array([1.0, 0.0, 0.0, 1.0,   0.2, 0.4, 0.6, 0.8,   1., 1., 1., 1.])\n"
+          "est = {'grpo': rl.grpo_advantages(scores, group_size=G),\n"
+          "       'dr_grpo': rl.dr_grpo_advantages(scores, group_size=G),\n"
+          "       'rloo': rl.rloo_advantages(scores, group_size=G),\n"
+          "       'self-critical (greedy=0.5)': rl.self_critical_advantages(\n"
+          "           scores, jnp.full_like(scores, 0.5))}\n"
+          "fig, ax = plt.subplots(figsize=(9, 3))\n"
+          "x = np.arange(len(scores))\n"
+          "for k, (name, a) in enumerate(est.items()):\n"
+          "  ax.bar(x + 0.2 * k - 0.3, np.asarray(a), width=0.2, label=name)\n"
+          "ax.axhline(0, color='k', lw=0.5); ax.set_xticks(x); ax.legend(fontsize=8)\n"
+          "ax.set_xlabel('sample (3 groups of 4)'); ax.set_ylabel('advantage')\n"
+          "ax.set_title('A group with equal scores gets zero advantage: no signal')\n"
+          "plt.show()\n"
+          "# Per-sequence advantages become per-token ones by broadcasting over the mask:\n"
+          "print(rl.broadcast_to_tokens(est['grpo'][:2], jnp.ones((2, 3))))"),
+      new_markdown_cell(
+          "## Clipped surrogate and dual clip\n\n"
+          "$L = \\max(-A\\rho, -A\\,\\mathrm{clip}(\\rho, 1-\\epsilon, 1+\\epsilon))$; "
+          "the dual clip bounds the loss of negative-advantage tokens by $-A c$ when "
+          "the ratio $\\rho$ explodes."),
+      new_code_cell(
+          "ratio = jnp.linspace(0.01, 5.0, 200)\n"
+          "logp = jnp.log(ratio)[None]\n"
+          "old = jnp.zeros_like(logp)\n"
+          "ones = jnp.ones_like(logp)\n"
+          "fig, axes = plt.subplots(1, 2, figsize=(10, 3))\n"
+          "for ax, a in zip(axes, (1.0, -1.0)):\n"
+          "  for dual in (None, 3.0):\n"
+          "    loss, _ = rl.ppo_policy_loss(logp, old, a * ones, ones, clip_low=0.2,\n"
+          "                                 dual_clip=dual)\n"
+          "    ax.plot(ratio, np.asarray(loss[0]), label=f'dual_clip={dual}',\n"
+          "            ls='-' if dual is None else '--')\n"
+          "  ax.set_title(f'A = {a:+.0f}'); ax.set_xlabel('ratio pi/pi_old')\n"
+          "  ax.set_ylabel('per-token loss'); ax.legend()\n"
+          "plt.tight_layout(); plt.show()"),
+      new_markdown_cell(
+          "## KL estimators\n\n"
+          "With $x = \\log\\pi - \\log\\pi_{ref}$ on samples of $\\pi$: k1 $= x$ "
+          "(unbiased, can be negative), k2 $= x^2/2$, k3 $= e^{-x} - 1 + x$ "
+          "(unbiased and non-negative)."),
+      new_code_cell(
+          "x = jnp.linspace(-2.0, 2.0, 201)[None]\n"
+          "fig, ax = plt.subplots(figsize=(6, 3))\n"
+          "for kind in ('k1', 'k2', 'k3'):\n"
+          "  ax.plot(x[0], np.asarray(rl.kl_penalty(x, jnp.zeros_like(x), kind)[0]),\n"
+          "          label=kind)\n"
+          "ax.axhline(0, color='k', lw=0.5); ax.legend()\n"
+          "ax.set_xlabel('log pi - log pi_ref'); ax.set_ylabel('per-token KL estimate')\n"
+          "plt.show()"),
+      new_markdown_cell(
+          "## A custom loss in a few lines\n\n"
+          "Clipped surrogate with clip-higher (DAPO), a k3 KL to the reference and an "
+          "entropy bonus, aggregated per sequence then averaged "
+          "(`seq-mean-token-mean`); differentiable with `jax.grad`."),
+      new_code_cell(
+          "def my_loss(logp, old_logp, ref_logp, adv, mask, entropy):\n"
+          "  pg, metrics = rl.ppo_policy_loss(logp, old_logp, adv, mask,\n"
+          "                                   clip_low=0.2, clip_high=0.28)\n"
+          "  kl = rl.kl_penalty(logp, ref_logp, 'k3', mask=mask)\n"
+          "  per_token = pg + 0.01 * kl - 0.001 * entropy\n"
+          "  return rl.aggregate(per_token, mask, 'seq-mean-token-mean'), metrics\n\n"
+          "B, T = 4, 16\n"
+          "key = jax.random.PRNGKey(0)\n"
+          "logp = -jax.random.uniform(key, (B, T)) * 3\n"
+          "mask = (jnp.arange(T)[None] < jnp.array([16, 12, 8, 4])[:, None]).astype(jnp.float32)\n"
+          "adv = rl.broadcast_to_tokens(rl.grpo_advantages(jnp.array([1., 0., 1., 0.]),\n"
+          "                                                group_size=4), mask)\n"
+          "ent = jnp.ones((B, T))\n"
+          "loss, grad = jax.value_and_grad(lambda lp: my_loss(lp, logp, logp - 0.1, adv,\n"
+          "                                                   mask, ent)[0])(logp)\n"
+          "print('loss', float(loss))\n"
+          "print('grad is zero on masked tokens:', bool(jnp.all(grad * (1 - mask) == 0)))"),
+  ]
+  return cells
+
+
+def nb02():
+  cells = [
+      new_markdown_cell(
+          "# 02 - PPO vs GRPO vs RLOO\n\n"
+          "Trains the tiny reference transformer on the default task (reverse a digit "
+          "string) with each algorithm through `jaxrl_llm.trainer.train`, under the same "
+          "budget (prompts per step x group size samples per step, same steps), into a "
+          "temporary folder, and plots the reward, the advantage variance and the KL to "
+          "the reference side by side. `python -m benchmarks.algorithms` measures the "
+          "same comparison over several seeds."),
+      new_code_cell(SETUP),
+      new_code_cell(
+          "import json\nimport tempfile\n"
+          "import matplotlib.pyplot as plt\n"
+          "from jaxrl_llm.trainer import RunConfig, format_summary, train\n\n"
+          "tmp = tempfile.TemporaryDirectory(prefix='jaxrl_llm_nb02_')\n"
+          "size = (dict(steps=3, prompts_per_step=4, group_size=4, eval_every=3, eval_size=16)\n"
+          "        if SMALL else\n"
+          "        dict(steps=120, prompts_per_step=32, group_size=8, eval_every=20,\n"
+          "             eval_size=256))\n"
+          "print(size)"),
+      new_code_cell(
+          "histories, summaries = {}, {}\n"
+          "for algo in ('ppo', 'grpo', 'rloo'):\n"
+          "  run = RunConfig(algo=algo, out=os.path.join(tmp.name, algo), progress=False,\n"
+          "                  save_every=10**9, **size)\n"
+          "  summaries[algo] = train(run)\n"
+          "  with open(os.path.join(run.out, 'metrics.jsonl')) as f:\n"
+          "    histories[algo] = [json.loads(line) for line in f if line.strip()]\n"
+          "  print(algo)\n"
+          "  print(format_summary(summaries[algo]))"),
+      new_markdown_cell(
+          "`adv_raw_var` is the advantage variance per token *before* PPO's whitening: "
+          "PPO's GAE advantages are in reward units, GRPO's are already divided by the "
+          "group std, so the raw values of different algorithms are in different units "
+          "(see `benchmarks/algorithms.py` for a variance normalised by the score "
+          "variance)."),
+      new_code_cell(
+          "keys = [('reward', 'train reward'), ('adv_raw_var', 'advantage variance (raw)'),\n"
+          "        ('kl_ref', 'KL to reference'), ('eval_accuracy', 'eval accuracy')]\n"
+          "fig, axes = plt.subplots(1, len(keys), figsize=(16, 3.2))\n"
+          "for ax, (key, title) in zip(axes, keys):\n"
+          "  for algo, rows in histories.items():\n"
+          "    pts = [(r['step'], r[key]) for r in rows if key in r]\n"
+          "    if pts:\n"
+          "      xs, ys = zip(*pts)\n"
+          "      ax.plot(xs, ys, label=algo, marker='o' if key.startswith('eval') else None)\n"
+          "  ax.set_title(title); ax.set_xlabel('step')\n"
+          "axes[0].legend(); plt.tight_layout(); plt.show()"),
+      new_code_cell("tmp.cleanup()"),
+  ]
+  return cells
+
+
+SETUP_03 = SETUP + '''
+# Expose 8 CPU devices when no accelerator is used: XLA reads this flag when JAX starts,
+# so it must be set before `import jax`. It changes nothing on GPU/TPU backends.
+flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in flags:
+  os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+'''
+
+
+def nb03():
+  cells = [
+      new_markdown_cell(
+          "# 03 - Sharded, long-sequence PPO\n\n"
+          "Builds a mesh from the devices that exist (a TPU slice, GPUs, or 8 CPU devices "
+          "forced with `XLA_FLAGS`), shards the PPO train step with "
+          "`jaxrl_llm.parallel.shard_train_step` (parameters, optimizer state and batch "
+          "laid out by their logical axis names), shows the memory each device holds, "
+          "and compares the chunked log-prob path with a full-vocabulary log-softmax at a "
+          "long sequence length."),
+      new_code_cell(SETUP_03),
+      new_code_cell(
+          "import jax\nimport jax.numpy as jnp\nimport numpy as np\nimport optax\n"
+          "from flax import nnx\n"
+          "import jaxrl_llm as rl\n"
+          "from jaxrl_llm import parallel\n"
+          "from jaxrl_llm.models.transformer import (Transformer, get_config, "
+          "make_apply_fn, split_model)\n"
+          "print(jax.default_backend(), len(jax.devices()), 'devices:', jax.devices()[:4])"),
+      new_markdown_cell(
+          "## Mesh\n\n`make_mesh` has axes `(data, fsdp, tensor, sequence)`. We split the "
+          "devices between data parallelism and FSDP (parameters and optimizer state "
+          "sharded over `fsdp`)."),
+      new_code_cell(
+          "n = len(jax.devices())\n"
+          "fsdp = 2 if n % 2 == 0 else 1\n"
+          "mesh = parallel.make_mesh(data=-1, fsdp=fsdp)\n"
+          "print(parallel.mesh_axis_sizes(mesh))"),
+      new_code_cell(
+          "vocab = 256\n"
+          "B, L = (8, 64) if SMALL else (16, 512)\n"
+          "cfg = get_config('tiny' if SMALL else 'small', vocab, value_head=True, max_seq_len=L)\n"
+          "graphdef, params = split_model(Transformer(cfg, rngs=nnx.Rngs(0)))\n"
+          "config = rl.TrainConfig(use_value=True, kl_mode='none')\n"
+          "optimizer = optax.adam(1e-4)\n"
+          "step_fn = rl.make_ppo_train_step(make_apply_fn(graphdef), optimizer, config)\n"
+          "state = rl.init_train_state(params, optimizer, config)\n\n"
+          "rng = np.random.default_rng(0)\n"
+          "loss_mask = np.zeros((B, L), np.float32); loss_mask[:, L // 2:] = 1\n"
+          "rewards = np.zeros((B, L), np.float32); rewards[:, -1] = rng.uniform(size=B)\n"
+          "host_batch = dict(tokens=rng.integers(1, vocab, (B, L)).astype(np.int32),\n"
+          "                  attention_mask=np.ones((B, L), np.float32), loss_mask=loss_mask,\n"
+          "                  old_logp=np.full((B, L), -np.log(vocab), np.float32) * loss_mask,\n"
+          "                  old_values=np.zeros((B, L), np.float32), rewards=rewards)\n"
+          "step, sharded_state = parallel.shard_train_step(step_fn, state, mesh,\n"
+          "                                                batch=host_batch)\n"
+          "batch = parallel.shard_batch(host_batch, mesh)\n"
+          "for _ in range(2):\n"
+          "  sharded_state, metrics = step(sharded_state, batch)\n"
+          "print('step', int(sharded_state.step), 'loss', float(metrics['loss']))"),
+      new_markdown_cell(
+          "## Where the data lives\n\nThe sharding spec of a few parameters and the bytes "
+          "each device holds (parameters + optimizer state, from the addressable shards)."),
+      new_code_cell(
+          "summary = parallel.sharding_summary(sharded_state.params)\n"
+          "for k in list(summary)[:6]:\n"
+          "  print(f'{k:<60} {summary[k]}')\n\n"
+          "def bytes_per_device(tree):\n"
+          "  out = {}\n"
+          "  for x in jax.tree_util.tree_leaves(tree):\n"
+          "    for shard in x.addressable_shards:\n"
+          "      out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes\n"
+          "  return out\n\n"
+          "total = sum(x.nbytes for x in jax.tree_util.tree_leaves((sharded_state.params,\n"
+          "                                                          sharded_state.opt_state)))\n"
+          "per = bytes_per_device((sharded_state.params, sharded_state.opt_state))\n"
+          "print(f'unsharded size: {total / 2**20:.2f} MiB')\n"
+          "for d, nbytes in sorted(per.items(), key=lambda kv: kv[0].id):\n"
+          "  print(f'  {d}: {nbytes / 2**20:.2f} MiB')\n"
+          "stats = jax.devices()[0].memory_stats()  # None on CPU\n"
+          "if stats:\n"
+          "  print('device 0 bytes in use:', stats.get('bytes_in_use'))"),
+      new_markdown_cell(
+          "## Chunked log-probs at long T\n\n"
+          "`token_logprobs_from_hidden` computes "
+          "$\\log\\mathrm{softmax}(h W)[y]$ chunk by chunk, never forming the "
+          "`[B, T, V]` logits. XLA's compiled memory analysis shows the temporary "
+          "memory of forward + backward for both paths."),
+      new_code_cell(
+          "T, D, V = (1024, 64, 4096) if SMALL else (16384, 256, 32000)\n"
+          "key = jax.random.PRNGKey(0)\n"
+          "hidden = jax.random.normal(key, (1, T, D), jnp.float32)\n"
+          "lm_head = jax.random.normal(key, (D, V), jnp.float32) / np.sqrt(D)\n"
+          "targets = jax.random.randint(key, (1, T), 0, V)\n\n"
+          "def naive(h, w):\n"
+          "  logits = jnp.einsum('btd,dv->btv', h, w)\n"
+          "  lp = jax.nn.log_softmax(logits, -1)\n"
+          "  return jnp.sum(jnp.take_along_axis(lp, targets[..., None], -1))\n\n"
+          "def chunked(h, w):\n"
+          "  return jnp.sum(rl.token_logprobs_from_hidden(h, w, targets, chunk_size=256))\n\n"
+          "def temp_mib(fn):\n"
+          "  compiled = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(hidden, lm_head).compile()\n"
+          "  analysis = compiled.memory_analysis()\n"
+          "  return None if analysis is None else analysis.temp_size_in_bytes / 2**20\n\n"
+          "print(f'T={T}, D={D}, V={V}: full logits would be {T * V * 4 / 2**20:.0f} MiB')\n"
+          "print('naive   temp MiB:', temp_mib(naive))\n"
+          "print('chunked temp MiB:', temp_mib(chunked))\n"
+          "np.testing.assert_allclose(float(naive(hidden, lm_head)),\n"
+          "                           float(chunked(hidden, lm_head)), rtol=1e-4)"),
+  ]
+  return cells
+
+
+def write(name, cells):
+  nb = new_notebook(cells=cells)
+  nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                               "language": "python"}
+  nb.metadata["language_info"] = {"name": "python"}
+  nbformat.validate(nb)
+  path = os.path.join(HERE, name)
+  with open(path, "w") as f:
+    nbformat.write(nb, f)
+  print(path)
+
+
+if __name__ == "__main__":
+  write("01_advantages_and_losses.ipynb", nb01())
+  write("02_ppo_vs_grpo.ipynb", nb02())
+  write("03_sharded_long_sequence_ppo.ipynb", nb03())
