@@ -50,7 +50,7 @@ from jaxrl_llm import losses as L
 from jaxrl_llm.advantages import gae, hybrid_advantages
 from jaxrl_llm.control import adaptive_clip_update, adaptive_kl_update
 from jaxrl_llm.logprobs import token_logprobs, token_logprobs_from_hidden
-from jaxrl_llm.masked import explained_variance, masked_whiten
+from jaxrl_llm.masked import explained_variance
 from jaxrl_llm.train.state import TrainConfig, TrainState
 
 TOKEN_KEYS = ("attention_mask", "loss_mask", "old_logp", "rewards", "old_values",
@@ -152,17 +152,19 @@ def _global_mean(x, mask, axis_name=None):
   return total / jnp.maximum(_psum(jnp.sum(m), axis_name), 1.0)
 
 
-def _global_whiten(x, mask, axis_name=None, eps=1e-8):
-  """:func:`masked_whiten` (ddof=1) with statistics over all devices of ``axis_name``."""
-  if axis_name is None:
-    return masked_whiten(x, mask, eps=eps)
-  m = v.as_f32(mask)
-  x = jnp.where(m > 0, v.as_f32(x), 0.0)
-  count = _psum(jnp.sum(m), axis_name)
-  mean = _psum(jnp.sum(x * m), axis_name) / jnp.maximum(count, 1.0)
-  sq = _psum(jnp.sum(jnp.square(x - mean) * m), axis_name)
-  var = jnp.where(count > 1, sq / jnp.maximum(count - 1.0, 1.0), 0.0)
-  return jnp.where(m > 0, (x - mean) * jax.lax.rsqrt(var + eps), 0.0)
+def _global_moments(x, mask, axis_name=None):
+  """``(count, mean, biased variance)`` of the valid entries, over all devices."""
+  count = _psum(jnp.sum(v.as_f32(mask)), axis_name)
+  mean = _global_mean(x, mask, axis_name)
+  return count, mean, _global_mean(jnp.square(v.as_f32(x) - mean), mask, axis_name)
+
+
+def _whiten(x, mask, moments, eps=1e-8):
+  """:func:`masked_whiten` (ddof=1) given :func:`_global_moments` of ``x``."""
+  count, mean, var = moments
+  var = jnp.where(count > 1, var * count / jnp.maximum(count - 1.0, 1.0), 0.0)
+  return jnp.where(v.as_f32(mask) > 0, (v.as_f32(x) - mean) * jax.lax.rsqrt(var + eps),
+                   0.0)
 
 
 def prepare_batch(batch: dict, state: TrainState, config: TrainConfig,
@@ -173,11 +175,12 @@ def prepare_batch(batch: dict, state: TrainState, config: TrainConfig,
   * No ``advantages``: GAE (or the hybrid n-step/GAE estimator) over ``rewards`` and
     ``old_values`` with ``gamma``/``lam`` from ``state.hparams``;
     ``returns = advantages + old_values`` unless given.
+  * ``whiten_advantages``: :func:`jaxrl_llm.masked_whiten` over the batch's mask
+    (per-sequence advantages are broadcast over the mask first), with statistics
+    over all devices of ``axis_name``.
 
   The advantage variance before whitening is kept as ``batch["adv_raw_var"]`` (a
   scalar, for comparing estimators).
-  * ``whiten_advantages``: :func:`jaxrl_llm.masked_whiten` over the batch's mask
-    (per-sequence advantages are broadcast over the mask first).
   """
   batch = dict(batch)
   mask = v.as_f32(batch["loss_mask"])
@@ -201,10 +204,10 @@ def prepare_batch(batch: dict, state: TrainState, config: TrainConfig,
   adv = v.as_f32(batch["advantages"])
   if adv.ndim == 1:
     adv = adv[:, None] * mask
-  raw_mean = _global_mean(adv, mask, axis_name)
-  batch["adv_raw_var"] = _global_mean(jnp.square(adv - raw_mean), mask, axis_name)
+  moments = _global_moments(adv, mask, axis_name)
+  batch["adv_raw_var"] = moments[2]
   if config.whiten_advantages:
-    adv = _global_whiten(adv, mask, axis_name)
+    adv = _whiten(adv, mask, moments)
   batch["advantages"] = adv * mask
   if config.use_value and "returns" not in batch:
     batch["returns"] = (adv + v.as_f32(batch["old_values"])) * mask
@@ -393,10 +396,9 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
     (params, opt_state), metrics = jax.lax.scan(epoch, carry, keys)
     metrics = jax.tree_util.tree_map(jnp.mean, metrics)
     metrics["skipped"] = metrics["skipped"] * config.num_epochs * n
-    adv = batch["advantages"]
-    metrics["adv_mean"] = _global_mean(adv, mask, axis_name)
-    metrics["adv_std"] = jnp.sqrt(_global_mean(jnp.square(adv - metrics["adv_mean"]),
-                                               mask, axis_name))
+    _, metrics["adv_mean"], adv_var = _global_moments(batch["advantages"], mask,
+                                                      axis_name)
+    metrics["adv_std"] = jnp.sqrt(adv_var)
     metrics["adv_raw_var"] = adv_raw_var
     metrics["clip_eps"] = eps_low
     kl_coef = _kl_coef(state, config)
