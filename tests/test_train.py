@@ -206,3 +206,16 @@ def test_checkpoint_resume_is_bit_identical(setup, tmp_path):
   resumed, _ = step(restored, batch)
   assert_close(resumed, uninterrupted, atol=0, rtol=0)
   assert int(at_two.step) == 2
+
+
+def test_given_advantages_give_returns_from_the_raw_advantages(setup):
+  _, params, batch = setup
+  from jaxrl_llm.train import prepare_batch
+  config = TrainConfig(whiten_advantages=True)
+  state = init_train_state(params, optax.sgd(0.1), config)
+  adv = np.random.default_rng(1).normal(3.0, 2.0, batch["tokens"].shape).astype(np.float32)
+  given = {k: val for k, val in batch.items() if k != "rewards"}
+  out = prepare_batch({**given, "advantages": adv}, state, config)
+  m = batch["loss_mask"]
+  assert_close(out["returns"], (adv + batch["old_values"]) * m, atol=1e-6)
+  assert abs(float(np.sum(np.asarray(out["advantages"]) * m) / m.sum())) < 1e-5  # whitened

@@ -204,13 +204,14 @@ def prepare_batch(batch: dict, state: TrainState, config: TrainConfig,
   adv = v.as_f32(batch["advantages"])
   if adv.ndim == 1:
     adv = adv[:, None] * mask
+  if config.use_value and "returns" not in batch:
+    # value targets come from the raw advantages, never the whitened ones
+    batch["returns"] = (adv + v.as_f32(batch["old_values"])) * mask
   moments = _global_moments(adv, mask, axis_name)
   batch["adv_raw_var"] = moments[2]
   if config.whiten_advantages:
     adv = _whiten(adv, mask, moments)
   batch["advantages"] = adv * mask
-  if config.use_value and "returns" not in batch:
-    batch["returns"] = (adv + v.as_f32(batch["old_values"])) * mask
   return batch
 
 
