@@ -26,8 +26,10 @@ from typing import Callable
 from jaxrl_llm.tasks.arithmetic import AddTask
 from jaxrl_llm.tasks.base import Problem, Task, position_match, random_baseline
 from jaxrl_llm.tasks.countdown import CountdownTask, parse_expression
+from jaxrl_llm.tasks.jsonl import JsonlTask, load_jsonl
 from jaxrl_llm.tasks.strings import CopyTask, ReverseTask, SortTask, StringTask
 from jaxrl_llm.tasks.tokenizer import CharTokenizer
+from jaxrl_llm.tasks.verifiers import REWARDS, get_reward, register_reward
 
 TASKS: dict[str, Callable[..., Task]] = {
     "copy": CopyTask,
@@ -59,4 +61,5 @@ __all__ = [
     "AddTask", "CharTokenizer", "CopyTask", "CountdownTask", "DEFAULT_TASK", "Problem",
     "ReverseTask", "SortTask", "StringTask", "TASKS", "Task", "get_task",
     "parse_expression", "position_match", "random_baseline",
+    "JsonlTask", "load_jsonl", "REWARDS", "get_reward", "register_reward",
 ]
