@@ -26,9 +26,11 @@ from typing import Callable
 from jaxrl_llm.tasks.arithmetic import AddTask
 from jaxrl_llm.tasks.base import Problem, Task, position_match, random_baseline
 from jaxrl_llm.tasks.countdown import CountdownTask, parse_expression
+from jaxrl_llm.tasks.jsonl import JsonlTask, load_jsonl
 from jaxrl_llm.tasks.strings import (
     CopyTask, RepeatTask, ReverseTask, SortTask, StringTask)
 from jaxrl_llm.tasks.tokenizer import CharTokenizer
+from jaxrl_llm.tasks.verifiers import REWARDS, get_reward, register_reward
 
 TASKS: dict[str, Callable[..., Task]] = {
     "copy": CopyTask,
@@ -64,4 +66,5 @@ __all__ = [
     "AddTask", "CharTokenizer", "CopyTask", "CountdownTask", "DEFAULT_TASK", "Problem",
     "RepeatTask", "ReverseTask", "SortTask", "LONG_TASKS", "StringTask", "TASKS", "Task", "get_task",
     "parse_expression", "position_match", "random_baseline",
+    "JsonlTask", "load_jsonl", "REWARDS", "get_reward", "register_reward",
 ]
