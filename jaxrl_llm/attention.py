@@ -60,13 +60,16 @@ _NEG = -1e30
 #: merged with a real one gets weight ``exp(-1e30 - l) = 0``.
 NO_KEY_LSE = -1e30
 
-#: ``implementation=None`` uses ``"xla"`` while ``T * S`` is at most this (per batch row
-#: and head: 4 MiB of float32 scores), ``"blockwise"`` above it.
-XLA_MAX_SCORES = 1024 * 1024
+#: ``implementation=None`` uses ``"xla"`` while ``T * S`` is at most this (e.g. decode
+#: steps and short sequences), ``"blockwise"`` above it. On CPU the causal blockwise
+#: forward + backward was already ~4x faster than ``"xla"`` at T = S = 512 (it skips the
+#: masked half of the scores and stays in cache; ``benchmarks/attention.py``).
+XLA_MAX_SCORES = 256 * 256
 
-#: Default query/key block size of ``"blockwise"`` (tuned on CPU: see
-#: ``benchmarks/attention.py``).
-DEFAULT_BLOCK_SIZE = 512
+#: Default query/key block size of ``"blockwise"`` per backend: 128 was fastest on CPU
+#: at T = 1024 and 2048 (``benchmarks/attention.py``); accelerators get larger blocks,
+#: which keep their matrix units busy (tune with ``block_size=``).
+DEFAULT_BLOCK_SIZE = {"cpu": 128, "gpu": 512, "tpu": 512}
 
 # ----------------------------------------------------------------------------------
 # Validation
@@ -110,7 +113,7 @@ def _check_inputs(query, key, value, key_mask, query_offset):
 def _block_sizes(block_size, t, s):
   """``(block_q, block_k)``: at most the requested size, balanced, multiples of 8."""
   if block_size is None:
-    block_size = DEFAULT_BLOCK_SIZE
+    block_size = DEFAULT_BLOCK_SIZE.get(jax.default_backend(), 512)
   if isinstance(block_size, int):
     block_size = (block_size, block_size)
   bq, bk = block_size
@@ -461,7 +464,8 @@ def dot_product_attention(query, key, value, *, key_mask=None, is_causal: bool =
     implementation: ``"xla"``, ``"blockwise"``, ``"cudnn"``, a registered name, or
       ``None`` for :func:`select_implementation`'s choice.
     block_size: ``"blockwise"`` query/key block size (an int or ``(block_q,
-      block_k)``); default :data:`DEFAULT_BLOCK_SIZE`. Any ``T``/``S`` works.
+      block_k)``); default :data:`DEFAULT_BLOCK_SIZE` of the backend (128 on CPU). Any
+      ``T``/``S`` works: blocks shrink to balance the padding, and never exceed T/S.
     query_offset: the key index of query 0 for the causal rule, a scalar int (may be
       traced). ``None`` (default) means ``S - T``: queries aligned to the end of the
       keys. A fixed-size KV cache whose queries sit at slots ``index ..

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,27 @@ import pytest
 
 from jaxrl_llm import attention as attn
 from jaxrl_llm.attention import attention_with_lse, dot_product_attention
+
+# Values, not speed: skipping XLA's backend optimisation shortens CPU compiles.
+_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
+
+@functools.partial(_jit, static_argnames=("causal", "impl", "block"))
+def _all_outputs(q, k, v, key_mask, dout, dlse, *, causal, impl, block):
+  """Output, its VJP with ``dout``; (out, lse) of attention_with_lse and their VJP."""
+
+  def fwd(q, k, v):
+    return dot_product_attention(q, k, v, key_mask=key_mask, is_causal=causal,
+                                 implementation=impl, block_size=block)
+
+  def fwd_lse(q, k, v):
+    return attention_with_lse(q, k, v, key_mask=key_mask, is_causal=causal,
+                              implementation=impl, block_size=block)
+
+  out, vjp = jax.vjp(fwd, q, k, v)
+  (out2, lse), vjp2 = jax.vjp(fwd_lse, q, k, v)
+  return out, vjp(dout), out2, lse, vjp2((dout, dlse))
+
 
 # ----------------------------------------------------------------------------------
 # NumPy reference: loops over batch rows and query heads, float64.
@@ -108,31 +131,22 @@ def test_matches_numpy_values_and_grads(case, impl):
   dout = rng.normal(size=(b, t, n, h)).astype(np.float32)
   dlse = rng.normal(size=(b, t, n)).astype(np.float32)
   key_mask = None if mask is None else jnp.asarray(mask)
-  ref_out, ref_lse, _ = np_attention(q, k, v, mask, causal)
-
-  def fwd(q, k, v):
-    return dot_product_attention(q, k, v, key_mask=key_mask, is_causal=causal,
-                                 implementation=impl, block_size=block)
-
-  out, vjp = jax.vjp(fwd, q, k, v)
+  ref_out, ref_lse, ref_grads = np_attention(q, k, v, mask, causal, dout=dout)
+  out, grads, out2, lse, grads2 = _all_outputs(
+      q, k, v, key_mask, jnp.asarray(dout), jnp.asarray(dlse), causal=causal, impl=impl,
+      block=block)
   np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=2e-5)
-  _, _, ref_grads = np_attention(q, k, v, mask, causal, dout=dout)
-  for got, want in zip(vjp(jnp.asarray(dout)), ref_grads):
+  for got, want in zip(grads, ref_grads):
     np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)
 
   # attention_with_lse: values of both outputs and gradients with both cotangents.
-  def fwd_lse(q, k, v):
-    return attention_with_lse(q, k, v, key_mask=key_mask, is_causal=causal,
-                              implementation=impl, block_size=block)
-
-  (out2, lse), vjp2 = jax.vjp(fwd_lse, q, k, v)
   np.testing.assert_allclose(out2, ref_out, atol=2e-5, rtol=2e-5)
   no_key = ref_lse == attn.NO_KEY_LSE
   np.testing.assert_allclose(np.where(no_key, 0, lse), np.where(no_key, 0, ref_lse),
                              atol=2e-5, rtol=2e-5)
   assert np.all(np.asarray(lse)[no_key] == np.float32(attn.NO_KEY_LSE))
   _, _, ref_grads2 = np_attention(q, k, v, mask, causal, dout=dout, dlse=dlse)
-  for got, want in zip(vjp2((jnp.asarray(dout), jnp.asarray(dlse))), ref_grads2):
+  for got, want in zip(grads2, ref_grads2):
     np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)
 
 
@@ -143,11 +157,12 @@ def test_hand_checked_fixture():
   val = jnp.array([10.0, 20.0, 99.0]).reshape(1, 3, 1, 1)
   mask = jnp.array([[1, 1, 0]])
   for impl in ("xla", "blockwise"):
-    out = dot_product_attention(q, k, val, key_mask=mask, implementation=impl,
-                                block_size=1)
+    out = _jit(lambda q, impl=impl: dot_product_attention(
+        q, k, val, key_mask=mask, implementation=impl, block_size=1))(q)
     # query 0 (aligned to key 1) sees keys 0,1: weights 1/4, 3/4 -> 17.5; query 1 too.
     np.testing.assert_allclose(out[0, :, 0, 0], [17.5, 17.5], rtol=1e-6)
-    _, lse = attention_with_lse(q, k, val, key_mask=mask, implementation=impl)
+    _, lse = _jit(lambda q, impl=impl: attention_with_lse(
+        q, k, val, key_mask=mask, implementation=impl))(q)
     np.testing.assert_allclose(lse[0, :, 0], [np.log(4.0)] * 2, rtol=1e-6)
 
 
@@ -155,10 +170,10 @@ def test_fully_masked_rows_are_zero_and_finite():
   q, k, v = make_inputs(1, 2, 16, 16, 4, 2, 8)
   mask = jnp.zeros((2, 16), bool)
   for impl in ("xla", "blockwise"):
-    out, grads = jax.value_and_grad(
+    out, grads = _jit(jax.value_and_grad(
         lambda q, k, v, impl=impl: jnp.sum(dot_product_attention(
             q, k, v, key_mask=mask, implementation=impl, block_size=8) ** 2),
-        argnums=(0, 1, 2))(q, k, v)
+        argnums=(0, 1, 2)))(q, k, v)
     assert float(out) == 0.0
     for g in grads:
       assert np.all(np.asarray(g) == 0.0)
@@ -230,17 +245,17 @@ def test_bf16_inputs():
   ref, _, _ = np_attention(q.astype(jnp.float32), k.astype(jnp.float32),
                            v.astype(jnp.float32), mask, True)
   for impl in ("xla", "blockwise"):
-    out = dot_product_attention(q, k, v, key_mask=jnp.asarray(mask), implementation=impl,
-                                block_size=8)
+    out = _jit(lambda q, k, v, impl=impl: dot_product_attention(
+        q, k, v, key_mask=jnp.asarray(mask), implementation=impl, block_size=8))(q, k, v)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-2, rtol=2e-2)
-    grads = jax.grad(lambda q, impl=impl: jnp.sum(dot_product_attention(
+    grads = _jit(jax.grad(lambda q, impl=impl: jnp.sum(dot_product_attention(
         q, k, v, key_mask=jnp.asarray(mask), implementation=impl,
-        block_size=8).astype(jnp.float32)))(q)
+        block_size=8).astype(jnp.float32))))(q)
     assert grads.dtype == jnp.bfloat16
     assert np.all(np.isfinite(np.asarray(grads, np.float32)))
-    out32, lse = attention_with_lse(q, k, v, key_mask=jnp.asarray(mask),
-                                    implementation=impl)
+    out32, lse = jax.eval_shape(lambda q, impl=impl: attention_with_lse(
+        q, k, v, key_mask=jnp.asarray(mask), implementation=impl), q)
     assert out32.dtype == jnp.float32 and lse.dtype == jnp.float32
 
 

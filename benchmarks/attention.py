@@ -1,0 +1,130 @@
+"""Benchmark: causal attention forward + backward, ``"blockwise"`` vs ``"xla"``, on CPU.
+
+Times ``jax.grad`` of ``sum(out * w)`` (a fixed random cotangent) with respect to
+query, key and value for :func:`jaxrl_llm.dot_product_attention` with
+``implementation="xla"`` (the plain softmax, ``[B, N, T, T]`` float32 scores in both
+passes) and ``"blockwise"`` (online softmax over query/key blocks with a recomputing
+custom VJP) at several block sizes, side by side in one process: the variants are
+called in turn within each repeat, so a shared machine's load hits them alike, and the
+medians are reported. Memory is the compiled temp size from ``memory_analysis()`` of the
+AOT-compiled gradient function (deterministic; nothing is run for it). An ``"xla"``
+variant whose temps exceed half this machine's RAM is compiled but not run.
+
+Usage::
+
+  python benchmarks/attention.py                      # T = 2048 8192, N=8, K=4, H=64
+  python benchmarks/attention.py --quick              # T = 256, a few seconds
+  python benchmarks/attention.py --seq-lens 2048 --block-sizes 64 128 256
+  python benchmarks/attention.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+  sys.path.insert(0, str(_REPO))  # run as a plain script from a checkout
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks._common import machine, markdown_table, write_json
+from jaxrl_llm.attention import dot_product_attention
+
+MIB = 2**20
+
+
+def _ram_bytes() -> int:
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError):
+    return 16 * 2**30
+
+
+def _grad_fn(impl: str, block: int | None):
+  def loss(q, k, v, w):
+    out = dot_product_attention(q, k, v, is_causal=True, implementation=impl,
+                                block_size=block)
+    return jnp.sum(out * w)
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def bench_one_length(t: int, *, b: int, n: int, kh: int, h: int, block_sizes, repeats: int,
+                     dtype) -> list[dict]:
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
+  k = jnp.asarray(rng.normal(size=(b, t, kh, h)), dtype)
+  v = jnp.asarray(rng.normal(size=(b, t, kh, h)), dtype)
+  w = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
+  args = (q, k, v, w)
+  variants = [("xla", None)] + [("blockwise", bs) for bs in block_sizes]
+  rows, runnable = [], []
+  for impl, block in variants:
+    compiled = _grad_fn(impl, block).lower(*args).compile()
+    mem = compiled.memory_analysis()
+    temp = int(mem.temp_size_in_bytes) if mem is not None else -1
+    row = {"T": t, "impl": impl, "block": block if block is not None else "-",
+           "temp_MiB": temp / MIB}
+    rows.append(row)
+    if impl == "xla" and temp > _ram_bytes() // 2:
+      row["fwd_bwd_ms"] = "skipped (temps > RAM/2)"
+      continue
+    jax.block_until_ready(compiled(*args))  # warm up
+    runnable.append((row, compiled))
+  times: dict[int, list[float]] = {id(r): [] for r, _ in runnable}
+  for _ in range(repeats):
+    for row, compiled in runnable:
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(*args))
+      times[id(row)].append(time.perf_counter() - t0)
+  xla_ms = None
+  for row, _ in runnable:
+    row["fwd_bwd_ms"] = 1e3 * statistics.median(times[id(row)])
+    if row["impl"] == "xla":
+      xla_ms = row["fwd_bwd_ms"]
+  for row, _ in runnable:
+    if xla_ms is not None:
+      row["speed_vs_xla"] = xla_ms / row["fwd_bwd_ms"]
+  return rows
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
+  parser.add_argument("--block-sizes", type=int, nargs="+", default=[128, 256, 512])
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--heads", type=int, default=8)
+  parser.add_argument("--kv-heads", type=int, default=4)
+  parser.add_argument("--head-dim", type=int, default=64)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--quick", action="store_true", help="T=256, 2 repeats")
+  parser.add_argument("--json", default=None, help="write the rows to this JSON file")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.seq_lens, args.block_sizes, args.repeats = [256], [64, 128], 2
+  rows = []
+  for t in args.seq_lens:
+    rows += bench_one_length(t, b=args.batch, n=args.heads, kh=args.kv_heads,
+                             h=args.head_dim, block_sizes=args.block_sizes,
+                             repeats=args.repeats, dtype=jnp.dtype(args.dtype))
+  header = (f"causal attention fwd+bwd, B={args.batch} N={args.heads} K={args.kv_heads} "
+            f"H={args.head_dim} {args.dtype}, median of {args.repeats}; {machine()}")
+  print(header)
+  print(markdown_table(rows, ["T", "impl", "block", "fwd_bwd_ms", "speed_vs_xla",
+                              "temp_MiB"]))
+  payload = {"machine": machine(), "config": vars(args), "rows": rows}
+  write_json(args.json, payload)
+  return payload
+
+
+if __name__ == "__main__":
+  main()
