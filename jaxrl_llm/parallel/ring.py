@@ -72,9 +72,12 @@ _HEAD_AXIS = "tensor"
 
 
 def _block(q, k, val, m, causal, impl):
-  """``(o [b,t,N,H] f32, lse [b,t,N] f32)`` of queries ``q`` over one key chunk."""
+  """``(o [b,t,N,H] f32, lse [b,t,N] f32)`` of queries ``q`` over one key chunk.
+
+  ``impl`` is ``(implementation, block_size)`` of :func:`attention_with_lse`.
+  """
   return attention_with_lse(q, k, val, key_mask=m, is_causal=causal,
-                            implementation=impl)
+                            implementation=impl[0], block_size=impl[1])
 
 
 def _skip(q):
@@ -188,7 +191,8 @@ def ring_attention(query, key, value, *, mesh, axis: str = "sequence", key_mask=
                    is_causal: bool = True,
                    batch_axes: str | Sequence[str] | None = None,
                    head_axis: str | None = None,
-                   implementation: str = "blockwise"):
+                   implementation: str = "blockwise",
+                   block_size: int | tuple[int, int] | None = None):
   r"""Self-attention with the sequence split over mesh axis ``axis`` (a ring).
 
   Same result as :func:`jaxrl_llm.dot_product_attention` on the whole sequence (up to
@@ -215,6 +219,7 @@ def ring_attention(query, key, value, *, mesh, axis: str = "sequence", key_mask=
       is > 1 and divides both ``N`` and ``K``.
     implementation: the per-block implementation of
       :func:`jaxrl_llm.attention.attention_with_lse` (``"blockwise"``: O(T) memory).
+    block_size: its block size (default: that function's default).
 
   Returns:
     ``[B, T, N, H]`` in the dtype of ``query``; 0 for a query with no visible key.
@@ -259,7 +264,7 @@ def ring_attention(query, key, value, *, mesh, axis: str = "sequence", key_mask=
           else (jnp.asarray(key_mask) != 0).astype(jnp.float32))
   if n == 1:
     out, _ = attention_with_lse(query, key, value, key_mask=mask, is_causal=is_causal,
-                                implementation=implementation)
+                                implementation=implementation, block_size=block_size)
     return out.astype(query.dtype)
   if batch_axes is None:
     rows = _axes_of(sizes, _BATCH_AXES, (b,))
@@ -275,30 +280,34 @@ def ring_attention(query, key, value, *, mesh, axis: str = "sequence", key_mask=
   tok = PartitionSpec(_spec_part(rows), axis, _spec_part(heads), None)
   fn = jax.shard_map(
       lambda q_, k_, v_, m_: _ring(q_, k_, v_, m_, axis, n, bool(is_causal),
-                                   implementation),
+                                   (implementation, block_size)),
       mesh=mesh, in_specs=(tok, tok, tok, PartitionSpec(_spec_part(rows), axis)),
       out_specs=tok, check_vma=False)
   return fn(query, key, value, mask).astype(query.dtype)
 
 
-def ring_dot_product_attention(query, key, value, *, key_mask=None, is_causal=True,
-                               **unused):
+def ring_dot_product_attention(query, key, value, *, key_mask=None,
+                               is_causal: bool = True, query_offset=None,
+                               block_size=None, **unused):
   """``dot_product_attention``'s signature over the ambient mesh's ``sequence`` axis.
 
   Registered as the ``"ring"`` implementation of
   :func:`jaxrl_llm.dot_product_attention` when :mod:`jaxrl_llm.parallel` is
   imported; the mesh is ``jax.sharding.get_abstract_mesh()`` (set it with
-  ``jax.set_mesh(mesh)`` or :func:`jaxrl_llm.parallel.shard_train_step`). Without an
-  ambient mesh holding a ``sequence`` axis it is the plain blockwise attention. Other
-  keywords of ``dot_product_attention`` (e.g. a block size) are ignored.
+  ``jax.set_mesh(mesh)``, :func:`jaxrl_llm.parallel.ambient_mesh` or
+  :func:`jaxrl_llm.parallel.shard_train_step`). Without an ambient mesh holding a
+  ``sequence`` axis, or for cross-length / offset attention (``S != T`` or a
+  ``query_offset``: KV-cache prefill and decode), it is the plain blockwise attention.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or "sequence" not in mesh.axis_names:
+  if (mesh.empty or "sequence" not in mesh.axis_names or query_offset is not None
+      or key.shape[1] != query.shape[1]):
     out, _ = attention_with_lse(query, key, value, key_mask=key_mask,
-                                is_causal=is_causal, implementation="blockwise")
+                                is_causal=is_causal, implementation="blockwise",
+                                block_size=block_size, query_offset=query_offset)
     return out.astype(query.dtype)
   return ring_attention(query, key, value, mesh=mesh, key_mask=key_mask,
-                        is_causal=is_causal)
+                        is_causal=is_causal, block_size=block_size)
 
 
 register_attention("ring", ring_dot_product_attention)
