@@ -406,7 +406,7 @@ print("SPECS", {k: str(v) for k, v in specs.items()})
 """
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_mesh_load_equals_single_device(family, ckpt_root):
   """Loads on a (fsdp=4, tensor=2) mesh of 8 devices: in this process when it has 8
   devices, else in a subprocess forcing 8 CPU devices."""
