@@ -9,6 +9,7 @@ code runs on one CPU, one accelerator, or a multi-host mesh.
 from jaxrl_llm.parallel.mesh import MESH_AXES, make_mesh, mesh_axis_sizes
 from jaxrl_llm.parallel.multihost import (gather_to_host, initialize_multihost,
                                           resolve_multihost_args)
+from jaxrl_llm.parallel.multihost import resolve_timeouts, shutdown_multihost
 from jaxrl_llm.parallel.pmap import (make_pmap_train_step, replicate, split_batch,
                                      unreplicate)
 from jaxrl_llm.parallel.sequence import (sequence_parallel_gae,
@@ -29,4 +30,5 @@ __all__ = [
     "make_pmap_train_step", "replicate", "unreplicate", "split_batch",
     "sequence_parallel_gae", "sequence_parallel_token_logprobs",
     "initialize_multihost", "resolve_multihost_args", "gather_to_host",
+    "resolve_timeouts", "shutdown_multihost",
 ]
