@@ -201,7 +201,8 @@ class _PeerWatchdog:
   def _run(self) -> None:
     beat = 0
     start = time.monotonic()
-    seen = {p: (None, start) for p in range(self.n) if p != self.pid}
+    seen: dict[int, tuple[Optional[str], float]] = {
+        p: (None, start) for p in range(self.n) if p != self.pid}
     last_ok = start
     while not self._stop.wait(self.interval):
       now = time.monotonic()
