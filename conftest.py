@@ -88,3 +88,37 @@ def pytest_collect_file(file_path, parent):
         node.dependency = missing
     out.append(node)
   return out
+
+
+# ------------------------------------------------------- CPU time per test (opt-in)
+# `JAXRL_LLM_TEST_CPU=N python -m pytest ...` prints the N tests that used the most CPU
+# seconds (this process + the subprocesses they waited for). On a shared machine wall
+# time (--durations) measures the neighbours; CPU time measures the test.
+
+_CPU_REPORT = int(os.environ.get("JAXRL_LLM_TEST_CPU", "0") or 0)
+_cpu_seconds: dict = {}
+
+
+def _cpu_now() -> float:
+  import resource
+  own = resource.getrusage(resource.RUSAGE_SELF)
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+if _CPU_REPORT:
+
+  @pytest.hookimpl(wrapper=True)
+  def pytest_runtest_protocol(item, nextitem):
+    start = _cpu_now()
+    try:
+      return (yield)
+    finally:
+      _cpu_seconds[item.nodeid] = _cpu_now() - start
+
+  def pytest_terminal_summary(terminalreporter):
+    total = sum(_cpu_seconds.values())
+    terminalreporter.write_sep("=", f"CPU seconds per test (tests {total:.0f} s, whole "
+                                    f"session {_cpu_now():.0f} s)")
+    for nodeid, sec in sorted(_cpu_seconds.items(), key=lambda kv: -kv[1])[:_CPU_REPORT]:
+      terminalreporter.write_line(f"{sec:8.1f}  {nodeid}")
