@@ -31,6 +31,8 @@ if os.environ.get("JAXRL_LLM_TEST_FAST", "1") == "1":
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                         os.path.join(tempfile.gettempdir(), "jaxrl_llm_xla_cache"))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# Test worker processes (pytest-xdist) and subprocesses share one GPU: allocate on demand.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402  (after the environment is set)
 import pytest  # noqa: E402
@@ -39,6 +41,23 @@ if "JAX_COMPILATION_CACHE_DIR" in os.environ:
   jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
   jax.config.update("jax_persistent_cache_min_compile_time_secs",
                     float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+
+
+
+def _has_tpu() -> bool:
+  """A local TPU (``/dev/accel*`` on v2-v4, ``/dev/vfio/<n>`` on v5e and later)."""
+  import glob
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+  """Runs in one process on a TPU host: only one process at a time may open a TPU."""
+  if getattr(config.option, "numprocesses", None) and _has_tpu() and \
+      os.environ.get("JAX_PLATFORMS", "") in ("", "tpu"):
+    config.option.numprocesses = 0
+    config.option.dist = "no"
+
 
 OPTIONAL_DEPENDENCIES = frozenset({
     "matplotlib", "transformers", "torch", "safetensors", "tokenizers", "jinja2",

@@ -411,9 +411,9 @@ def sources() -> dict:
 def execute(nb: nbformat.NotebookNode, *, small: bool, timeout: int = 1800) -> None:
   """Runs ``nb`` in place in a fresh kernel of this interpreter, in a temporary folder."""
   import nbclient
-  env = dict(os.environ, MPLBACKEND="Agg",
-             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   env.pop("JAXRL_LLM_SMALL", None)
+  env.pop("MPLBACKEND", None)            # the kernel's inline backend saves the figures
   if small:
     env["JAXRL_LLM_SMALL"] = "1"
   with tempfile.TemporaryDirectory(prefix="jaxrl_llm_nb_") as cwd:

@@ -476,6 +476,11 @@ def test_sequence_parallel_logprobs_single_device_and_errors():
 # ------------------------------------------------------------------- 8 forced devices
 
 
+def on_8_devices(test):
+  """The tests sharing the ``multi`` worker run: slow, kept on one xdist worker."""
+  return pytest.mark.slow(pytest.mark.xdist_group("parallel_worker_8_devices")(test))
+
+
 @pytest.fixture(scope="module")
 def multi(tmp_path_factory):
   """Runs tests/parallel_worker.py once on 8 forced CPU devices; returns its JSON."""
@@ -507,6 +512,7 @@ EXPECTED_SPECS = {   # (embed, wq, w_down, batch rows)
 }
 
 
+@on_8_devices
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sharded_ppo_steps_equal_single_device(multi, layout):
   _no_error(multi, "reference")
@@ -518,6 +524,7 @@ def test_sharded_ppo_steps_equal_single_device(multi, layout):
   assert res["loss"][-1] < res["loss"][0]          # it does learn
 
 
+@on_8_devices
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sharded_state_keeps_its_layout_and_compiles_once(multi, layout):
   _no_error(multi, layout)
@@ -531,6 +538,7 @@ def test_sharded_state_keeps_its_layout_and_compiles_once(multi, layout):
   assert res["step_spec"] == res["rng_spec"] == "P()"
 
 
+@on_8_devices
 def test_pmap_steps_equal_single_device(multi):
   _no_error(multi, "pmap")
   res = multi["pmap"]
@@ -540,6 +548,7 @@ def test_pmap_steps_equal_single_device(multi):
   assert res["same_layout"]     # replicate() lays out inputs as pmap returns outputs
 
 
+@on_8_devices
 def test_sequence_parallel_gae_on_8_devices_equals_gae(multi):
   _no_error(multi, "sequence_gae")
   cases = multi["sequence_gae"]
@@ -553,6 +562,7 @@ def test_sequence_parallel_gae_on_8_devices_equals_gae(multi):
     assert res["spec"] == expected, key
 
 
+@on_8_devices
 def test_sequence_parallel_logprobs_on_8_devices_values_and_grads(multi):
   _no_error(multi, "sequence_logprobs")
   for name, res in multi["sequence_logprobs"].items():
@@ -563,6 +573,7 @@ def test_sequence_parallel_logprobs_on_8_devices_values_and_grads(multi):
     assert res["grad_temp_diff"] < 1e-5 * max(1.0, res["grad_temp_scale"]), (name, res)
 
 
+@on_8_devices
 def test_non_dividing_parameter_on_a_real_mesh_raises(multi):
   _no_error(multi, "nondividing")
   msg = multi["nondividing"]["raised"]
@@ -571,6 +582,7 @@ def test_non_dividing_parameter_on_a_real_mesh_raises(multi):
   assert "'tensor' of size 8" in msg
 
 
+@on_8_devices
 def test_sharded_checkpoint_restores_onto_another_mesh(multi):
   _no_error(multi, "checkpoint")
   res = multi["checkpoint"]
