@@ -22,6 +22,7 @@ from jaxrl_llm.control import (
     AdaptiveClipState, AdaptiveKLState, adaptive_clip_init, adaptive_clip_update,
     adaptive_kl_init, adaptive_kl_update)
 from jaxrl_llm.logprobs import token_logprobs, token_logprobs_from_hidden
+from jaxrl_llm.attention import attention_with_lse, dot_product_attention
 from jaxrl_llm.train import (
     TrainConfig, TrainState, init_train_state, make_grpo_train_step,
     make_ppo_train_step, make_train_step, policy_forward)
@@ -48,6 +49,8 @@ __all__ = [
     "adaptive_clip_update", "AdaptiveKLState", "AdaptiveClipState",
     # log-probs
     "token_logprobs", "token_logprobs_from_hidden",
+    # attention
+    "dot_product_attention", "attention_with_lse",
     # train steps and checkpoints
     "TrainConfig", "TrainState", "init_train_state", "make_train_step",
     "make_ppo_train_step", "make_grpo_train_step", "policy_forward", "Checkpointer",

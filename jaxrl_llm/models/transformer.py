@@ -15,6 +15,11 @@ Conventions:
   a row has position k-1 wherever it sits. Left padding, right padding and holes all
   give the same outputs at real tokens.
 * Causality is by array index: the query at index t sees the real keys at indices <= t.
+  Attention is :func:`jaxrl_llm.attention.dot_product_attention` (``config.attention``
+  picks the implementation; ``None`` chooses by backend and size, so long sequences get
+  the O(T)-memory ``"blockwise"`` kernel and a ``sequence`` mesh axis gets ``"ring"``
+  when :mod:`jaxrl_llm.parallel` registers it). A padded query that sees no real key
+  gets a zero attention output.
 * Every parameter carries logical axis names (``vocab``, ``embed``, ``heads``,
   ``kv_heads``, ``head_dim``, ``mlp``, or ``None``) as ``out_sharding`` metadata with
   eager sharding off; ``nnx.get_partition_spec(nnx.state(model))`` gives the logical
@@ -40,17 +45,26 @@ pure functions of ``params`` returning next-token logits, the protocol of
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm import _validate as v
-
-_NEG = -1e30  # finite "minus infinity" for masked attention scores
+from jaxrl_llm.attention import ATTENTION_IMPLEMENTATIONS, dot_product_attention
 
 PRESETS = ("tiny", "small")
+
+#: ``TransformerConfig.remat_policy`` names -> ``jax.checkpoint`` policies.
+REMAT_POLICIES: dict[str, Any] = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable":
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+}
 
 
 # ----------------------------------------------------------------------------------
@@ -78,6 +92,14 @@ class TransformerConfig:
     value_head: add a scalar value head ``Linear(D -> 1)`` on the final hidden states.
     remat: wrap each block in ``nnx.remat`` (``jax.checkpoint``) in the full forward,
       trading recomputation for activation memory; results are identical.
+    remat_policy: what a remat'd block keeps for the backward pass (only with
+      ``remat=True``): ``None`` or ``"nothing_saveable"`` (the least memory: only block
+      inputs), ``"dots_saveable"`` / ``"dots_with_no_batch_dims_saveable"`` (keep matmul
+      outputs, less recomputation), ``"everything_saveable"``; see ``REMAT_POLICIES``.
+    attention: the :func:`jaxrl_llm.dot_product_attention` implementation
+      (``"xla"``, ``"blockwise"``, ``"cudnn"``, a registered name such as ``"ring"``),
+      or ``None`` to choose by backend and size (``select_implementation``).
+    attention_block_size: query/key block size of ``"blockwise"``; ``None`` = default.
     dtype: parameter and matmul dtype (e.g. ``jnp.float32`` or ``jnp.bfloat16``).
     norm_eps: RMSNorm epsilon.
   """
@@ -96,6 +118,9 @@ class TransformerConfig:
   remat: bool = False
   dtype: Any = jnp.float32
   norm_eps: float = 1e-6
+  remat_policy: str | None = None
+  attention: str | None = None
+  attention_block_size: int | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -115,23 +140,34 @@ class TransformerConfig:
       raise ValueError(f"`head_dim` must be even for RoPE, got {self.dim_per_head}.")
     if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
       raise ValueError(f"`dtype` must be a floating dtype, got {self.dtype!r}.")
+    if self.remat_policy is not None:
+      v.check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
+    # Implementations may be registered later (e.g. "ring" by jaxrl_llm.parallel), so
+    # an unknown name is only rejected at trace time; here only the type is checked.
+    if self.attention is not None and not isinstance(self.attention, str):
+      raise ValueError(f"`attention` must be None or an implementation name (one of "
+                       f"{list(ATTENTION_IMPLEMENTATIONS)}), got {self.attention!r}.")
+    if self.attention_block_size is not None and (
+        not isinstance(self.attention_block_size, int) or self.attention_block_size < 1):
+      raise ValueError(f"`attention_block_size` must be None or a positive int, got "
+                       f"{self.attention_block_size!r}.")
 
   @property
   def dim_per_head(self) -> int:
     return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
   @classmethod
-  def tiny(cls, vocab_size: int, **overrides) -> "TransformerConfig":
+  def tiny(cls, vocab_size: int, **overrides) -> TransformerConfig:
     """64 wide, 2 layers, 4 query / 2 KV heads: a CPU fwd+bwd in milliseconds."""
-    base = dict(vocab_size=vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                d_ff=128, max_seq_len=128)
+    base = {"vocab_size": vocab_size, "d_model": 64, "n_layers": 2, "n_heads": 4,
+            "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 128}
     return cls(**{**base, **overrides})
 
   @classmethod
-  def small(cls, vocab_size: int, **overrides) -> "TransformerConfig":
+  def small(cls, vocab_size: int, **overrides) -> TransformerConfig:
     """256 wide, 4 layers, 8 query / 4 KV heads, d_ff 1024, 512 tokens (~3M + 256 V)."""
-    base = dict(vocab_size=vocab_size, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4,
-                d_ff=1024, max_seq_len=512)
+    base = {"vocab_size": vocab_size, "d_model": 256, "n_layers": 4, "n_heads": 8,
+            "n_kv_heads": 4, "d_ff": 1024, "max_seq_len": 512}
     return cls(**{**base, **overrides})
 
 
@@ -207,40 +243,6 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def attend(q, k, v, q_index, kv_valid):
-  r"""Causal, padding-masked (grouped-query) dot-product attention.
-
-  Query ``t`` attends to key ``s`` iff ``s <= q_index[t]`` and ``kv_valid[b, s]``:
-
-  .. math::
-
-    o_t = \sum_s \mathrm{softmax}_s\big(q_t \cdot k_s / \sqrt{d}\big)\, v_s .
-
-  A query with no allowed key (a padded position at the start of a row) gets a finite
-  uniform average instead of NaN; real queries always see at least themselves.
-
-  Args:
-    q: ``[B, T, H, d]``.
-    k, v: ``[B, S, K, d]`` with ``H % K == 0`` (query head ``h`` uses KV head
-      ``h // (H // K)``).
-    q_index: ``[T]`` int, the key index of each query (causal limit).
-    kv_valid: ``[B, S]`` bool, real keys.
-
-  Returns:
-    ``[B, T, H, d]`` in the dtype of ``q``.
-  """
-  b, t, h, d = q.shape
-  kvh = k.shape[2]
-  qg = q.reshape(b, t, kvh, h // kvh, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-  scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
-  allowed = (jnp.arange(k.shape[1])[None, :] <= q_index[:, None])[None] & kv_valid[:, None]
-  scores = jnp.where(allowed[:, None, None], scores, _NEG)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-  return out.reshape(b, t, h, d).astype(q.dtype)
-
-
 class Attention(nnx.Module):
   """Multi-head / grouped-query self-attention with RoPE and an optional KV cache."""
 
@@ -248,6 +250,8 @@ class Attention(nnx.Module):
     c = config
     d, h, kvh, hd = c.d_model, c.n_heads, c.n_kv_heads, c.dim_per_head
     self.theta = c.rope_theta
+    self.implementation = c.attention
+    self.block_size = c.attention_block_size
     std_in = d ** -0.5
     std_out = (h * hd) ** -0.5 / (2 * c.n_layers) ** 0.5
     self.wq = _param(rngs, _normal(std_in), (d, h, hd), ("embed", "heads", "head_dim"),
@@ -262,9 +266,11 @@ class Attention(nnx.Module):
   def __call__(self, x, positions, kv_valid, cache_kv=None, index=None):
     """Attention over ``x`` ``[B, T, D]``; with a cache, over cache + ``x``.
 
-    Without ``cache_kv`` the keys are ``x``'s own (``kv_valid`` ``[B, T]``). With
-    ``cache_kv = (k, v)`` ``[B, S, K, d]`` the new keys are written at slots
-    ``index .. index+T-1`` and ``kv_valid`` ``[B, S]`` covers the whole cache.
+    Without ``cache_kv`` the keys are ``x``'s own (``kv_valid`` ``[B, T]``), and query
+    ``t`` sees keys ``<= t``. With ``cache_kv = (k, v)`` ``[B, S, K, d]`` the new keys
+    are written at slots ``index .. index+T-1``, ``kv_valid`` ``[B, S]`` covers the
+    whole cache (unwritten slots False), and query ``t`` sees slots ``<= index + t``
+    (``query_offset=index``: the cache is not end-aligned, its tail is unwritten).
     Returns ``(out [B, T, D], (k, v))``.
     """
     dtype = x.dtype
@@ -273,15 +279,15 @@ class Attention(nnx.Module):
     val = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))
     q = rope(q, positions, self.theta)
     k = rope(k, positions, self.theta)
-    t = x.shape[1]
-    if cache_kv is None:
-      q_index = jnp.arange(t)
-    else:
+    query_offset = None
+    if cache_kv is not None:
       ck, cv = cache_kv
       k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
       val = jax.lax.dynamic_update_slice(cv, val.astype(cv.dtype), (0, index, 0, 0))
-      q_index = index + jnp.arange(t)
-    out = attend(q, k.astype(dtype), val.astype(dtype), q_index, kv_valid)
+      query_offset = jnp.asarray(index, jnp.int32)
+    out = dot_product_attention(q, k.astype(dtype), val.astype(dtype), key_mask=kv_valid,
+                                is_causal=True, implementation=self.implementation,
+                                block_size=self.block_size, query_offset=query_offset)
     out = jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dtype))
     return out, (k, val)
 
@@ -328,7 +334,10 @@ def _block_forward(block, x, positions, kv_valid):
   return block(x, positions, kv_valid)[0]
 
 
-_block_forward_remat = nnx.remat(_block_forward)
+def _remat_block_forward(policy: str | None) -> Callable:
+  if policy is None:
+    return nnx.remat(_block_forward)
+  return nnx.remat(_block_forward, policy=REMAT_POLICIES[policy])
 
 
 # ----------------------------------------------------------------------------------
@@ -459,7 +468,8 @@ class Transformer(nnx.Module):
     if positions is None:
       positions = _positions_from_mask(mask)
     kv_valid = mask > 0
-    block_fn = _block_forward_remat if self.config.remat else _block_forward
+    c = self.config
+    block_fn = _remat_block_forward(c.remat_policy) if c.remat else _block_forward
     x = self._embed(tokens)
     for block in self.blocks:
       x = block_fn(block, x, positions, kv_valid)
