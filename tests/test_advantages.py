@@ -4,13 +4,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxrl_llm import advantages as adv_lib
 from jaxrl_llm.advantages import (
-    discounted_returns, dr_grpo_advantages, gae, group_advantages, grpo_advantages,
-    hybrid_advantages, lambda_returns, nstep_returns, reinforce_pp_advantages,
-    remax_advantages, rloo_advantages, self_critical_advantages, broadcast_to_tokens)
+  broadcast_to_tokens,
+  discounted_returns,
+  dr_grpo_advantages,
+  gae,
+  group_advantages,
+  grpo_advantages,
+  hybrid_advantages,
+  lambda_returns,
+  nstep_returns,
+  reinforce_pp_advantages,
+  remax_advantages,
+  rloo_advantages,
+  self_critical_advantages,
+)
 from tests.utils import assert_close, assert_no_recompile, random_mask
 
 # ------------------------------------------------------------------------------------
@@ -241,7 +253,7 @@ def test_gae_all_masked_and_empty_and_bf16():
 
 @pytest.mark.parametrize("method", ["scan", "associative"])
 def test_gae_jit_vmap_grad_and_no_recompile(method):
-  r, v, m, boot = random_inputs(6)
+  r, v, m, _ = random_inputs(6)
   f = lambda r, v, m, g, l: gae(r, v, m, gamma=g, lam=l, method=method)[0]
   assert_close(jax.jit(f)(r, v, m, 0.9, 0.8), f(r, v, m, 0.9, 0.8), atol=1e-6)
   stacked = jax.vmap(f, in_axes=(0, 0, 0, None, None))(r[None].repeat(2, 0),
@@ -310,7 +322,7 @@ def test_discounted_and_lambda_returns():
        lam=st.floats(0, 1))
 def test_hybrid_properties(seed, n, mix, lam):
   r, v, m, boot = random_inputs(seed, B=3, T=12)
-  kw = dict(n=n, gamma=0.95, lam=lam, bootstrap_value=boot)
+  kw = {"n": n, "gamma": 0.95, "lam": lam, "bootstrap_value": boot}
   a1, r1 = hybrid_jit(r, v, m, mix=1.0, **kw)
   assert_close(a1, gae_jit(r, v, m, gamma=0.95, lam=lam, bootstrap_value=boot)[0],
                atol=1e-5)
@@ -616,7 +628,7 @@ def _poison(x, m, value):
 
 def _token_estimators(method):
   """Every public token-level estimator as f(rewards, values, mask, gamma, lam)."""
-  kw = dict(method=method)
+  kw = {"method": method}
   return {
       "gae": lambda r, v, m, g, l, b: gae(r, v, m, gamma=g, lam=l, bootstrap_value=b, **kw),
       "gae_trl": lambda r, v, m, g, l, b: gae(r, v, m, gamma=0.9, lam=0.8,
