@@ -207,7 +207,6 @@ from jaxrl_llm.models import (  # noqa: E402
 from jaxrl_llm.rollout import sample  # noqa: E402
 
 
-
 @pytest.fixture(autouse=True)
 def _float32_matmuls():
   """Full float32 matmuls (GPUs default to TF32), so 1e-4 comparisons hold anywhere."""
