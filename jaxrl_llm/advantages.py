@@ -152,7 +152,7 @@ def _solve_blocked(c, d, init, shifted):
   return out[:, :time]
 
 
-def _solve(c, d, init, method, *, shifted=False, unroll=8):
+def _solve(c, d, init, method, *, shifted=False, unroll=1):
   """``x_t = d_t + c_t x_{t+1}``, ``x_T = init``; ``shifted`` returns ``x_{t+1}``."""
   if method == "associative":
     return _solve_blocked(c, d, init, shifted)
