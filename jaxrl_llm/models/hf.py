@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -64,8 +65,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_llm.models.transformer import (RopeScaling, Transformer, TransformerConfig,
-                                          split_model)
+from jaxrl_llm.models.transformer import (
+  RopeScaling,
+  Transformer,
+  TransformerConfig,
+  split_model,
+)
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3"}
@@ -208,10 +213,11 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype=None,
       raise ValueError(f"config.json: {key}={hf[key]!r} is not supported.")
   try:
     d, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    kw = dict(vocab_size=int(hf["vocab_size"]), d_model=d,
-              n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
-              n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-              d_ff=int(hf["intermediate_size"]))
+    kw: dict[str, Any] = {
+        "vocab_size": int(hf["vocab_size"]), "d_model": d,
+        "n_layers": int(hf["num_hidden_layers"]), "n_heads": n_heads,
+        "n_kv_heads": int(hf.get("num_key_value_heads") or n_heads),
+        "d_ff": int(hf["intermediate_size"])}
   except KeyError as e:
     raise ValueError(f"config.json: missing required field {e.args[0]!r}.") from None
   max_pos = int(hf.get("max_position_embeddings", 2048))
@@ -407,7 +413,7 @@ class _Checkpoint(contextlib.ExitStack):
                            "missing.")
     elif os.path.isfile(single):
       with safe_open(single, framework="numpy") as f:
-        self.files = {name: single for name in f.keys()}
+        self.files = dict.fromkeys(f.keys(), single)
     else:
       raise ValueError(f"`path` {path!r} has neither {_SINGLE_FILE} nor {_INDEX_FILE}.")
     self._handles: dict[str, Any] = {}
@@ -425,7 +431,7 @@ class _Checkpoint(contextlib.ExitStack):
     handle = self._handle(self.files[name])
     try:
       return handle.get_slice(name)
-    except Exception as e:  # safetensors raises its own error type
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
       raise ValueError(f"tensor {name!r}: cannot be read from "
                        f"{os.path.basename(self.files[name])!r} ({e}).") from None
 
@@ -445,7 +451,7 @@ def _abstract_params(config: TransformerConfig):
   return split_model(abstract)
 
 
-def _place(shape, dtype, sharding, read: Callable[[tuple], np.ndarray]):
+def _place(shape, dtype, sharding, read: Callable[[Any], np.ndarray]):
   """A jax array of ``shape`` from ``read(index) -> block`` (one block per shard)."""
   if sharding is None:
     full = tuple(slice(0, n) for n in shape)
@@ -526,8 +532,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
                          f"{list(expected)} from config.json.")
       used.add(entry.name)
       leaves.append(_place(shape, leaf_dtype, sharding,
-                           lambda index, e=entry, t=tensor, s=shape: _read_slice(e, t, s,
-                                                                                 index)))
+                           functools.partial(_read_slice, entry, tensor, shape)))
     extra = sorted(n for n in ckpt.files if n not in used and not (
         n.endswith(_IGNORED_SUFFIXES) or (n == "lm_head.weight" and config.tie_embeddings)))
     if extra:
@@ -623,11 +628,12 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
   limit = _parse_size(max_shard_size)
   out_dtype = jnp.dtype(config.dtype if dtype is None else dtype)
   hf_config = hf_config_from(dataclasses.replace(config, dtype=out_dtype))
-  for key in extra_config or {}:
-    if key in hf_config and hf_config[key] != extra_config[key]:
+  extra = dict(extra_config or {})
+  for key, val in extra.items():
+    if key in hf_config and hf_config[key] != val:
       raise ValueError(f"`extra_config` may not override {key!r} "
-                       f"({hf_config[key]!r} -> {extra_config[key]!r}).")
-  hf_config.update(extra_config or {})
+                       f"({hf_config[key]!r} -> {val!r}).")
+  hf_config.update(extra)
   layout = hf_layout(config)
   _, params = split_model(model)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
