@@ -62,3 +62,41 @@ def out_dtype(*xs):
     if x is not None and jnp.issubdtype(jnp.result_type(x), jnp.floating):
       return jnp.result_type(x)
   return jnp.float32
+
+
+def is_concrete_number(x) -> bool:
+  """True for a Python or NumPy real scalar (not bool): a value we can check now.
+
+  Traced values (and JAX arrays) are not checked: data cannot raise under ``jax.jit``.
+  """
+  import numbers  # local imports keep the module's import block untouched for merges
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_number_range(name: str, x, *, low=None, high=None, low_inclusive=True,
+                       high_inclusive=True) -> None:
+  """Raises ``ValueError`` naming ``name`` if a concrete number is outside a range.
+
+  ``None``, traced values and arrays pass unchecked (only Python/NumPy scalars are
+  known at trace time). NaN is always out of range. ``low``/``high`` may be None
+  (unbounded on that side).
+  """
+  if not is_concrete_number(x):
+    return
+  import math  # local imports keep the module's import block untouched for merges
+  ok = True
+  if low is not None:
+    ok = ok and (x >= low if low_inclusive else x > low)
+  if high is not None:
+    ok = ok and (x <= high if high_inclusive else x < high)
+  if ok and not math.isnan(x):
+    return
+  lo = "" if low is None else f"{'[' if low_inclusive else '('}{low}"
+  hi = "" if high is None else f"{high}{']' if high_inclusive else ')'}"
+  if low is not None and high is not None:
+    want = f"in {lo}, {hi}"
+  elif low is not None:
+    want = f"{'>=' if low_inclusive else '>'} {low}"
+  else:
+    want = f"{'<=' if high_inclusive else '<'} {high}"
+  raise ValueError(f"`{name}` must be {want}, got {x!r}.")
