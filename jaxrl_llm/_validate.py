@@ -73,30 +73,31 @@ def is_concrete_number(x) -> bool:
   return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def check_number_range(name: str, x, *, low=None, high=None, low_inclusive=True,
-                       high_inclusive=True) -> None:
-  """Raises ``ValueError`` naming ``name`` if a concrete number is outside a range.
+def check_range(name: str, value, *, low=None, high=None, low_open: bool = False,
+                high_open: bool = False) -> None:
+  """Checks that a concrete number lies in its documented range.
 
-  ``None``, traced values and arrays pass unchecked (only Python/NumPy scalars are
-  known at trace time). NaN is always out of range. ``low``/``high`` may be None
-  (unbounded on that side).
+  Only Python (and NumPy scalar) numbers are checked: arrays and traced values cannot be
+  inspected at trace time and pass unchecked. NaN is out of every range. Bounds are
+  inclusive unless ``low_open`` / ``high_open``.
   """
-  if not is_concrete_number(x):
+  import math
+  import numbers
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
     return
-  import math  # local imports keep the module's import block untouched for merges
-  ok = True
+  x = float(value)
+  ok = not math.isnan(x)
   if low is not None:
-    ok = ok and (x >= low if low_inclusive else x > low)
+    ok = ok and (x > low if low_open else x >= low)
   if high is not None:
-    ok = ok and (x <= high if high_inclusive else x < high)
-  if ok and not math.isnan(x):
-    return
-  lo = "" if low is None else f"{'[' if low_inclusive else '('}{low}"
-  hi = "" if high is None else f"{high}{']' if high_inclusive else ')'}"
-  if low is not None and high is not None:
-    want = f"in {lo}, {hi}"
-  elif low is not None:
-    want = f"{'>=' if low_inclusive else '>'} {low}"
-  else:
-    want = f"{'<=' if high_inclusive else '<'} {high}"
-  raise ValueError(f"`{name}` must be {want}, got {x!r}.")
+    ok = ok and (x < high if high_open else x <= high)
+  if not ok:
+    lo = "" if low is None else ("(" if low_open else "[") + f"{low}"
+    hi = "" if high is None else f"{high}" + (")" if high_open else "]")
+    if low is None:
+      bound = f"<{'' if high_open else '='} {high}"
+    elif high is None:
+      bound = f">{'' if low_open else '='} {low}"
+    else:
+      bound = f"in {lo}, {hi}"
+    raise ValueError(f"`{name}` must be {bound}, got {value!r}.")

@@ -40,7 +40,7 @@ _DEFAULT_CLIP_TARGET = {"kl": 0.02, "clipfrac": 0.15}
 
 def _check_positive(name: str, x) -> None:
   """``x > 0`` for a concrete number (traced values pass unchecked)."""
-  v.check_number_range(name, x, low=0.0, low_inclusive=False)
+  v.check_range(name, x, low=0.0, low_open=True)
 
 
 class AdaptiveKLState(NamedTuple):
@@ -78,7 +78,7 @@ def adaptive_kl_init(init_coef=0.001, *, target=0.1, horizon=10000):
     >>> adaptive_kl_init(0.05, target=6.0).coef
     Array(0.05, dtype=float32)
   """
-  v.check_number_range("init_coef", init_coef, low=0.0)
+  v.check_range("init_coef", init_coef, low=0.0)
   _check_positive("target", target)
   _check_positive("horizon", horizon)
   return AdaptiveKLState(coef=v.as_f32(init_coef), target=v.as_f32(target),
@@ -112,7 +112,7 @@ def adaptive_kl_update(state, current_kl, n_steps):
   """
   v.check_rank("current_kl", current_kl, 0)
   v.check_rank("n_steps", n_steps, 0)
-  v.check_number_range("n_steps", n_steps, low=0.0)
+  v.check_range("n_steps", n_steps, low=0.0)
   kl = v.as_f32(current_kl)
   error = jnp.clip(kl / state.target - 1.0, -0.2, 0.2)
   coef = state.coef * (1.0 + error * v.as_f32(n_steps) / state.horizon)
@@ -175,7 +175,7 @@ def adaptive_clip_init(init_eps=0.2, *, target=None, eps_min=0.05, eps_max=0.3,
   if (v.is_concrete_number(eps_min) and v.is_concrete_number(eps_max)
       and eps_max < eps_min):
     raise ValueError(f"`eps_max` ({eps_max!r}) must be >= `eps_min` ({eps_min!r}).")
-  v.check_number_range("init_eps", init_eps,
+  v.check_range("init_eps", init_eps,
                        low=eps_min if v.is_concrete_number(eps_min) else None,
                        high=eps_max if v.is_concrete_number(eps_max) else None)
   eps_min, eps_max = v.as_f32(eps_min), v.as_f32(eps_max)

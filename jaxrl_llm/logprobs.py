@@ -56,7 +56,7 @@ def _check_temperature(temperature):
     raise ValueError(
         f"`temperature` must be a scalar, got shape {v.shape_of(temperature)}.")
   # A concrete temperature <= 0 would give inf/NaN log-probs; traced values can't raise.
-  v.check_number_range("temperature", temperature, low=0.0, low_inclusive=False)
+  v.check_range("temperature", temperature, low=0.0, low_open=True)
 
 
 def _shift_and_normalizer(z):

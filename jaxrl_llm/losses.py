@@ -95,19 +95,19 @@ _IS_LOG_BOUND = 20.0  # verl's SAFETY_BOUND on log importance ratios
 
 def _check_positive(name: str, x) -> None:
   """``x > 0`` for a concrete number (traced values and None pass)."""
-  v.check_number_range(name, x, low=0.0, low_inclusive=False)
+  v.check_range(name, x, low=0.0, low_open=True)
 
 
 def _check_nonnegative(name: str, x) -> None:
   """``x >= 0`` for a concrete number (traced values and None pass)."""
-  v.check_number_range(name, x, low=0.0)
+  v.check_range(name, x, low=0.0)
 
 
 def _check_ratio_clips(clip_low, clip_high, dual_clip, log_ratio_clamp) -> None:
   """The range checks shared by the ratio-clipping losses (concrete numbers only)."""
   _check_nonnegative("clip_low", clip_low)
   _check_nonnegative("clip_high", clip_high)
-  v.check_number_range("dual_clip", dual_clip, low=1.0, low_inclusive=False)
+  v.check_range("dual_clip", dual_clip, low=1.0, low_open=True)
   _check_positive("log_ratio_clamp", log_ratio_clamp)
 
 
@@ -691,7 +691,7 @@ def rollout_correction_weights(log_ratio, mask, *, level="token", threshold=2.0,
   v.check_same_shape(("log_ratio", "mask"), (log_ratio, mask))
   _check_positive("threshold", threshold)
   high = threshold if v.is_concrete_number(threshold) else None
-  v.check_number_range("lower", lower, low=0.0, high=high)
+  v.check_range("lower", lower, low=0.0, high=high)
   dtype = v.out_dtype(log_ratio)
   valid = v.as_f32(mask) > 0
   ell = _masked_f32(log_ratio, valid)

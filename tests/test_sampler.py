@@ -107,6 +107,17 @@ def test_greedy_matches_no_cache_argmax_decoding():
   assert out.tokens.dtype == np.int32 and out.logprobs.dtype == np.float32
 
 
+def test_greedy_unchanged_with_blockwise_attention():
+  cfg = TransformerConfig.tiny(V, attention="blockwise", attention_block_size=4)
+  graphdef, params = split_model(Transformer(cfg, rngs=nnx.Rngs(0)))
+  out = _jit(functools.partial(sample, make_decode_fns(graphdef)),
+             static_argnames=("max_new_tokens", "greedy"))(
+      params, PROMPTS, LEFT_MASK, jax.random.key(0), max_new_tokens=N, greedy=True)
+  ref_tokens, ref_logps = GREEDY_REF
+  np.testing.assert_array_equal(np.asarray(out.completion), ref_tokens)
+  assert_close(np.asarray(out.logprobs), ref_logps, atol=1e-4)
+
+
 def test_right_padded_prompts_give_the_same_completion():
   right_prompts = np.zeros_like(PROMPTS)
   right_mask = np.zeros_like(LEFT_MASK)
@@ -172,6 +183,27 @@ def test_sampled_logprobs_match_full_forward_log_softmax(top_k):
     hits = np.nonzero(out.completion[b] == 5)[0]
     length = hits[0] + 1 if len(hits) else N
     np.testing.assert_array_equal(out.completion_mask[b], np.arange(N) < length)
+
+
+@pytest.mark.parametrize("top_k", [None, 3])
+def test_sampling_logprobs_are_those_of_the_filtered_distribution(top_k):
+  temperature = np.array([0.7, 1.0, 1.3], np.float32)
+  top_p = np.array([0.6, 1.0, 0.8], np.float32)
+  out = run(rng=5, temperature=temperature, top_p=top_p, top_k=top_k)
+  logits = full_logits(out.tokens, out.mask)[:, P - 1:-1] / temperature[:, None, None]
+  kept = np.stack([np.asarray(filter_logits(jnp.asarray(logits[:, n], jnp.float32),
+                                            top_k=top_k, top_p=top_p)) > -1e29
+                   for n in range(N)], axis=1)
+  ref = np.where(kept, logits, -np.inf)
+  ref = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - ref.max(-1, keepdims=True)
+  ref = np.take_along_axis(ref, out.completion[..., None], -1)[..., 0]
+  assert_close(out.sampling_logprobs, ref, atol=1e-4)
+  assert np.all(out.sampling_logprobs >= out.logprobs - 1e-5)  # renormalised over fewer
+  if top_k is None:   # row 1 has no filter at all: same as the full distribution
+    assert_close(out.sampling_logprobs[1], out.logprobs[1], atol=1e-5)
+  greedy = run(greedy=True)
+  np.testing.assert_array_equal(greedy.sampling_logprobs, 0.0)
 
 
 def test_top_k_one_and_tiny_top_p_equal_greedy():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import jaxrl_llm.tasks as tasks_pkg
 from jaxrl_llm.tasks import arithmetic, base, countdown, strings, tokenizer
 from jaxrl_llm.tasks import (
-    DEFAULT_TASK, TASKS, AddTask, CharTokenizer, CountdownTask, Problem, ReverseTask,
+    DEFAULT_TASK, LONG_TASKS, TASKS, AddTask, CharTokenizer, CountdownTask, Problem, ReverseTask,
     SortTask, Task, get_task, parse_expression, position_match, random_baseline)
 from jaxrl_llm.tasks.tokenizer import DEFAULT_CHARS, DIGITS, LETTERS, SYMBOLS, UNKNOWN_CHAR
 
@@ -135,8 +135,12 @@ def test_sampling_seeded_and_within_limits(name):
   assert a == b
   assert a != c
   assert len(a) == 200 and all(isinstance(p, Problem) for p in a)
-  # short by default, so a tiny model can learn on CPU.
-  assert task.max_prompt_len <= 16 and task.max_new_tokens <= 6
+  # short by default, so a tiny model can learn on CPU; long tasks have long answers.
+  assert task.max_prompt_len <= 16
+  if name in LONG_TASKS:
+    assert task.max_new_tokens > 200
+  else:
+    assert task.max_new_tokens <= 6
   tok = task.tokenizer
   tok.encode_batch([p.prompt for p in a], task.max_prompt_len)  # raises if too long
   for p in a:
@@ -410,6 +414,21 @@ def test_countdown_problems():
     get_task("countdown", n_numbers=1)
   with pytest.raises(ValueError, match="min_target"):
     get_task("countdown", min_target=10, max_target=5)
+
+
+def test_repeat_task_long_answer_and_rewards():
+  task = get_task("repeat")
+  for p in task.sample_prompts(np.random.default_rng(3), 50):
+    s = p.prompt[:-1]
+    assert len(p.answer) == 200 and p.answer.startswith(s * 3)
+    assert all(p.answer[i] == s[i % len(s)] for i in range(200))
+  p = Problem("12=", "1212121212")
+  short = get_task("repeat", min_len=2, max_len=2, answer_len=10)
+  assert short.reward(p, "1212121212") == 1.0
+  assert short.reward(p, "12121212121") == pytest.approx(0.5 * 10 / 11)  # one too many
+  assert short.reward(p, "2121212121") == 0.0
+  with pytest.raises(ValueError, match="answer_len"):
+    get_task("repeat", answer_len=2)
 
 
 def test_docstring_examples():

@@ -7,6 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxrl_llm import losses
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.models.transformer import (Transformer, TransformerConfig, make_apply_fn,
                                           split_model)
@@ -169,12 +170,9 @@ def test_grpo_family_steps_learn(setup, loss):
                                       "old_logp", "ref_logp")}
   grpo_batch["advantages"] = seq_adv
   opt = optax.adam(3e-3)
-  step = jax.jit(make_grpo_train_step(apply, opt, policy_loss=loss, kl_coef=0.01,
-                                      clip_low=0.2 if loss != "gspo" else 3e-4,
-                                      clip_high=None if loss != "gspo" else 4e-4))
-  state = init_train_state(params, opt, TrainConfig(
-      use_value=False, kl_coef=0.01, clip_low=0.2 if loss != "gspo" else 3e-4,
-      clip_high=None if loss != "gspo" else 4e-4))
+  step_fn = make_grpo_train_step(apply, opt, policy_loss=loss, kl_coef=0.01)
+  step = jax.jit(step_fn)
+  state = step_fn.init(params)
   logp0, _, _ = policy_forward(apply, params, grpo_batch)
   for _ in range(3):
     state, m = step(state, grpo_batch)
@@ -219,3 +217,175 @@ def test_given_advantages_give_returns_from_the_raw_advantages(setup):
   m = batch["loss_mask"]
   assert_close(out["returns"], (adv + batch["old_values"]) * m, atol=1e-6)
   assert abs(float(np.sum(np.asarray(out["advantages"]) * m) / m.sum())) < 1e-5  # whitened
+
+
+# ------------------------------------------------- one source of truth, fault handling
+# A tiny table model (logits and values looked up per token): compiles in a second.
+
+TV = 6
+
+
+def _table_apply(p, tokens, positions, attn):
+  del positions, attn
+  return p["w"][tokens], p["v"][tokens]
+
+
+def _table_params(seed=0):
+  rng = np.random.default_rng(seed)
+  return {"w": jnp.asarray(rng.normal(size=(TV, TV)), jnp.float32),
+          "v": jnp.asarray(rng.normal(size=(TV,)), jnp.float32)}
+
+
+def _table_batch(seed=0, b=4, length=5):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, TV, (b, length)).astype(np.int32)
+  ones = np.ones((b, length), np.float32)
+  loss_mask = ones.copy()
+  loss_mask[:, 0] = 0
+  loss_mask[1, 3:] = 0
+  rewards = np.zeros((b, length), np.float32)
+  rewards[:, -1] = rng.normal(size=b)
+  return dict(tokens=tokens, attention_mask=ones, loss_mask=loss_mask,
+              old_logp=np.log(rng.uniform(0.05, 0.5, (b, length))).astype(np.float32),
+              ref_logp=np.log(rng.uniform(0.05, 0.5, (b, length))).astype(np.float32),
+              old_values=rng.normal(size=(b, length)).astype(np.float32),
+              rewards=rewards,
+              advantages=np.array([1.0, -2.0, 0.5, -1.0], np.float32)[:b])
+
+
+def test_state_from_another_config_raises_naming_the_difference():
+  params, batch = _table_params(), _table_batch()
+  opt = optax.sgd(0.1)
+  config = TrainConfig(use_value=False, whiten_advantages=False, dual_clip=3.0)
+  step = make_train_step(_table_apply, opt, config)
+  other = init_train_state(params, opt, TrainConfig(use_value=False))
+  with pytest.raises(ValueError, match="dual_clip"):
+    step(other, batch)
+  with pytest.raises(ValueError, match="vf_clip"):   # GRPO defaults drop vf_clip
+    make_grpo_train_step(_table_apply, opt)(other, batch)
+  # The matching state: pg_loss is the dual-clipped loss of the config.
+  _, m = jax.jit(step)(step.init(params), batch)
+  logp, _, _ = policy_forward(_table_apply, params, batch)
+  mask = batch["loss_mask"]
+  want = []
+  for dual in (3.0, None):
+    per_tok, _ = losses.ppo_policy_loss(logp, batch["old_logp"], batch["advantages"],
+                                        mask, clip_low=0.2, dual_clip=dual)
+    want.append(float(losses.aggregate(per_tok, mask)))
+  assert want[0] != pytest.approx(want[1], abs=1e-3)    # the dual clip is active here
+  assert float(m["pg_loss"]) == pytest.approx(want[0], rel=1e-5, abs=1e-6)
+
+
+def test_overrides_apply_on_top_of_a_given_config():
+  step = make_ppo_train_step(_table_apply, optax.sgd(0.1), TrainConfig(kl_coef=0.5),
+                             dual_clip=2.0)
+  assert step.config.dual_clip == 2.0 and step.config.kl_coef == 0.5
+  step = make_grpo_train_step(_table_apply, optax.sgd(0.1), TrainConfig(),
+                              policy_loss="sapo")
+  assert step.config.policy_loss == "sapo" and step.config.use_value   # config kept
+  with pytest.raises(ValueError, match="clip_lo"):
+    make_ppo_train_step(_table_apply, optax.sgd(0.1), TrainConfig(), clip_lo=0.1)
+
+
+def test_per_loss_defaults_and_loss_hparams():
+  assert TrainConfig(policy_loss="gspo").clip_range() == (3e-4, 4e-4)
+  assert TrainConfig(policy_loss="gmpo").clip_range() == (0.4, 0.4)
+  assert TrainConfig().clip_range() == (0.2, None)
+  hp = TrainConfig(policy_loss="sapo", loss_hparams={"tau_pos": 2.0}).hparam_values()
+  assert hp["tau_pos"] == 2.0 and hp["tau_neg"] == 1.05
+  with pytest.raises(ValueError, match="tau_pos"):
+    TrainConfig(policy_loss="ppo", loss_hparams={"tau_pos": 2.0})
+  with pytest.raises(ValueError, match="dual_clip"):
+    TrainConfig(policy_loss="sapo", dual_clip=3.0)
+  for name, bad in (("clip_low", -0.2), ("lam", 2.0), ("gamma", -1.0),
+                    ("temperature", 0.0), ("hybrid_mix", 2.0)):
+    with pytest.raises(ValueError, match=name):
+      TrainConfig(**{name: bad})
+
+
+def test_sapo_temperatures_are_traced_and_used():
+  params, batch = _table_params(), _table_batch()
+  step = make_grpo_train_step(_table_apply, optax.sgd(0.1), policy_loss="sapo")
+  jitted = jax.jit(step)
+  state = step.init(params)
+  losses_ = []
+  for tau in (1.0, 3.0):
+    s = state.replace(hparams={**state.hparams, "tau_pos": jnp.float32(tau),
+                               "tau_neg": jnp.float32(tau)})
+    _, m = jitted(s, batch)
+    logp, _, _ = policy_forward(_table_apply, params, batch)
+    per_tok, _ = losses.sapo_policy_loss(logp, batch["old_logp"], batch["advantages"],
+                                         batch["loss_mask"], tau_pos=tau, tau_neg=tau)
+    assert float(m["pg_loss"]) == pytest.approx(
+        float(losses.aggregate(per_tok, batch["loss_mask"])), rel=1e-5)
+    losses_.append(float(m["pg_loss"]))
+  assert losses_[0] != pytest.approx(losses_[1])
+  assert jitted._cache_size() == 1
+
+
+def test_adaptive_kl_is_the_same_on_one_and_two_devices_through_axis_name():
+  params, batch = _table_params(), _table_batch()
+  del batch["advantages"]
+  config = TrainConfig(kl_mode="reward", adaptive_kl=True, kl_coef=0.1, kl_target=0.01,
+                       kl_horizon=100.0)
+  opt = optax.sgd(0.1)
+  state = init_train_state(params, opt, config)
+  one, m1 = jax.jit(make_train_step(_table_apply, opt, config))(state, batch)
+  step2 = make_train_step(_table_apply, opt, config, axis_name="data")
+  split = jax.tree_util.tree_map(lambda x: x.reshape((2, -1) + x.shape[1:]), batch)
+  two, m2 = jax.jit(jax.vmap(step2, in_axes=(None, 0), axis_name="data"))(state, split)
+  assert float(one.kl_ctrl.coef) != pytest.approx(0.1)
+  np.testing.assert_allclose(np.asarray(two.kl_ctrl.coef), float(one.kl_ctrl.coef),
+                             rtol=1e-6)
+  assert_close(jax.tree_util.tree_map(lambda x: x[0], two.params), one.params,
+               atol=1e-6, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(m2["rollout_kl"]), float(m1["rollout_kl"]),
+                             rtol=1e-5)
+
+
+def test_poisoned_optimizer_state_is_skipped():
+  params, batch = _table_params(), _table_batch()
+  opt = optax.adam(1e-2)
+  step = make_train_step(_table_apply, opt, TrainConfig())
+  state = step.init(params)
+  poisoned = jax.tree_util.tree_map(lambda x: x, state.opt_state)
+  mu = poisoned[0].mu
+  poisoned = (poisoned[0]._replace(mu={**mu, "w": mu["w"].at[0, 0].set(jnp.inf)}),
+              *poisoned[1:])
+  new, m = jax.jit(step)(state.replace(opt_state=poisoned), batch)
+  assert float(m["skipped"]) == 1.0
+  assert_close(new.params, params, atol=0, rtol=0)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(new.params))
+
+
+def test_all_masked_batch_is_an_exact_no_op():
+  params, batch = _table_params(), _table_batch()
+  del batch["advantages"]
+  batch["loss_mask"] = np.zeros_like(batch["loss_mask"])
+  opt = optax.adam(1e-2)
+  config = TrainConfig(kl_mode="reward", adaptive_kl=True, kl_coef=0.1,
+                       adaptive_clip=True, num_minibatches=2)
+  step = make_train_step(_table_apply, opt, config)
+  state = step.init(params, rng=jax.random.PRNGKey(3))
+  new, m = jax.jit(step)(state, batch)
+  assert int(new.step) == 1 and float(m["skipped_empty"]) == 2.0
+  assert float(m["skipped"]) == 0.0
+  assert_close(new.replace(step=state.step), state, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo", "sapo", "gmpo", "reinforce"])
+@pytest.mark.parametrize("family", ["ppo", "grpo"])
+def test_inf_old_logp_is_skipped_in_every_algorithm(loss, family):
+  params, batch = _table_params(), _table_batch()
+  make = make_ppo_train_step if family == "ppo" else make_grpo_train_step
+  step = make(_table_apply, optax.adam(1e-2), policy_loss=loss)
+  state = step.init(params)
+  bad = dict(batch, old_logp=np.full_like(batch["old_logp"], np.inf))
+  new, m = jax.jit(step)(state, bad)
+  assert float(m["skipped"]) == 1.0
+  assert_close(new.params, params, atol=0, rtol=0)
+  # inf / NaN outside the loss mask are never read
+  ok = dict(batch, old_logp=np.where(batch["loss_mask"] > 0, batch["old_logp"], np.inf),
+            ref_logp=np.where(batch["loss_mask"] > 0, batch["ref_logp"], np.nan))
+  _, m = jax.jit(step)(state, ok)
+  assert float(m["skipped"]) == 0.0 and np.isfinite(float(m["kl_ref"]))

@@ -4,5 +4,9 @@ from jaxrl_llm.models.transformer import DecodeFns
 from jaxrl_llm.rollout.sampler import SampleOutput
 from jaxrl_llm.rollout.sampler import filter_logits
 from jaxrl_llm.rollout.sampler import sample
+from jaxrl_llm.rollout.dapo import (
+    DynamicSamplingStats, dynamic_sampling, overlong_penalty, zero_variance_groups)
 
-__all__ = ["DecodeFns", "SampleOutput", "filter_logits", "sample"]
+__all__ = ["DecodeFns", "SampleOutput", "filter_logits", "sample",
+           "DynamicSamplingStats", "dynamic_sampling", "overlong_penalty",
+           "zero_variance_groups"]

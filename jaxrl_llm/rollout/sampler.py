@@ -25,6 +25,13 @@ under the temperature-scaled *full* distribution,
 so it matches a train-side ``token_logprobs`` of the same tokens (with logits divided
 by the same temperature). ``top_k`` / ``top_p`` only filter what may be *sampled*; they
 do not renormalise the reported log-probs.
+
+``sampling_logprobs[b, n]`` is the log-probability under the distribution the token
+was actually drawn from: temperature, then ``top_k`` / ``top_p`` filtering,
+renormalised (0 under greedy decoding, a point mass). It is the behaviour log-prob a
+rollout-mismatch correction (:func:`jaxrl_llm.rollout_correction_weights`) needs when
+sampling is filtered: the importance ratio of the trained (unfiltered) policy to this
+distribution is exact.
 """
 
 from __future__ import annotations
@@ -56,6 +63,9 @@ class SampleOutput(NamedTuple):
     lengths: ``[B]`` int32, number of generated tokens (EOS included).
     finished: ``[B]`` bool, the row emitted ``eos_id`` (False when it was cut at
       ``max_new_tokens`` or no ``eos_id`` was given).
+    sampling_logprobs: ``[B, N]`` float32 log-probs under the filtered distribution
+      the tokens were drawn from (see the module docstring); 0 where
+      ``completion_mask`` is 0 and under greedy decoding.
   """
 
   tokens: jax.Array
@@ -65,6 +75,7 @@ class SampleOutput(NamedTuple):
   logprobs: jax.Array
   lengths: jax.Array
   finished: jax.Array
+  sampling_logprobs: jax.Array
 
 
 def filter_logits(logits, *, top_k=None, top_p=None):
@@ -113,20 +124,23 @@ def filter_logits(logits, *, top_k=None, top_p=None):
 
 
 def _pick(logits, rng, step, temperature, *, top_k, top_p, greedy):
-  """One token per row and its log-prob under ``log_softmax(logits / temperature)``."""
+  """One token per row, its log-prob under ``log_softmax(logits / temperature)`` and
+  under the filtered distribution it was drawn from (0 when greedy)."""
   logits = v.as_f32(logits)
   # Shift before scaling: exact 0 at the argmax even for a tiny temperature.
   scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
   logp_all = jax.nn.log_softmax(scaled, axis=-1)
   if greedy:
-    token = jnp.argmax(logits, axis=-1)
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling_logp = jnp.zeros(token.shape, jnp.float32)
   else:
     key = jax.random.fold_in(rng, step)
-    token = jax.random.categorical(key, filter_logits(scaled, top_k=top_k, top_p=top_p),
-                                   axis=-1)
-  token = token.astype(jnp.int32)
+    filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
+    token = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+    sampling_logp = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1),
+                                        token[:, None], axis=-1)[:, 0]
   logp = jnp.take_along_axis(logp_all, token[:, None], axis=-1)[:, 0]
-  return token, logp
+  return token, logp, sampling_logp
 
 
 def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
@@ -214,26 +228,30 @@ def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
   pick = lambda logits, step: _pick(logits, rng, step, temp, top_k=top_k, top_p=top_p,
                                     greedy=greedy)
 
-  def record(step, token, logp, done, bufs):
+  def record(step, token, logp, sampling_logp, done, bufs):
     """Writes column ``step``; returns the updated (done, bufs) and the fed token."""
-    toks, logps, masks = bufs
+    toks, logps, masks, sampling_logps = bufs
     live = ~done
     token = jnp.where(live, token, pad)
-    toks = jax.lax.dynamic_update_slice(toks, token[:, None], (0, step))
-    logps = jax.lax.dynamic_update_slice(logps, jnp.where(live, logp, 0.0)[:, None],
-                                         (0, step))
-    masks = jax.lax.dynamic_update_slice(masks, live.astype(jnp.float32)[:, None],
-                                         (0, step))
+
+    def put(buf, col):
+      return jax.lax.dynamic_update_slice(buf, col[:, None], (0, step))
+
+    toks = put(toks, token)
+    logps = put(logps, jnp.where(live, logp, 0.0))
+    masks = put(masks, live.astype(jnp.float32))
+    sampling_logps = put(sampling_logps, jnp.where(live, sampling_logp, 0.0))
     if eos_id is not None:
       done = done | (token == jnp.asarray(eos_id, jnp.int32))
-    return token, done, (toks, logps, masks)
+    return token, done, (toks, logps, masks, sampling_logps)
 
   cache = fns.init_cache(params, batch, prompt_len + n - 1)
   logits, cache = fns.prefill(params, prompt_tokens, prompt_mask, cache)
   bufs = (jnp.full((batch, n), pad, jnp.int32), jnp.zeros((batch, n), jnp.float32),
-          jnp.zeros((batch, n), jnp.float32))
-  token, logp = pick(logits, 0)
-  token, done, bufs = record(0, token, logp, jnp.zeros((batch,), bool), bufs)
+          jnp.zeros((batch, n), jnp.float32), jnp.zeros((batch, n), jnp.float32))
+  token, logp, sampling_logp = pick(logits, 0)
+  token, done, bufs = record(0, token, logp, sampling_logp, jnp.zeros((batch,), bool),
+                             bufs)
 
   def cond(carry):
     step, _, _, done, _ = carry
@@ -242,13 +260,14 @@ def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
   def body(carry):
     step, token, cache, done, bufs = carry
     logits, cache = fns.decode(params, token, cache)
-    token, logp = pick(logits, step)
-    token, done, bufs = record(step, token, logp, done, bufs)
+    token, logp, sampling_logp = pick(logits, step)
+    token, done, bufs = record(step, token, logp, sampling_logp, done, bufs)
     return step + 1, token, cache, done, bufs
 
   carry = (jnp.asarray(1, jnp.int32), token, cache, done, bufs)
-  _, _, _, done, (completion, logprobs, completion_mask) = jax.lax.while_loop(
-      cond, body, carry)
+  _, _, _, done, (completion, logprobs, completion_mask, sampling_logprobs) = (
+      jax.lax.while_loop(
+          cond, body, carry))
 
   finished = done if eos_id is not None else jnp.zeros((batch,), bool)
   return SampleOutput(
@@ -259,4 +278,5 @@ def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
       logprobs=logprobs,
       lengths=jnp.sum(completion_mask, axis=1).astype(jnp.int32),
       finished=finished,
+      sampling_logprobs=sampling_logprobs,
   )

@@ -26,8 +26,11 @@ from typing import Callable
 from jaxrl_llm.tasks.arithmetic import AddTask
 from jaxrl_llm.tasks.base import Problem, Task, position_match, random_baseline
 from jaxrl_llm.tasks.countdown import CountdownTask, parse_expression
-from jaxrl_llm.tasks.strings import CopyTask, ReverseTask, SortTask, StringTask
+from jaxrl_llm.tasks.jsonl import JsonlTask, load_jsonl
+from jaxrl_llm.tasks.strings import (
+    CopyTask, RepeatTask, ReverseTask, SortTask, StringTask)
 from jaxrl_llm.tasks.tokenizer import CharTokenizer
+from jaxrl_llm.tasks.verifiers import REWARDS, get_reward, register_reward
 
 TASKS: dict[str, Callable[..., Task]] = {
     "copy": CopyTask,
@@ -35,7 +38,11 @@ TASKS: dict[str, Callable[..., Task]] = {
     "sort": SortTask,
     "add": AddTask,
     "countdown": CountdownTask,
+    "repeat": RepeatTask,
 }
+
+LONG_TASKS = ("repeat",)
+"""Tasks whose answers are long (200+ tokens): credit assignment over length."""
 
 DEFAULT_TASK = "reverse"
 
@@ -57,6 +64,7 @@ def get_task(name: str = DEFAULT_TASK, **kwargs) -> Task:
 
 __all__ = [
     "AddTask", "CharTokenizer", "CopyTask", "CountdownTask", "DEFAULT_TASK", "Problem",
-    "ReverseTask", "SortTask", "StringTask", "TASKS", "Task", "get_task",
+    "RepeatTask", "ReverseTask", "SortTask", "LONG_TASKS", "StringTask", "TASKS", "Task", "get_task",
     "parse_expression", "position_match", "random_baseline",
+    "JsonlTask", "load_jsonl", "REWARDS", "get_reward", "register_reward",
 ]

@@ -120,3 +120,47 @@ class SortTask(StringTask):
 
   def transform(self, s: str) -> str:
     return "".join(sorted(s))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RepeatTask(StringTask):
+  """Long response: write the string over and over, ``answer_len`` characters in all.
+
+  ``"384="`` -> ``"384384384...38"`` (200 characters by default), then eos. Every
+  answer token is a copy of the token ``len(s)`` positions back, so a tiny model can
+  learn it, but the answer is long and the reward is a single number given at the
+  end: what this task tests is credit assignment over a long response (PPO with GAE
+  and a critic vs. group baselines), not reasoning. The reward is 1 for the exact
+  answer and ``partial * position_match`` otherwise, so stopping at the right length
+  matters (missing or extra characters count as wrong).
+
+  Attributes:
+    answer_len: length of the answer in characters (= generated tokens minus eos).
+
+  Examples:
+    >>> task = RepeatTask(answer_len=10)
+    >>> task.transform("384"), task.max_new_tokens
+    ('3843843843', 11)
+    >>> p = Problem("384=", "3843843843")
+    >>> task.reward(p, "3843843843"), task.reward(p, "38438438")
+    (1.0, 0.4)
+  """
+
+  name = "repeat"
+  min_len: int = 3
+  max_len: int = 4
+  answer_len: int = 200
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not isinstance(self.answer_len, int) or self.answer_len < self.max_len:
+      raise ValueError(
+          f"`answer_len` must be an int >= max_len ({self.max_len}), got "
+          f"{self.answer_len!r}.")
+
+  @property
+  def max_new_tokens(self) -> int:
+    return self.answer_len + 1
+
+  def transform(self, s: str) -> str:
+    return (s * (-(-self.answer_len // len(s))))[: self.answer_len]

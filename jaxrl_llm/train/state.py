@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import flax.struct
 import jax
@@ -14,28 +14,33 @@ from jaxrl_llm import _validate as v
 from jaxrl_llm.control import (AdaptiveClipState, AdaptiveKLState, adaptive_clip_init,
                                adaptive_kl_init)
 from jaxrl_llm.losses import AGGREGATION_MODES
+from jaxrl_llm.train.registry import (ADVANTAGE_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY,
+                                      get_policy_loss)
 
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gmpo", "reinforce")
+# The built-in policy losses (the live registry is ``registry.POLICY_LOSS_REGISTRY``).
+POLICY_LOSSES = tuple(POLICY_LOSS_REGISTRY)
 KL_MODES = ("none", "loss", "reward")
 KL_KINDS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
 
 # Float fields of TrainConfig that live in TrainState.hparams as traced scalars.
 TRACED_HPARAMS = ("clip_low", "clip_high", "dual_clip", "vf_coef", "vf_clip",
                   "entropy_coef", "kl_coef", "gamma", "lam", "hybrid_mix", "temperature")
-ADVANTAGE_ESTIMATORS = ("gae", "hybrid")
+ADVANTAGE_ESTIMATORS = ("gae", "hybrid")  # built-in in-step estimators
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """Configuration of a train step.
+  """Configuration of a train step: its structure and the initial hyperparameters.
 
-  Static fields (ints, strings, bools, callables) shape the compiled program; changing
-  them builds a new step. Float fields listed in ``TRACED_HPARAMS`` are copied into
-  ``TrainState.hparams`` by :func:`init_train_state` and read from there by the step,
-  so editing ``state.hparams`` (a sweep, a hand-written schedule) never recompiles.
-  A float field set to ``None`` switches its term off statically (``clip_high=None``:
-  symmetric clip; ``dual_clip=None``: no dual clip; ``vf_clip=None``: unclipped value
-  loss).
+  Static fields (ints, strings, bools, callables, and whether a float field is
+  ``None``) shape the compiled program; changing them builds a new step. Float fields
+  listed in ``TRACED_HPARAMS`` (and the policy loss's own hyperparameters, e.g. SAPO's
+  ``tau_pos``) are copied into ``TrainState.hparams`` by :func:`init_train_state` and
+  read from there by the step, so editing ``state.hparams`` (a sweep, a hand-written
+  schedule) never recompiles. The step checks at trace time that the state's
+  ``hparams`` keys are the ones its config declares (:meth:`hparam_names`) and raises
+  ``ValueError`` naming the difference otherwise: build the state with the same config
+  (``step.init(params)``).
 
   Clip epsilon: ``clip_schedule`` (an optax schedule, e.g.
   ``optax.linear_schedule(0.2, 0.05, n)`` for the "0.2 early, 0.05 late" dynamic
@@ -44,12 +49,54 @@ class TrainConfig:
   ``policy_loss="cispo"`` uses verl's form: the stop-gradient importance weight is
   clipped to ``[1 - clip_low, 1 + clip_high]``.
 
-  Advantages computed in the step (when the batch has none) are ``gae`` or
-  ``hybrid``: :func:`jaxrl_llm.hybrid_advantages` with ``hybrid_n`` (static) and
-  ``hybrid_mix`` (traced), the "n-step returns combined with GAE" estimator.
-
-  ``adaptive_kl=True`` updates the KL coefficient after each step from the rollout KL
-  (``old_logp`` vs ``ref_logp``, ``reward_kl_kind``), with ``kl_target``/``kl_horizon``.
+  Attributes:
+    num_epochs: passes over the batch per train step.
+    num_minibatches: optimizer updates per epoch (the batch is split into this many
+      shuffled minibatches).
+    num_microbatches: gradient-accumulation chunks per minibatch (exact: changes
+      nothing but rounding).
+    policy_loss: the registered policy loss (see
+      :data:`jaxrl_llm.train.registry.POLICY_LOSS_REGISTRY`).
+    loss_agg_mode: aggregation of per-token losses (see :func:`jaxrl_llm.aggregate`).
+    norm_length: the constant divisor of ``seq-mean-token-sum-norm`` (Dr. GRPO).
+    use_value: train a value head (PPO critic) with a clipped value loss.
+    whiten_advantages: whiten advantages over the batch's response tokens.
+    gae_method: ``scan`` or ``associative`` recurrence for in-step advantages.
+    advantage_estimator: in-step estimator when the batch has no ``advantages``
+      (``gae``, or ``hybrid``: n-step returns mixed with GAE).
+    hybrid_n: the n of the hybrid estimator's n-step returns.
+    kl_mode: where the KL to the reference goes: ``none``, ``loss`` or ``reward``.
+    kl_kind: KL estimator in the loss (k1, k2, k3, abs, k1+, k3+).
+    reward_kl_kind: KL estimator in the reward and for the adaptive controller.
+    adaptive_kl: adapt the KL coefficient toward ``kl_target`` (verl/OpenRLHF).
+    kl_target: target rollout KL of the adaptive KL controller.
+    kl_horizon: horizon (samples) of the adaptive KL controller.
+    clip_schedule: an optax schedule of the clip epsilon (replaces ``clip_low``).
+    adaptive_clip: adapt the clip epsilon toward ``adaptive_clip_target``.
+    adaptive_clip_target: target of the adaptive clip controller (None: its default).
+    adaptive_clip_metric: what the adaptive clip controller tracks: ``kl`` or
+      ``clipfrac``.
+    clip_min: lower bound of the adaptive clip epsilon.
+    clip_max: upper bound of the adaptive clip epsilon.
+    logprob_chunk_size: vocabulary-projection chunk for log-probs from hidden states.
+    skip_nonfinite: skip updates whose inputs, loss, gradients or results are not
+      finite (counted in ``metrics["skipped"]``).
+    clip_low: clip epsilon (lower side); None = the policy loss's default (PPO 0.2,
+      GSPO 3e-4, GMPO 0.4).
+    clip_high: clip epsilon (upper side, DAPO clip-higher); None = symmetric when
+      ``clip_low`` is set, else the policy loss's default.
+    dual_clip: dual-clip constant c > 1 for negative advantages (losses that take it);
+      None = off.
+    vf_coef: weight of the value loss.
+    vf_clip: value clip range around the rollout values; None = unclipped.
+    entropy_coef: weight of the entropy bonus.
+    kl_coef: weight of the KL to the reference (initial value when adaptive).
+    gamma: discount of in-step advantages.
+    lam: GAE lambda.
+    hybrid_mix: weight of the n-step returns in the hybrid estimator.
+    temperature: sampling temperature the log-probs are computed at.
+    loss_hparams: overrides of the policy loss's own hyperparameters (e.g.
+      ``{"tau_pos": 2.0}`` for SAPO); traced like the fields above.
   """
   # --- static structure
   num_epochs: int = 1
@@ -78,7 +125,7 @@ class TrainConfig:
   logprob_chunk_size: Optional[int] = None
   skip_nonfinite: bool = True
   # --- traced hyperparameters (see TRACED_HPARAMS)
-  clip_low: float = 0.2
+  clip_low: Optional[float] = None
   clip_high: Optional[float] = None
   dual_clip: Optional[float] = None
   vf_coef: float = 0.5
@@ -89,31 +136,109 @@ class TrainConfig:
   lam: float = 0.95
   hybrid_mix: float = 0.5
   temperature: float = 1.0
+  loss_hparams: Optional[Mapping[str, float]] = None
 
   def __post_init__(self):
-    for name in ("num_epochs", "num_minibatches", "num_microbatches"):
+    for name in ("num_epochs", "num_minibatches", "num_microbatches", "hybrid_n"):
       val = getattr(self, name)
-      if not isinstance(val, int) or val < 1:
+      if not isinstance(val, int) or isinstance(val, bool) or val < 1:
         raise ValueError(f"`{name}` must be an int >= 1, got {val!r}.")
-    v.check_choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+    spec = get_policy_loss(self.policy_loss)
     v.check_choice("loss_agg_mode", self.loss_agg_mode, AGGREGATION_MODES)
     v.check_choice("kl_mode", self.kl_mode, KL_MODES)
     v.check_choice("kl_kind", self.kl_kind, KL_KINDS)
     v.check_choice("reward_kl_kind", self.reward_kl_kind, KL_KINDS)
     v.check_choice("gae_method", self.gae_method, ("scan", "associative"))
-    v.check_choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
+    v.check_choice("advantage_estimator", self.advantage_estimator,
+                   advantage_estimators())
     v.check_choice("adaptive_clip_metric", self.adaptive_clip_metric, ("kl", "clipfrac"))
     if self.clip_schedule is not None and self.adaptive_clip:
       raise ValueError("`clip_schedule` and `adaptive_clip` are exclusive: pick one.")
     if self.adaptive_kl and self.kl_mode == "none":
       raise ValueError("`adaptive_kl` needs `kl_mode` 'loss' or 'reward'.")
-    if self.dual_clip is not None and not self.dual_clip > 1:
-      raise ValueError(f"`dual_clip` must be > 1, got {self.dual_clip!r}.")
+    _check_range("clip_low", self.clip_low, low=0.0)
+    _check_range("clip_high", self.clip_high, low=0.0)
+    _check_range("dual_clip", self.dual_clip, low=1.0)
+    _check_range("vf_clip", self.vf_clip, low=0.0)
+    _check_range("vf_coef", self.vf_coef, low=0.0, inclusive=True)
+    _check_range("kl_coef", self.kl_coef, low=0.0, inclusive=True)
+    _check_range("gamma", self.gamma, low=0.0, high=1.0, inclusive=True)
+    _check_range("lam", self.lam, low=0.0, high=1.0, inclusive=True)
+    _check_range("hybrid_mix", self.hybrid_mix, low=0.0, high=1.0, inclusive=True)
+    _check_range("temperature", self.temperature, low=0.0)
+    _check_range("kl_target", self.kl_target, low=0.0)
+    _check_range("kl_horizon", self.kl_horizon, low=0.0)
+    if self.norm_length is not None and (not isinstance(self.norm_length, int)
+                                         or self.norm_length < 1):
+      raise ValueError(f"`norm_length` must be None or an int >= 1, got "
+                       f"{self.norm_length!r}.")
+    if not 0 < self.clip_min <= self.clip_max:
+      raise ValueError(f"`clip_min` and `clip_max` must satisfy 0 < clip_min <= clip_max,"
+                       f" got {self.clip_min!r} and {self.clip_max!r}.")
+    if self.dual_clip is not None and not spec.supports_dual_clip:
+      raise ValueError(f"`dual_clip` is not supported by policy_loss={self.policy_loss!r}"
+                       f" ({spec.fn.__name__} has no dual_clip).")
+    unknown = sorted(set(self.loss_hparams or {}) - set(spec.extra_hparams))
+    if unknown:
+      raise ValueError(f"`loss_hparams` has {unknown}, not hyperparameters of "
+                       f"policy_loss={self.policy_loss!r} (it takes "
+                       f"{sorted(spec.extra_hparams) or 'none'}).")
+
+  def clip_range(self) -> tuple[float, Optional[float]]:
+    """``(clip_low, clip_high)`` after the policy loss's defaults are applied.
+
+    ``clip_high`` None means symmetric (``clip_high = clip_low``).
+
+    Examples:
+      >>> TrainConfig().clip_range(), TrainConfig(policy_loss="gspo").clip_range()
+      ((0.2, None), (0.0003, 0.0004))
+      >>> TrainConfig(policy_loss="gspo", clip_low=1e-3).clip_range()
+      (0.001, None)
+    """
+    if self.clip_low is not None:
+      return self.clip_low, self.clip_high
+    defaults = get_policy_loss(self.policy_loss).defaults
+    low = defaults.get("clip_low")
+    high = self.clip_high if self.clip_high is not None else defaults.get("clip_high")
+    return (0.2 if low is None else low), high
+
+  def hparam_values(self) -> dict:
+    """The traced hyperparameters as Python floats (None-valued ones left out)."""
+    vals: dict = {k: getattr(self, k) for k in TRACED_HPARAMS}
+    vals["clip_low"], vals["clip_high"] = self.clip_range()
+    spec = get_policy_loss(self.policy_loss)
+    vals.update(spec.extra_hparams)
+    vals.update(self.loss_hparams or {})
+    return {k: val for k, val in vals.items() if val is not None}
+
+  def hparam_names(self) -> tuple:
+    """The keys ``TrainState.hparams`` must have for this config (sorted)."""
+    return tuple(sorted(self.hparam_values()))
 
   def hparams(self) -> dict:
     """The traced hyperparameters as float32 scalars (None fields are left out)."""
-    return {k: jnp.asarray(getattr(self, k), jnp.float32) for k in TRACED_HPARAMS
-            if getattr(self, k) is not None}
+    return {k: jnp.asarray(val, jnp.float32) for k, val in self.hparam_values().items()}
+
+
+def _check_range(name: str, x, *, low=None, high=None, inclusive=False) -> None:
+  """ValueError naming ``name`` when the Python number ``x`` is out of range."""
+  if x is None or isinstance(x, bool) or not isinstance(x, (int, float)):
+    return
+  ok = True
+  if low is not None:
+    ok = x >= low if inclusive else x > low
+  if high is not None:
+    ok = ok and x <= high
+  if not ok:
+    lo = f"{'>=' if inclusive else '>'} {low}" if low is not None else ""
+    hi = f"<= {high}" if high is not None else ""
+    raise ValueError(f"`{name}` must be {' and '.join(p for p in (lo, hi) if p)}, "
+                     f"got {x!r}.")
+
+
+def advantage_estimators() -> tuple:
+  """Names of the registered in-step (critic-based) advantage estimators."""
+  return tuple(k for k, spec in ADVANTAGE_ESTIMATOR_REGISTRY.items() if spec.needs_values)
 
 
 @flax.struct.dataclass
@@ -139,9 +264,19 @@ class TrainState:
   rng: jax.Array
 
 
-def init_train_state(params, optimizer: optax.GradientTransformation, config: TrainConfig,
-                     rng=None) -> TrainState:
-  """Builds the initial :class:`TrainState` for ``params``."""
+def init_train_state(params: Any, optimizer: optax.GradientTransformation,
+                     config: TrainConfig, rng: Optional[jax.Array] = None) -> TrainState:
+  """Builds the initial :class:`TrainState` for ``params``.
+
+  Use the same ``config`` (and optimizer) as the train step; ``step.init(params)`` of a
+  step from :func:`jaxrl_llm.train.make_train_step` does exactly that.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> state = init_train_state({"w": jnp.zeros(2)}, optax.sgd(0.1), TrainConfig())
+    >>> int(state.step), sorted(state.hparams)[:3]
+    (0, ['clip_low', 'entropy_coef', 'gamma'])
+  """
   if rng is None:
     rng = jax.random.PRNGKey(0)
   clip_kwargs = {} if config.adaptive_clip_target is None else {
@@ -155,7 +290,7 @@ def init_train_state(params, optimizer: optax.GradientTransformation, config: Tr
                                horizon=config.kl_horizon),
       # The controller's epsilon lives in [clip_min, clip_max] (adaptive_clip_init
       # rejects a start outside it); a loss's own clip_low (GSPO 3e-4) may not.
-      clip_ctrl=adaptive_clip_init(min(max(config.clip_low, config.clip_min),
+      clip_ctrl=adaptive_clip_init(min(max(config.clip_range()[0], config.clip_min),
                                        config.clip_max),
                                    eps_min=config.clip_min, eps_max=config.clip_max,
                                    metric=config.adaptive_clip_metric, **clip_kwargs),

@@ -28,8 +28,19 @@ One step runs ``num_epochs`` x ``num_minibatches`` optimizer updates as nested
 denominator (:func:`jaxrl_llm.aggregate_parts`) is computed over the whole minibatch
 first, so microbatching changes nothing but rounding.
 
-An update whose loss or gradients are not finite is skipped (parameters and
-optimizer state unchanged) and counted in ``metrics["skipped"]``.
+Fault handling, the same for every policy loss and estimator:
+
+* An update is skipped (parameters and optimizer state unchanged) and counted in
+  ``metrics["skipped"]`` when anything it reads or produces is not finite: a batch
+  value at a trainable token (``old_logp``, ``ref_logp``, ``old_values``, the
+  advantages and returns), the loss, the gradients, the optimizer's updates, the new
+  parameters or the new optimizer state (so a poisoned optimizer state never reaches
+  the parameters). Values at positions outside ``loss_mask`` are never read.
+* An update over a minibatch with no trainable token is an exact no-op (counted in
+  ``metrics["skipped_empty"]``): Adam's momentum does not move the parameters and its
+  count does not advance.
+* When no update of a step was applied, the controllers (adaptive KL / clip) and the
+  shuffling key are left as they were: only ``step`` advances.
 
 The model is any pure ``apply_fn(params, tokens, positions, attention_mask)``
 returning ``(logits [B,L,V], values [B,L] or None)`` or ``(hidden [B,L,D], values,
@@ -39,7 +50,8 @@ lm_head [D,V])``; the second form computes log-probs chunk by chunk
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +59,11 @@ import optax
 
 from jaxrl_llm import _validate as v
 from jaxrl_llm import losses as L
-from jaxrl_llm.advantages import gae, hybrid_advantages
 from jaxrl_llm.control import adaptive_clip_update, adaptive_kl_update
 from jaxrl_llm.logprobs import token_logprobs, token_logprobs_from_hidden
 from jaxrl_llm.masked import explained_variance
-from jaxrl_llm.train.state import TrainConfig, TrainState
+from jaxrl_llm.train.registry import AdvantageInputs, compute_advantages, get_policy_loss
+from jaxrl_llm.train.state import TrainConfig, TrainState, init_train_state
 
 TOKEN_KEYS = ("attention_mask", "loss_mask", "old_logp", "rewards", "old_values",
               "returns", "ref_logp", "positions")
@@ -192,13 +204,13 @@ def prepare_batch(batch: dict, state: TrainState, config: TrainConfig,
       kl = L.kl_penalty(batch["old_logp"], batch["ref_logp"], config.reward_kl_kind,
                         mask=mask)
       rewards = rewards - kl_coef * kl
+    static = {"method": config.gae_method}
     if config.advantage_estimator == "hybrid":
-      adv, ret = hybrid_advantages(rewards, batch["old_values"], mask, n=config.hybrid_n,
-                                   gamma=hp["gamma"], lam=hp["lam"],
-                                   mix=hp["hybrid_mix"], method=config.gae_method)
-    else:
-      adv, ret = gae(rewards, batch["old_values"], mask, gamma=hp["gamma"],
-                     lam=hp["lam"], method=config.gae_method)
+      static["n"] = config.hybrid_n
+    adv, ret = compute_advantages(
+        config.advantage_estimator,
+        AdvantageInputs(rewards=rewards, values=batch["old_values"], mask=mask), hp,
+        **static)
     batch["advantages"] = adv
     batch.setdefault("returns", ret)
   adv = v.as_f32(batch["advantages"])
@@ -222,6 +234,21 @@ def _kl_coef(state, config):
   return state.kl_ctrl.coef if config.adaptive_kl else state.hparams["kl_coef"]
 
 
+def check_hparams(state: TrainState, config: TrainConfig) -> None:
+  """Raises ``ValueError`` unless ``state.hparams`` has exactly the config's keys.
+
+  The step's structure (dual clip, clip-high, value clip, the policy loss's own
+  hyperparameters) comes from its config; a state built from another config would
+  otherwise silently switch terms on or off. Trace-time only (keys, not values).
+  """
+  have, want = set(state.hparams), set(config.hparam_names())
+  if have != want:
+    raise ValueError(
+        f"state.hparams does not match the step's TrainConfig: missing {sorted(want - have)}"
+        f", unexpected {sorted(have - want)}. Build the state with the step's config "
+        f"(step.init(params) or init_train_state(params, optimizer, config)).")
+
+
 def _clip_range(state, config):
   """(eps_low, eps_high) for this step: schedule, adaptive controller or fixed."""
   hp = state.hparams
@@ -231,28 +258,22 @@ def _clip_range(state, config):
     low = state.clip_ctrl.eps
   else:
     low = hp["clip_low"]
-  if "clip_high" in hp:
+  if config.clip_range()[1] is not None:
     return low, low * hp["clip_high"] / hp["clip_low"]
   return low, low
 
 
 def _policy_loss(config, logp, mb, eps_low, eps_high, hp):
-  adv, mask, old = mb["advantages"], mb["loss_mask"], mb["old_logp"]
-  kind = config.policy_loss
-  if kind == "ppo":
-    return L.ppo_policy_loss(logp, old, adv, mask, clip_low=eps_low, clip_high=eps_high,
-                             dual_clip=hp.get("dual_clip"))
-  if kind == "gspo":
-    return L.gspo_policy_loss(logp, old, adv, mask, clip_low=eps_low, clip_high=eps_high)
-  if kind == "cispo":
-    # verl form: the stop-gradient IS weight is clipped to [1 - eps_low, 1 + eps_high].
-    return L.cispo_policy_loss(logp, old, adv, mask, clip_low=eps_low, clip_high=eps_high,
-                               mode="verl")
-  if kind == "sapo":
-    return L.sapo_policy_loss(logp, old, adv, mask)
-  if kind == "gmpo":
-    return L.gmpo_policy_loss(logp, old, adv, mask, clip_low=eps_low, clip_high=eps_high)
-  return L.reinforce_policy_loss(logp, adv, mask)
+  """The registered policy loss of ``config``, fed its traced hyperparameters."""
+  spec = get_policy_loss(config.policy_loss)
+  kwargs = dict(spec.static)
+  if spec.uses_clip:
+    kwargs.update(clip_low=eps_low, clip_high=eps_high)
+  if config.dual_clip is not None:
+    kwargs["dual_clip"] = hp["dual_clip"]
+  names = config.hparam_names()
+  kwargs.update({k: hp[k] for k in spec.extra_hparams if k in names})
+  return spec.fn(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], **kwargs)
 
 
 def _denominators(mb, config, axis_name=None):
@@ -266,7 +287,8 @@ def _denominators(mb, config, axis_name=None):
                             norm_length=config.norm_length)
   tokens = jnp.sum(v.as_f32(mask))
   pg, tokens = _psum(pg, axis_name), _psum(tokens, axis_name)
-  return {"pg": jnp.maximum(pg, 1.0), "tokens": jnp.maximum(tokens, 1.0)}
+  return {"pg": jnp.maximum(pg, 1.0), "tokens": jnp.maximum(tokens, 1.0),
+          "count": tokens}
 
 
 def _loss_fn(params, mb, denoms, state, config, apply_fn, eps_low, eps_high):
@@ -286,8 +308,9 @@ def _loss_fn(params, mb, denoms, state, config, apply_fn, eps_low, eps_high):
   if config.use_value:
     if values is None:
       raise ValueError("config.use_value=True but apply_fn returned no values.")
+    vf_clip = None if config.vf_clip is None else hp["vf_clip"]
     vf_tok, vf_metrics = L.value_loss(values, mb["old_values"], mb["returns"], mask,
-                                      clip=hp.get("vf_clip"))
+                                      clip=vf_clip)
     vf_loss = jnp.sum(vf_tok * mask) / denoms["tokens"]
     loss = loss + hp["vf_coef"] * vf_loss
     terms["vf_loss"] = vf_loss
@@ -297,8 +320,9 @@ def _loss_fn(params, mb, denoms, state, config, apply_fn, eps_low, eps_high):
     loss = loss + _kl_coef(state, config) * kl
     terms["kl_loss"] = kl
   if "ref_logp" in mb:
-    terms["kl_ref"] = jnp.sum(
-        jax.lax.stop_gradient(logp - mb["ref_logp"]) * mask) / denoms["tokens"]
+    diff = jnp.where(mask > 0, jax.lax.stop_gradient(logp) - v.as_f32(mb["ref_logp"]),
+                     0.0)
+    terms["kl_ref"] = jnp.sum(diff) / denoms["tokens"]
   # Mean-type metrics are token means of this microbatch: re-weight them by its
   # share of the minibatch's tokens so that their sum over microbatches is exact.
   share = jnp.sum(mask) / denoms["tokens"]
@@ -323,13 +347,36 @@ def _split(x, n):
 
 
 def _all_finite(tree):
-  leaves = jax.tree_util.tree_leaves(tree)
+  leaves = [x for x in jax.tree_util.tree_leaves(tree)
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  if not leaves:
+    return jnp.asarray(True)
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+# Batch values the update reads at trainable tokens (after prepare_batch).
+_CHECKED_KEYS = ("old_logp", "ref_logp", "old_values", "advantages", "returns")
+
+
+def _nonfinite_inputs(mb, axis_name=None):
+  """Number of non-finite batch values at trainable tokens, over all devices."""
+  valid = v.as_f32(mb["loss_mask"]) > 0
+  bad = jnp.zeros((), jnp.float32)
+  for key in _CHECKED_KEYS:
+    if key in mb:
+      bad = bad + jnp.sum(jnp.where(valid, ~jnp.isfinite(v.as_f32(mb[key])), False))
+  return _psum(bad, axis_name)
+
+
 def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
-                    config: TrainConfig, *, axis_name=None) -> Callable:
+                    config: TrainConfig, *, axis_name: Optional[str] = None) -> Callable:
   """Returns a pure ``train_step(state, batch) -> (state, metrics)``; jit it yourself.
+
+  The step and its state come from one config: ``train_step.init(params, rng=None)``
+  builds the matching :class:`TrainState` (:func:`init_train_state` with the same
+  optimizer and config). A state whose ``hparams`` keys differ from the config's
+  raises ``ValueError`` at trace time (see :func:`check_hparams`); hyperparameter
+  *values* stay traced, so changing them never recompiles.
 
   ``axis_name``: set it when the step runs per device under ``jax.pmap`` or
   ``shard_map`` with the batch split over that axis. Loss denominators, gradients,
@@ -342,10 +389,26 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
   are averaged over the ``num_epochs * num_minibatches`` updates: ``loss``, ``pg_loss``,
   ``entropy``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``approx_kl``, ``grad_norm``,
   (``vf_loss``, ``vf_clipfrac``, ``explained_variance``), (``kl_loss``, ``kl_ref``),
-  ``adv_mean``, ``adv_std``, ``clip_eps``, ``kl_coef``; ``skipped`` is a count.
+  ``adv_mean``, ``adv_std``, ``clip_eps``, ``kl_coef``; ``skipped`` (non-finite) and
+  ``skipped_empty`` (no trainable token) are counts of skipped updates.
+
+  Examples:
+    >>> import jax, numpy as np, optax
+    >>> apply = lambda p, tokens, pos, attn: (p["w"][tokens], None)   # logits [B,L,V]
+    >>> opt, config = optax.sgd(0.1), TrainConfig(use_value=False, whiten_advantages=False)
+    >>> step = make_train_step(apply, opt, config)
+    >>> state = step.init({"w": np.zeros((4, 4), np.float32)})
+    >>> ones = np.ones((2, 3), np.float32)
+    >>> batch = dict(tokens=np.ones((2, 3), np.int32), attention_mask=ones,
+    ...              loss_mask=ones, old_logp=np.log(0.25) * ones,
+    ...              advantages=np.array([1.0, -1.0], np.float32))
+    >>> state, metrics = jax.jit(step)(state, batch)
+    >>> int(state.step), float(metrics["skipped"])
+    (1, 0.0)
   """
 
   def train_step(state: TrainState, batch: dict):
+    check_hparams(state, config)
     validate_batch(batch, config)
     batch = prepare_batch(batch, state, config, axis_name)
     adv_raw_var = batch.pop("adv_raw_var")
@@ -373,11 +436,20 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
 
       updates, new_opt_state = optimizer.update(grads, opt_state, params)
       new_params = optax.apply_updates(params, updates)
-      ok = _all_finite((grads, metrics["loss"])) if config.skip_nonfinite else True
+      if config.skip_nonfinite:
+        finite = ((_nonfinite_inputs(mb, axis_name) == 0)
+                  & _all_finite((grads, metrics["loss"], updates, new_params,
+                                 new_opt_state)))
+      else:
+        finite = jnp.asarray(True)
+      nonempty = denoms["count"] > 0
+      ok = finite & nonempty
       keep = lambda new, old: jax.tree_util.tree_map(
           lambda a, b: jnp.where(ok, a, b), new, old)
       metrics["grad_norm"] = optax.tree.norm(grads)
-      metrics["skipped"] = 1.0 - jnp.asarray(ok, jnp.float32)
+      metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+      metrics["skipped_empty"] = 1.0 - nonempty.astype(jnp.float32)
+      metrics["applied"] = ok.astype(jnp.float32)
       return (keep(new_params, params), keep(new_opt_state, opt_state)), metrics
 
     n = config.num_minibatches
@@ -396,7 +468,9 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
     carry = (state.params, state.opt_state)
     (params, opt_state), metrics = jax.lax.scan(epoch, carry, keys)
     metrics = jax.tree_util.tree_map(jnp.mean, metrics)
-    metrics["skipped"] = metrics["skipped"] * config.num_epochs * n
+    for key in ("skipped", "skipped_empty"):
+      metrics[key] = metrics[key] * config.num_epochs * n
+    applied = metrics.pop("applied") > 0      # at least one update of the step applied
     _, metrics["adv_mean"], adv_var = _global_moments(batch["advantages"], mask,
                                                       axis_name)
     metrics["adv_std"] = jnp.sqrt(adv_var)
@@ -416,41 +490,69 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
                                              config.reward_kl_kind, mask=mask),
                                 mask, axis_name)
       metrics["rollout_kl"] = rollout_kl
-      kl_ctrl = adaptive_kl_update(kl_ctrl, rollout_kl, mask.shape[0])
+      # verl's n_steps is the number of sequences of the whole (global) batch.
+      n_seq = _psum(jnp.asarray(mask.shape[0], jnp.float32), axis_name)
+      kl_ctrl = adaptive_kl_update(kl_ctrl, rollout_kl, n_seq)
     if config.adaptive_clip:
       observed = metrics["approx_kl" if config.adaptive_clip_metric == "kl"
                          else "pg_clipfrac"]
       clip_ctrl = adaptive_clip_update(clip_ctrl, observed)
+    # A step that applied no update (all skipped or empty) moves nothing but `step`.
+    unless_idle = lambda new, old: jax.tree_util.tree_map(
+        lambda a, b: jnp.where(applied, a, b), new, old)
+    kl_ctrl, clip_ctrl, rng = unless_idle((kl_ctrl, clip_ctrl, rng),
+                                          (state.kl_ctrl, state.clip_ctrl, state.rng))
     new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                               kl_ctrl=kl_ctrl, clip_ctrl=clip_ctrl, rng=rng)
     return new_state, metrics
 
+  def init(params: Any, rng: Optional[jax.Array] = None) -> TrainState:
+    """The :class:`TrainState` of this step (same optimizer and config)."""
+    return init_train_state(params, optimizer, config, rng=rng)
+
+  train_step.init = init  # type: ignore[attr-defined]
+  train_step.config = config  # type: ignore[attr-defined]
   return train_step
 
 
-def make_ppo_train_step(apply_fn, optimizer, config: TrainConfig | None = None,
-                        **overrides) -> Callable:
+def _with_overrides(config: Optional[TrainConfig], defaults: dict,
+                    overrides: dict) -> TrainConfig:
+  """``config`` (or ``TrainConfig(**defaults)``) with ``overrides`` applied on top."""
+  if config is None:
+    return TrainConfig(**{**defaults, **overrides})
+  unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(TrainConfig)})
+  if unknown:
+    raise ValueError(f"unknown TrainConfig field(s) {unknown}.")
+  return dataclasses.replace(config, **overrides) if overrides else config
+
+
+# TrainConfig fields of the GRPO family (critic-free, KL in the loss).
+GRPO_DEFAULTS = dict(use_value=False, whiten_advantages=False, kl_mode="loss",
+                     kl_kind="k3", vf_clip=None)
+
+
+def make_ppo_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
+                        config: Optional[TrainConfig] = None, **overrides: Any) -> Callable:
   """PPO with a value head (GAE from ``rewards``/``old_values`` or given advantages).
 
   Defaults: clipped surrogate (``clip_low=0.2``), clipped value loss (0.5, coef 0.5),
-  token-mean aggregation, whitened advantages.
+  token-mean aggregation, whitened advantages. ``overrides`` are TrainConfig fields,
+  applied on top of ``config`` when one is given.
   """
-  config = config or TrainConfig(**overrides)
-  return make_train_step(apply_fn, optimizer, config)
+  return make_train_step(apply_fn, optimizer, _with_overrides(config, {}, overrides))
 
 
-def make_grpo_train_step(apply_fn, optimizer, config: TrainConfig | None = None,
-                         **overrides) -> Callable:
+def make_grpo_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
+                         config: Optional[TrainConfig] = None,
+                         **overrides: Any) -> Callable:
   """GRPO-family step: no value model, per-sequence advantages from a group estimator,
   KL to the reference in the loss (k3) when ``kl_coef > 0``.
 
   Defaults: ``use_value=False, whiten_advantages=False, kl_mode="loss",
   kl_kind="k3", loss_agg_mode="token-mean"`` (DAPO / TRL default); Dr.GRPO is
   ``loss_agg_mode="seq-mean-token-sum-norm"`` with :func:`jaxrl_llm.dr_grpo_advantages`.
+  ``overrides`` are TrainConfig fields, applied on top of ``config`` when given
+  (the GRPO defaults above apply only without a ``config``).
   """
-  if config is None:
-    kw = dict(use_value=False, whiten_advantages=False, kl_mode="loss", kl_kind="k3",
-              vf_clip=None)
-    kw.update(overrides)
-    config = TrainConfig(**kw)
-  return make_train_step(apply_fn, optimizer, config)
+  return make_train_step(apply_fn, optimizer,
+                         _with_overrides(config, GRPO_DEFAULTS, overrides))

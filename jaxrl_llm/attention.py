@@ -1,0 +1,546 @@
+r"""Memory-efficient dot-product attention as a pure function.
+
+One entry point, :func:`dot_product_attention`, with the shapes of
+``jax.nn.dot_product_attention``: ``query`` ``[B, T, N, H]``, ``key``/``value``
+``[B, S, K, H]`` with ``N % K == 0`` (grouped-query attention: query head ``n`` uses
+key/value head ``n // (N // K)``). For query ``i`` and head ``n``,
+
+.. math::
+
+  o_i = \sum_{j \in A(i)} \frac{e^{s_{ij}}}{\sum_{j' \in A(i)} e^{s_{ij'}}}\, v_j,
+  \qquad s_{ij} = \frac{q_i \cdot k_j}{\sqrt{H}},
+
+where the allowed set :math:`A(i)` holds the keys with ``key_mask[b, j]`` true and, with
+``is_causal``, ``j <= i + query_offset``. ``query_offset`` defaults to ``S - T``: the
+queries are aligned to the *end* of the keys (the flash-attention convention), so a
+full forward (``T == S``), a prefill continuation (``T < S``) and a decode step
+(``T == 1``) are the same call. A query with an empty :math:`A(i)` returns 0, never NaN.
+
+Implementations (``implementation=``):
+
+* ``"xla"``: the plain softmax over ``[B, N, T, S]`` scores; the reference, and the
+  fastest for small ``T * S``.
+* ``"blockwise"``: pure JAX online softmax (Milakov & Gimelshein 2018; FlashAttention,
+  Dao et al. 2022, 2023) over query blocks and key blocks, in a ``jax.custom_vjp`` whose
+  backward pass recomputes the scores block by block (FlashAttention-2's backward), so
+  neither pass holds more than ``[B, N, block_q, block_k]`` scores: memory is linear in
+  ``T`` and ``S``. Causal key blocks that no query of a block can see are skipped.
+  Works for any ``T`` and ``S`` (inputs are padded up to the block sizes inside).
+* ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU, only
+  where its masks mean the same thing: no ``key_mask``, no explicit ``query_offset``,
+  and ``T == S`` when causal (cuDNN's causal mask is aligned to the *start*), bf16/fp16
+  inputs, ``H`` a multiple of 8 up to 128. Anything else raises ``ValueError``.
+* Registered names (:func:`register_attention`), e.g. ``"ring"`` from
+  :mod:`jaxrl_llm.parallel` (context parallelism over a ``sequence`` mesh axis).
+
+``implementation=None`` picks one with :func:`select_implementation`.
+
+All math is float32 inside whatever the input dtype; :func:`dot_product_attention`
+returns the query's dtype, :func:`attention_with_lse` returns float32 outputs and the
+log-sum-exp of the scores (the partial result that context parallelism merges).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_llm import _validate as v
+
+# Finite "minus infinity" for masked scores.
+_NEG = -1e30
+#: The log-sum-exp reported for a query with no visible key. Finite, so merging partial
+#: results with the online-softmax rule (``m = max(l1, l2)``, weights ``exp(l - m)``)
+#: never produces ``inf - inf``: two empty parts merge to output 0 and an empty part
+#: merged with a real one gets weight ``exp(-1e30 - l) = 0``.
+NO_KEY_LSE = -1e30
+
+#: ``implementation=None`` uses ``"xla"`` while ``T * S`` is at most this (per batch row
+#: and head: 4 MiB of float32 scores), ``"blockwise"`` above it.
+XLA_MAX_SCORES = 1024 * 1024
+
+#: Default query/key block size of ``"blockwise"`` (tuned on CPU: see
+#: ``benchmarks/attention.py``).
+DEFAULT_BLOCK_SIZE = 512
+
+# ----------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------
+
+
+def _check_inputs(query, key, value, key_mask, query_offset):
+  """Trace-time shape checks; returns ``(B, T, N, H, S, K)``."""
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    v.check_rank(name, x, 4)
+    v.check_float(name, x)
+  b, t, n, h = v.shape_of(query)
+  bk, s, k, hk = v.shape_of(key)
+  if (bk, hk) != (b, h):
+    raise ValueError(
+        f"`key` must have shape [B, S, K, H] with the batch B and head dim H of `query` "
+        f"{v.shape_of(query)}, got {v.shape_of(key)}.")
+  if v.shape_of(value) != v.shape_of(key):
+    raise ValueError(
+        f"`value` must have the shape of `key` {v.shape_of(key)}, got "
+        f"{v.shape_of(value)}.")
+  if n % k:
+    raise ValueError(
+        f"The number of query heads N must be a multiple of the key/value heads K: "
+        f"`query` has shape {v.shape_of(query)} (N={n}), `key` has shape "
+        f"{v.shape_of(key)} (K={k}).")
+  if key_mask is not None and v.shape_of(key_mask) != (b, s):
+    raise ValueError(
+        f"`key_mask` must have shape [B, S] = {(b, s)} (from `key` {v.shape_of(key)}), "
+        f"got {v.shape_of(key_mask)}.")
+  if query_offset is not None:
+    if jnp.ndim(query_offset) != 0:
+      raise ValueError(
+          f"`query_offset` must be a scalar, got shape {v.shape_of(query_offset)}.")
+    if not jnp.issubdtype(jnp.result_type(query_offset), jnp.integer):
+      raise ValueError(
+          f"`query_offset` must be an integer, got dtype {jnp.result_type(query_offset)}.")
+  return b, t, n, h, s, k
+
+
+def _block_sizes(block_size, t, s):
+  """``(block_q, block_k)``: at most the requested size, balanced, multiples of 8."""
+  if block_size is None:
+    block_size = DEFAULT_BLOCK_SIZE
+  if isinstance(block_size, int):
+    block_size = (block_size, block_size)
+  bq, bk = block_size
+  if not (isinstance(bq, int) and isinstance(bk, int) and bq > 0 and bk > 0):
+    raise ValueError(f"`block_size` must be a positive int or a pair of them, got "
+                     f"{block_size!r}.")
+
+  def balanced(size, length):
+    if length <= size:
+      return length
+    blocks = -(-length // size)
+    per = -(-length // blocks)
+    return min(size, -(-per // 8) * 8)
+
+  return balanced(bq, t), balanced(bk, s)
+
+
+# ----------------------------------------------------------------------------------
+# "xla": the plain softmax
+# ----------------------------------------------------------------------------------
+
+
+def _allowed(t, s, key_mask, is_causal, offset):
+  """``[B or 1, T, S]`` bool: key ``j`` visible to query ``i``."""
+  allowed = jnp.ones((1, t, s), bool)
+  if key_mask is not None:
+    allowed = allowed & (key_mask != 0)[:, None, :]
+  if is_causal:
+    causal = jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + offset
+    allowed = allowed & causal[None]
+  return allowed
+
+
+def _xla_with_lse(query, key, value, key_mask, is_causal, offset):
+  b, t, n, h = query.shape
+  s, k = key.shape[1], key.shape[2]
+  qg = query.astype(jnp.float32).reshape(b, t, k, n // k, h)
+  scores = jnp.einsum("btkgh,bskh->bkgts", qg, key.astype(jnp.float32))
+  scores = scores * (1.0 / math.sqrt(h))
+  allowed = _allowed(t, s, key_mask, is_causal, offset)[:, None, None]  # [B,1,1,T,S]
+  scores = jnp.where(allowed, scores, _NEG)
+  m = jnp.max(scores, axis=-1, keepdims=True)
+  p = jnp.where(allowed, jnp.exp(scores - lax.stop_gradient(m)), 0.0)
+  l = jnp.sum(p, axis=-1)  # [B,K,G,T]
+  visible = l > 0
+  safe_l = jnp.where(visible, l, 1.0)
+  out = jnp.einsum("bkgts,bskh->btkgh", p / safe_l[..., None], value.astype(jnp.float32))
+  lse = jnp.where(visible, jnp.log(safe_l) + lax.stop_gradient(m[..., 0]), NO_KEY_LSE)
+  out = out.reshape(b, t, n, h)
+  lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, n)
+  return out, lse
+
+
+# ----------------------------------------------------------------------------------
+# "blockwise": online softmax with a recomputing custom_vjp
+# ----------------------------------------------------------------------------------
+#
+# Internal layout: q [B, K, G, Tp, H] (pre-scaled by 1/sqrt(H)), k/v [B, K, Sp, H],
+# valid [B, Sp] bool, all float32, Tp/Sp padded to multiples of the block sizes.
+
+
+def _block_allowed(valid_j, q_start, k_start, bq, bk, is_causal, offset):
+  """``[B, 1, 1, bq, bk]`` visibility of one (query block, key block) pair."""
+  allowed = valid_j[:, None, None, None, :]
+  if is_causal:
+    qi = q_start + jnp.arange(bq)
+    kj = k_start + jnp.arange(bk)
+    allowed = allowed & (kj[None, :] <= qi[:, None] + offset)[None, None, None]
+  return allowed
+
+
+def _causal_key_blocks_end(i, bq, bk, nk, offset):
+  """Number of key blocks query block ``i`` can see (key blocks ``[0, end)``)."""
+  last_visible = i * bq + bq - 1 + offset
+  return jnp.clip(jnp.floor_divide(last_visible, bk) + 1, 0, nk)
+
+
+def _causal_query_blocks_start(j, bq, bk, nq, offset):
+  """First query block that can see key block ``j``."""
+  return jnp.clip(jnp.floor_divide(j * bk - offset, bq), 0, nq)
+
+
+def _flash_forward(q, k, v_, valid, offset, is_causal, bq, bk):
+  b, kh, g, tp, h = q.shape
+  sp = k.shape[2]
+  nq, nk = tp // bq, sp // bk
+
+  def query_block(i):
+    qi = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
+
+    def body(j, carry):
+      m, l, acc = carry
+      kj = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+      vj = lax.dynamic_slice_in_dim(v_, j * bk, bk, axis=2)
+      valid_j = lax.dynamic_slice_in_dim(valid, j * bk, bk, axis=1)
+      allowed = _block_allowed(valid_j, i * bq, j * bk, bq, bk, is_causal, offset)
+      s = jnp.einsum("bkgqh,bksh->bkgqs", qi, kj)
+      s = jnp.where(allowed, s, _NEG)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
+      alpha = jnp.exp(m - m_new)
+      l = l * alpha + jnp.sum(p, axis=-1)
+      acc = acc * alpha[..., None] + jnp.einsum("bkgqs,bksh->bkgqh", p, vj)
+      return m_new, l, acc
+
+    init = (jnp.full((b, kh, g, bq), _NEG, jnp.float32),
+            jnp.zeros((b, kh, g, bq), jnp.float32),
+            jnp.zeros((b, kh, g, bq, h), jnp.float32))
+    end = _causal_key_blocks_end(i, bq, bk, nk, offset) if is_causal else nk
+    m, l, acc = lax.fori_loop(0, end, body, init)
+    visible = l > 0
+    safe_l = jnp.where(visible, l, 1.0)
+    out = acc / safe_l[..., None]
+    lse = jnp.where(visible, m + jnp.log(safe_l), NO_KEY_LSE)
+    return out, lse
+
+  out, lse = lax.map(query_block, jnp.arange(nq))  # [nq, B,K,G,bq,(H)]
+  out = jnp.moveaxis(out, 0, 3).reshape(b, kh, g, tp, h)
+  lse = jnp.moveaxis(lse, 0, 3).reshape(b, kh, g, tp)
+  return out, lse
+
+
+def _flash_backward(q, k, v_, valid, offset, out, lse, dout, dlse, is_causal, bq, bk):
+  b, kh, _, tp, h = q.shape
+  sp = k.shape[2]
+  nq, nk = tp // bq, sp // bk
+  # D_i = rowsum(dO_i * O_i) - dlse_i  (the lse cotangent adds dlse_i * p_ij to ds_ij).
+  delta = jnp.sum(dout * out, axis=-1) - dlse
+
+  def key_block(dq, j):
+    kj = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+    vj = lax.dynamic_slice_in_dim(v_, j * bk, bk, axis=2)
+    valid_j = lax.dynamic_slice_in_dim(valid, j * bk, bk, axis=1)
+
+    def body(i, carry):
+      dk, dv, dq = carry
+      qi = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
+      doi = lax.dynamic_slice_in_dim(dout, i * bq, bq, axis=3)
+      lsei = lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)
+      di = lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
+      allowed = _block_allowed(valid_j, i * bq, j * bk, bq, bk, is_causal, offset)
+      s = jnp.einsum("bkgqh,bksh->bkgqs", qi, kj)
+      p = jnp.where(allowed, jnp.exp(jnp.where(allowed, s, 0.0) - lsei[..., None]), 0.0)
+      dv = dv + jnp.einsum("bkgqs,bkgqh->bksh", p, doi)
+      dp = jnp.einsum("bkgqh,bksh->bkgqs", doi, vj)
+      ds = p * (dp - di[..., None])
+      dk = dk + jnp.einsum("bkgqs,bkgqh->bksh", ds, qi)
+      dqi = jnp.einsum("bkgqs,bksh->bkgqh", ds, kj)
+      dq = lax.dynamic_update_slice_in_dim(
+          dq, lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=3) + dqi, i * bq, axis=3)
+      return dk, dv, dq
+
+    init = (jnp.zeros((b, kh, bk, h), jnp.float32), jnp.zeros((b, kh, bk, h), jnp.float32),
+            dq)
+    start = _causal_query_blocks_start(j, bq, bk, nq, offset) if is_causal else 0
+    dk, dv, dq = lax.fori_loop(start, nq, body, init)
+    return dq, (dk, dv)
+
+  dq, (dk, dv) = lax.scan(key_block, jnp.zeros_like(q), jnp.arange(nk))
+  dk = jnp.moveaxis(dk, 0, 2).reshape(b, kh, sp, h)
+  dv = jnp.moveaxis(dv, 0, 2).reshape(b, kh, sp, h)
+  return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q, k, v_, valid, offset, is_causal, bq, bk):
+  return _flash_forward(q, k, v_, valid, offset, is_causal, bq, bk)
+
+
+def _flash_fwd(q, k, v_, valid, offset, is_causal, bq, bk):
+  out, lse = _flash_forward(q, k, v_, valid, offset, is_causal, bq, bk)
+  return (out, lse), (q, k, v_, valid, offset, out, lse)
+
+
+def _flash_bwd(is_causal, bq, bk, residuals, cotangents):
+  q, k, v_, valid, offset, out, lse = residuals
+  dout, dlse = cotangents
+  dq, dk, dv = _flash_backward(q, k, v_, valid, offset, out, lse, dout, dlse, is_causal,
+                               bq, bk)
+  return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _blockwise_with_lse(query, key, value, key_mask, is_causal, offset, block_size):
+  b, t, n, h = query.shape
+  s, k = key.shape[1], key.shape[2]
+  g = n // k
+  bq, bk = _block_sizes(block_size, t, s)
+  tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
+  scale = 1.0 / math.sqrt(h)
+  # [B, T, N, H] -> [B, K, G, Tp, H], pre-scaled; [B, S, K, H] -> [B, K, Sp, H].
+  q = (query.astype(jnp.float32) * scale).reshape(b, t, k, g, h)
+  q = jnp.pad(jnp.transpose(q, (0, 2, 3, 1, 4)), ((0, 0),) * 3 + ((0, tp - t), (0, 0)))
+  kt = jnp.pad(jnp.transpose(key.astype(jnp.float32), (0, 2, 1, 3)),
+               ((0, 0), (0, 0), (0, sp - s), (0, 0)))
+  vt = jnp.pad(jnp.transpose(value.astype(jnp.float32), (0, 2, 1, 3)),
+               ((0, 0), (0, 0), (0, sp - s), (0, 0)))
+  valid = jnp.ones((b, s), bool) if key_mask is None else key_mask != 0
+  valid = jnp.pad(valid, ((0, 0), (0, sp - s)))
+  offset = jnp.asarray(offset, jnp.int32)
+  out, lse = _flash(q, kt, vt, valid, offset, is_causal, bq, bk)
+  out = jnp.transpose(out[:, :, :, :t], (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+  lse = jnp.transpose(lse[:, :, :, :t], (0, 3, 1, 2)).reshape(b, t, n)
+  return out, lse
+
+
+# ----------------------------------------------------------------------------------
+# Implementations and their registry
+# ----------------------------------------------------------------------------------
+
+
+def _xla(query, key, value, *, key_mask=None, is_causal=True, query_offset=None,
+         block_size=None):
+  del block_size
+  offset = _offset(query, key, query_offset)
+  return _xla_with_lse(query, key, value, key_mask, is_causal, offset)[0]
+
+
+def _blockwise(query, key, value, *, key_mask=None, is_causal=True, query_offset=None,
+               block_size=None):
+  offset = _offset(query, key, query_offset)
+  return _blockwise_with_lse(query, key, value, key_mask, is_causal, offset,
+                             block_size)[0]
+
+
+def _cudnn_unfit_reason(query, key, key_mask, is_causal, query_offset) -> str | None:
+  """Why ``"cudnn"`` cannot compute this call exactly, or ``None`` if it can."""
+  t, h = query.shape[1], query.shape[3]
+  s = key.shape[1]
+  if jax.default_backend() != "gpu":
+    return f"it needs a GPU backend (this is {jax.default_backend()!r})"
+  if key_mask is not None:
+    return ("cuDNN takes padding as lengths (right padding only) while `key_mask` "
+            "allows padding anywhere")
+  if query_offset is not None:
+    return "cuDNN has no explicit causal offset (`query_offset`)"
+  if is_causal and t != s:
+    return (f"cuDNN's causal mask is aligned to the start of the keys, which differs "
+            f"from the end-aligned rule when T != S (T={t}, S={s})")
+  if query.dtype not in (jnp.bfloat16, jnp.float16) or key.dtype != query.dtype:
+    return f"cuDNN needs bf16/fp16 inputs of one dtype (got {query.dtype}, {key.dtype})"
+  if h % 8 or h > 128:
+    return f"cuDNN needs a head dim that is a multiple of 8 up to 128 (got H={h})"
+  return None
+
+
+def _cudnn(query, key, value, *, key_mask=None, is_causal=True, query_offset=None,
+           block_size=None):
+  del block_size
+  reason = _cudnn_unfit_reason(query, key, key_mask, is_causal, query_offset)
+  if reason is not None:
+    raise ValueError(
+        f"implementation='cudnn' cannot compute this call: {reason}; `query` "
+        f"{v.shape_of(query)}, `key` {v.shape_of(key)}. Use 'blockwise' or 'xla'.")
+  return jax.nn.dot_product_attention(query, key, value, is_causal=is_causal,
+                                      implementation="cudnn")
+
+
+#: Name -> function with the signature
+#: ``fn(query, key, value, *, key_mask, is_causal, query_offset, block_size)``
+#: returning ``[B, T, N, H]`` in the query's dtype. Inputs arrive validated.
+ATTENTION_IMPLEMENTATIONS: dict[str, Callable] = {
+    "xla": _xla,
+    "blockwise": _blockwise,
+    "cudnn": _cudnn,
+}
+
+
+def register_attention(name: str, fn: Callable) -> None:
+  """Registers ``fn`` as ``implementation=name`` of :func:`dot_product_attention`.
+
+  ``fn`` is called as ``fn(query, key, value, *, key_mask, is_causal, query_offset,
+  block_size)`` with validated inputs (``query_offset`` is ``None`` for the default
+  end-aligned rule) and must return ``[B, T, N, H]`` in the query's dtype. Registering
+  ``"ring"`` makes ``implementation=None`` use it under a mesh with a ``sequence`` axis
+  of size > 1 (see :func:`select_implementation`).
+  """
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"`name` must be a non-empty string, got {name!r}.")
+  if not callable(fn):
+    raise TypeError(f"`fn` must be callable, got {fn!r}.")
+  ATTENTION_IMPLEMENTATIONS[name] = fn
+
+
+def _sequence_axis_size() -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or "sequence" not in mesh.axis_names:
+    return 1
+  return int(mesh.shape["sequence"])
+
+
+def select_implementation(query, key, *, key_mask=None, is_causal=True,
+                          query_offset=None) -> str:
+  """The implementation ``implementation=None`` uses for these inputs.
+
+  In order: ``"ring"`` if registered, ``query_offset`` is ``None`` and the ambient mesh
+  (``jax.set_mesh``) has a ``sequence`` axis of size > 1; ``"cudnn"`` on GPU when its
+  masks fit (see the module docstring); ``"xla"`` while ``T * S <= XLA_MAX_SCORES``;
+  else ``"blockwise"``. Only shapes, dtypes and the ambient mesh matter, so the choice
+  is made at trace time.
+  """
+  if ("ring" in ATTENTION_IMPLEMENTATIONS and query_offset is None
+      and _sequence_axis_size() > 1):
+    return "ring"
+  if _cudnn_unfit_reason(query, key, key_mask, is_causal, query_offset) is None:
+    return "cudnn"
+  if query.shape[1] * key.shape[1] <= XLA_MAX_SCORES:
+    return "xla"
+  return "blockwise"
+
+
+def _offset(query, key, query_offset):
+  if query_offset is None:
+    return key.shape[1] - query.shape[1]
+  return query_offset
+
+
+# ----------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------
+
+
+def dot_product_attention(query, key, value, *, key_mask=None, is_causal: bool = True,
+                          implementation: str | None = None,
+                          block_size: int | tuple[int, int] | None = None,
+                          query_offset=None) -> jax.Array:
+  r"""Masked, causal, grouped-query softmax attention with O(T) memory available.
+
+  .. math::
+
+    o_i = \sum_j \mathrm{softmax}_{j \in A(i)}\big(q_i \cdot k_j / \sqrt{H}\big)\, v_j,
+    \quad A(i) = \{j : \text{key\_mask}_j \wedge (\neg\text{causal} \vee
+    j \le i + \text{query\_offset})\}.
+
+  A query with no visible key (e.g. a left-padded position whose real keys all come
+  later) returns 0. Positions whose ``key_mask`` is 0 never change any output.
+
+  Args:
+    query: ``[B, T, N, H]``.
+    key: ``[B, S, K, H]`` with ``N % K == 0`` (query head ``n`` reads KV head
+      ``n // (N // K)``, the layout of ``jax.nn.dot_product_attention``).
+    value: ``[B, S, K, H]``.
+    key_mask: ``[B, S]`` bool or 0/1, real keys (padding may sit anywhere); ``None``
+      means all keys are real.
+    is_causal: restrict query ``i`` to keys ``j <= i + query_offset``.
+    implementation: ``"xla"``, ``"blockwise"``, ``"cudnn"``, a registered name, or
+      ``None`` for :func:`select_implementation`'s choice.
+    block_size: ``"blockwise"`` query/key block size (an int or ``(block_q,
+      block_k)``); default :data:`DEFAULT_BLOCK_SIZE`. Any ``T``/``S`` works.
+    query_offset: the key index of query 0 for the causal rule, a scalar int (may be
+      traced). ``None`` (default) means ``S - T``: queries aligned to the end of the
+      keys. A fixed-size KV cache whose queries sit at slots ``index ..
+      index + T - 1`` passes ``index`` (the unwritten slots beyond are masked by
+      ``key_mask``).
+
+  Returns:
+    ``[B, T, N, H]`` in ``query``'s dtype (float32 math inside).
+
+  Raises:
+    ValueError: on mismatched ranks, batch or head dims, ``N % K != 0``, a ``key_mask``
+      that is not ``[B, S]``, an unknown implementation, or ``"cudnn"`` where its
+      semantics differ.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> q = jnp.ones((1, 3, 2, 4)); k = jnp.ones((1, 3, 1, 4))
+    >>> vals = jnp.arange(3.0)[None, :, None, None] * jnp.ones((1, 3, 1, 4))
+    >>> out = dot_product_attention(q, k, vals, key_mask=jnp.array([[0, 1, 1]]))
+    >>> out[0, :, 0, 0].tolist()   # query 0 sees no real key; query 2 averages 1 and 2
+    [0.0, 1.0, 1.5]
+  """
+  _check_inputs(query, key, value, key_mask, query_offset)
+  if implementation is None:
+    implementation = select_implementation(query, key, key_mask=key_mask,
+                                           is_causal=is_causal, query_offset=query_offset)
+  v.check_choice("implementation", implementation, tuple(ATTENTION_IMPLEMENTATIONS))
+  fn = ATTENTION_IMPLEMENTATIONS[implementation]
+  out = fn(query, key, value, key_mask=key_mask, is_causal=is_causal,
+           query_offset=query_offset, block_size=block_size)
+  return out.astype(query.dtype)
+
+
+def attention_with_lse(query, key, value, *, key_mask=None, is_causal: bool = True,
+                       implementation: str = "blockwise",
+                       block_size: int | tuple[int, int] | None = None,
+                       query_offset=None) -> tuple[jax.Array, jax.Array]:
+  r"""Attention output and the log-sum-exp of the scores, both float32.
+
+  ``lse_i = log sum_{j in A(i)} exp(q_i . k_j / sqrt(H))`` per query and head. Two
+  partial results over disjoint key sets merge exactly with the online-softmax rule
+
+  .. math::
+
+    \ell = \log(e^{\ell_1} + e^{\ell_2}), \qquad
+    o = e^{\ell_1 - \ell}\, o_1 + e^{\ell_2 - \ell}\, o_2,
+
+  which is how ring attention assembles its blocks. A query with no visible key gets
+  ``out = 0`` and ``lse =`` :data:`NO_KEY_LSE` (``-1e30``, finite), so such merges never
+  give NaN. Both outputs are differentiable (the ``lse`` cotangent ``g_i`` adds
+  ``g_i p_ij`` to the score gradient, i.e. ``D_i = rowsum(dO_i * O_i) - g_i`` in the
+  FlashAttention-2 backward).
+
+  Args:
+    query, key, value, key_mask, is_causal, block_size, query_offset: as in
+      :func:`dot_product_attention`.
+    implementation: ``"blockwise"`` (default) or ``"xla"``.
+
+  Returns:
+    ``(out [B, T, N, H] float32, lse [B, T, N] float32)``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> q = jnp.zeros((1, 2, 1, 4)); k = jnp.zeros((1, 2, 1, 4))
+    >>> out, lse = attention_with_lse(q, k, jnp.ones((1, 2, 1, 4)),
+    ...                               key_mask=jnp.array([[0, 1]]))
+    >>> out[0, :, 0, 0].tolist(), bool(lse[0, 0, 0] == NO_KEY_LSE), float(lse[0, 1, 0])
+    ([0.0, 1.0], True, 0.0)
+  """
+  _check_inputs(query, key, value, key_mask, query_offset)
+  v.check_choice("implementation", implementation, ("blockwise", "xla"))
+  offset = _offset(query, key, query_offset)
+  if implementation == "xla":
+    return _xla_with_lse(query, key, value, key_mask, is_causal, offset)
+  return _blockwise_with_lse(query, key, value, key_mask, is_causal, offset, block_size)
+
+
+__all__ = [
+    "ATTENTION_IMPLEMENTATIONS", "DEFAULT_BLOCK_SIZE", "NO_KEY_LSE", "XLA_MAX_SCORES",
+    "attention_with_lse", "dot_product_attention", "register_attention",
+    "select_implementation",
+]

@@ -1,0 +1,418 @@
+"""Crash-consistent run folders: metrics that survive kill -9, power loss and full disks.
+
+A run folder holds ``config.json`` (written atomically by :func:`write_json`),
+``metrics.jsonl`` (one strict-JSON object per step, appended by
+:class:`MetricsWriter`) and ``checkpoints/``. The rules that make it crash-consistent:
+
+* **Append, flush, fsync.** Each metrics row is one ``write`` of one line, then
+  ``flush`` and ``os.fsync``: after a crash the file holds every completed step, plus
+  at most one torn (incomplete) last line.
+* **Never rewrite in place.** A rewrite (dropping the rows after the step a run
+  resumes from, or a torn tail) writes ``<name>.tmp``, fsyncs it, renames it over the
+  original (``os.replace``, atomic on POSIX) and fsyncs the folder, so a crash at any
+  instant leaves either the old file or the new one, never a truncated one. The same
+  holds for :func:`write_json`.
+* **Tolerate, and report, a torn last line.** :func:`read_metrics` returns the rows
+  and a one-line note when the last line does not parse; a bad line *before* the
+  last one is real corruption and raises :class:`RunFolderIOError` naming the line.
+* **Strict JSON.** NaN and +-inf are written as ``null`` (``allow_nan=False``), so every
+  JSON reader accepts the file; numpy scalars become Python numbers.
+* **Fail early, in one line.** :func:`probe_run_folder` checks at start that the
+  folder can be created and written and that its disk has room; any ``OSError``
+  (``ENOSPC`` included) while writing becomes a :class:`RunFolderIOError` whose
+  message names the path and the cause.
+
+Examples:
+  >>> import os, tempfile
+  >>> out = tempfile.mkdtemp()
+  >>> path = os.path.join(out, "metrics.jsonl")
+  >>> with MetricsWriter(path) as log:
+  ...   log.append({"step": 1, "loss": float("nan")})
+  >>> open(path).read()
+  '{"step": 1, "loss": null}\\n'
+  >>> with open(path, "a") as f:
+  ...   _ = f.write('{"step": 2, "lo')          # a torn last line (crash mid-write)
+  >>> rows, note = read_metrics(path)
+  >>> rows, note is not None
+  ([{'step': 1, 'loss': None}], True)
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from typing import Any, Optional
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+
+
+class RunFolderIOError(OSError):
+  """A run-folder file could not be read or written; the message names the path.
+
+  Subclass of ``OSError`` (``errno`` and ``filename`` are set when known), raised
+  instead of the raw error so a command-line tool prints one line.
+  """
+
+  def __init__(self, message: str, *, path: Optional[str] = None,
+               err: Optional[int] = None):
+    super().__init__(message)
+    self.message = message
+    self.filename = path
+    self.errno = err
+
+  def __str__(self) -> str:
+    return self.message
+
+
+def io_error(action: str, path: str, exc: OSError) -> RunFolderIOError:
+  """A one-line :class:`RunFolderIOError` for ``exc`` raised while ``action`` on ``path``.
+
+  Examples:
+    >>> str(io_error("writing", "runs/a/metrics.jsonl",
+    ...              OSError(28, "No space left on device")))
+    'cannot write runs/a/metrics.jsonl: no space left on device (ENOSPC); free some space or choose another --out'
+  """
+  code = exc.errno
+  name = errno.errorcode.get(code, "") if code is not None else ""
+  reason = (exc.strerror or str(exc) or type(exc).__name__).strip()
+  reason = reason[:1].lower() + reason[1:]
+  verb = "write" if action == "writing" else "read" if action == "reading" else action
+  msg = f"cannot {verb} {path}: {reason}"
+  if name:
+    msg += f" ({name})"
+  if code == errno.ENOSPC:
+    msg += "; free some space or choose another --out"
+  elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+    msg += "; choose a writable --out"
+  return RunFolderIOError(" ".join(msg.split()), path=path, err=code)
+
+
+def to_jsonable(value: Any) -> Any:
+  """``value`` with every non-finite float as ``None`` and numpy scalars as Python.
+
+  Examples:
+    >>> to_jsonable({"a": float("inf"), "b": [1.5, float("nan")], "c": "x"})
+    {'a': None, 'b': [1.5, None], 'c': 'x'}
+  """
+  if isinstance(value, dict):
+    return {str(k): to_jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [to_jsonable(v) for v in value]
+  if isinstance(value, bool) or value is None or isinstance(value, str):
+    return value
+  if isinstance(value, int):
+    return value
+  if isinstance(value, float):
+    return value if math.isfinite(value) else None
+  item = getattr(value, "item", None)          # numpy / jax scalars
+  if item is not None and getattr(value, "ndim", 1) == 0:
+    return to_jsonable(item())
+  if hasattr(value, "tolist"):
+    return to_jsonable(value.tolist())
+  return value
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+  """Strict JSON of ``value`` (non-finite floats as ``null``; never ``NaN`` tokens)."""
+  return json.dumps(to_jsonable(value), allow_nan=False, **kwargs)
+
+
+def _fsync_dir(path: str) -> None:
+  """fsyncs a folder so a rename inside it is durable (no-op where unsupported)."""
+  try:
+    fd = os.open(path or ".", os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+  """Writes ``text`` to ``path`` as temp file + fsync + rename (+ fsync of the folder).
+
+  A crash at any moment leaves either the previous file or the complete new one.
+  Raises :class:`RunFolderIOError` (one line, naming ``path``) on any ``OSError``.
+  """
+  tmp = path + ".tmp"
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except OSError as e:
+    try:
+      os.unlink(tmp)
+    except OSError:
+      pass
+    raise io_error("writing", path, e) from None
+  _fsync_dir(os.path.dirname(path))
+
+
+def write_json(path: str, obj: Any) -> None:
+  """Atomically writes ``obj`` as indented strict JSON (see :func:`atomic_write_text`).
+
+  Examples:
+    >>> import os, tempfile
+    >>> p = os.path.join(tempfile.mkdtemp(), "config.json")
+    >>> write_json(p, {"lr": 1e-3, "clip_end": float("nan")})
+    >>> read_json(p)
+    {'lr': 0.001, 'clip_end': None}
+  """
+  atomic_write_text(path, dumps(obj, indent=2) + "\n")
+
+
+def read_json(path: str) -> Any:
+  """Reads a JSON file; a missing, unreadable or malformed one raises a one-line error.
+
+  Raises:
+    FileNotFoundError: ``path`` does not exist (message names it).
+    RunFolderIOError: it cannot be read or is not valid JSON.
+  """
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except FileNotFoundError:
+    raise FileNotFoundError(f"{path} does not exist") from None
+  except OSError as e:
+    raise io_error("reading", path, e) from None
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError as e:
+    raise RunFolderIOError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})",
+                           path=path) from None
+
+
+def read_metrics(path: str, *, missing_ok: bool = False
+                 ) -> tuple[list[dict], Optional[str]]:
+  """The rows of a ``metrics.jsonl`` and a note about a torn last line (or ``None``).
+
+  A last line that does not parse (or does not end in a newline and does not parse)
+  is what a crash or a full disk leaves mid-write: it is dropped and described in the
+  note. A malformed line before the last one is not a crash artefact and raises.
+
+  Args:
+    path: the JSONL file.
+    missing_ok: return ``([], None)`` for a missing file instead of raising.
+
+  Raises:
+    FileNotFoundError: the file does not exist (and not ``missing_ok``).
+    RunFolderIOError: it cannot be read, or a line other than the last is malformed.
+
+  Examples:
+    >>> import os, tempfile
+    >>> p = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+    >>> with open(p, "w") as f:
+    ...   _ = f.write('{"step": 0}\\n{"step": 1}\\n{"st')
+    >>> rows, note = read_metrics(p)
+    >>> [r["step"] for r in rows]
+    [0, 1]
+    >>> note.endswith("line 3 is incomplete (torn write); ignored it")
+    True
+  """
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except FileNotFoundError:
+    if missing_ok:
+      return [], None
+    raise FileNotFoundError(f"{path} does not exist") from None
+  except OSError as e:
+    raise io_error("reading", path, e) from None
+  lines = data.split(b"\n")
+  if lines and lines[-1] == b"":
+    lines.pop()                                # the file ends with a newline
+  rows: list[dict] = []
+  note = None
+  for i, raw in enumerate(lines):
+    if not raw.strip():
+      continue
+    try:
+      row = json.loads(raw.decode("utf-8"))
+      problem = None if isinstance(row, dict) else "not a JSON object"
+    except (ValueError, UnicodeDecodeError) as e:
+      problem = str(e)
+    if problem is not None:
+      if i == len(lines) - 1:
+        note = f"{path}: line {i + 1} is incomplete (torn write); ignored it"
+        break
+      raise RunFolderIOError(f"{path}: line {i + 1} is not a JSON object ({problem}); "
+                             "the file is corrupted before its last line", path=path)
+    rows.append(row)
+  return rows, note
+
+
+def rewrite_jsonl(path: str, rows: Iterable[dict]) -> None:
+  """Replaces ``path`` by ``rows`` (one strict-JSON line each), atomically."""
+  atomic_write_text(path, "".join(dumps(r) + "\n" for r in rows))
+
+
+def prepare_metrics(path: str, keep_upto: Optional[int]
+                    ) -> tuple[list[dict], Optional[str]]:
+  """Readies ``metrics.jsonl`` for appending when a run (re)starts.
+
+  Keeps the rows with ``step <= keep_upto`` (all rows when ``None``; none and no file
+  when the file is missing), drops a torn last line, and rewrites the file atomically
+  (:func:`rewrite_jsonl`) only if something was dropped. Returns the kept rows and a
+  one-line note about what was dropped (``None`` if nothing).
+
+  Examples:
+    >>> import os, tempfile
+    >>> p = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+    >>> rewrite_jsonl(p, [{"step": s} for s in range(5)])
+    >>> rows, note = prepare_metrics(p, keep_upto=2)
+    >>> [r["step"] for r in rows], note.endswith("dropped 2 rows after step 2")
+    ([0, 1, 2], True)
+  """
+  rows, note = read_metrics(path, missing_ok=True)
+  if not rows and note is None:
+    return rows, None
+  kept = rows if keep_upto is None else [
+      r for r in rows if isinstance(r.get("step"), int) and r["step"] <= keep_upto]
+  dropped = len(rows) - len(kept)
+  if dropped:
+    extra = f"{path}: dropped {dropped} rows after step {keep_upto}"
+    note = extra if note is None else f"{note}; {extra}"
+  if note is not None:
+    rewrite_jsonl(path, kept)
+  return kept, note
+
+
+def _ends_with_newline(path: str) -> bool:
+  """Whether ``path`` is missing, empty, or ends with a newline."""
+  try:
+    with open(path, "rb") as f:
+      end = f.seek(0, os.SEEK_END)
+      if end == 0:
+        return True
+      f.seek(end - 1)
+      return f.read(1) == b"\n"
+  except FileNotFoundError:
+    return True
+  except OSError as e:
+    raise io_error("reading", path, e) from None
+
+
+class MetricsWriter:
+  """Appends one strict-JSON line per row to a JSONL file; flushes and fsyncs each.
+
+  A file that ends in a torn line is first repaired with :func:`prepare_metrics`
+  (the note is kept in ``note``); a complete last row without its newline gets one,
+  so every new row starts on its own line.
+  Any ``OSError`` (full disk, lost mount) raises :class:`RunFolderIOError` naming the
+  file.
+
+  Args:
+    path: the JSONL file (created if missing).
+    fsync: ``os.fsync`` after every row (default); ``False`` only flushes.
+
+  Examples:
+    >>> import os, tempfile
+    >>> p = os.path.join(tempfile.mkdtemp(), "m.jsonl")
+    >>> with MetricsWriter(p) as log:
+    ...   log.append({"step": 0, "acc": 0.5})
+    >>> read_metrics(p)
+    ([{'step': 0, 'acc': 0.5}], None)
+  """
+
+  def __init__(self, path: str, *, fsync: bool = True):
+    self.path = path
+    self._fsync = fsync
+    self.note: Optional[str] = None
+    if not _ends_with_newline(path):           # a torn tail: drop it atomically first
+      self.note = prepare_metrics(path, None)[1]
+    try:
+      self._file = open(path, "ab")
+      if not _ends_with_newline(path):         # a complete last row missing its newline
+        self._write(b"\n")
+    except OSError as e:
+      raise io_error("writing", path, e) from None
+
+  def _write(self, data: bytes) -> None:
+    self._file.write(data)
+    self._file.flush()
+    if self._fsync:
+      os.fsync(self._file.fileno())
+
+  def append(self, row: dict) -> None:
+    """Writes ``row`` as one line and makes it durable before returning."""
+    line = (dumps(row) + "\n").encode("utf-8")
+    try:
+      self._write(line)
+    except OSError as e:
+      raise io_error("writing", self.path, e) from None
+
+  def close(self) -> None:
+    try:
+      self._file.close()
+    except OSError as e:
+      raise io_error("writing", self.path, e) from None
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()
+
+
+def _existing_ancestor(path: str) -> str:
+  path = os.path.abspath(path)
+  while not os.path.exists(path):
+    parent = os.path.dirname(path)
+    if parent == path:
+      break
+    path = parent
+  return path
+
+
+def probe_run_folder(path: str, *, min_free_bytes: int = 64 << 20) -> None:
+  """Checks, before any compute is spent, that ``path`` can hold a run.
+
+  Without creating anything: the nearest existing ancestor of ``path`` must be a
+  folder in which a file can be created, written, fsynced and removed, and its disk
+  must have at least ``min_free_bytes`` free.
+
+  Raises:
+    RunFolderIOError: one line naming ``path`` and the cause.
+
+  Examples:
+    >>> import tempfile
+    >>> probe_run_folder(tempfile.mkdtemp() + "/runs/a", min_free_bytes=1)
+  """
+  where = _existing_ancestor(path)
+  if not os.path.isdir(where):
+    raise RunFolderIOError(f"cannot create run folder {path}: {where} is not a folder",
+                           path=path, err=errno.ENOTDIR)
+  try:
+    fd, probe = tempfile.mkstemp(prefix=".jaxrl-write-probe-", dir=where)
+    try:
+      os.write(fd, b"probe")
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+      os.unlink(probe)
+  except OSError as e:
+    err = io_error("writing", where, e)
+    raise RunFolderIOError(f"run folder {path} is not writable: {err}", path=path,
+                           err=e.errno) from None
+  free = shutil.disk_usage(where).free
+  if free < min_free_bytes:
+    raise RunFolderIOError(
+        f"run folder {path}: only {free / 2**20:.1f} MiB free on its disk, need at "
+        f"least {min_free_bytes / 2**20:.1f} MiB; free some space or choose another "
+        "--out", path=path, err=errno.ENOSPC)
+
+
+__all__ = ["METRICS_FILE", "CONFIG_FILE", "RunFolderIOError", "io_error", "to_jsonable",
+           "dumps", "atomic_write_text", "write_json", "read_json", "read_metrics",
+           "rewrite_jsonl", "prepare_metrics", "MetricsWriter", "probe_run_folder"]

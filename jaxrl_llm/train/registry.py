@@ -1,0 +1,264 @@
+r"""Registries of policy losses and advantage estimators, read by the train step,
+the trainer, the CLI and the benchmarks.
+
+Adding a policy loss is one function in :mod:`jaxrl_llm.losses` with the common
+signature ``fn(logp, old_logp, advantages, mask, **hparams) -> (per_token, metrics)``
+and one :func:`register_policy_loss` line naming its traced hyperparameters and their
+defaults. The clip options ``clip_low`` / ``clip_high`` / ``dual_clip`` are shared:
+the train step feeds them from the clip schedule or the adaptive clip controller, and
+a loss accepts ``dual_clip`` exactly when its function has that keyword.
+
+Adding an advantage estimator is one function with the common signature
+``fn(inputs: AdvantageInputs, hparams) -> (advantages, returns or None)`` and one
+:func:`register_advantage_estimator` line.
+
+Examples:
+  >>> sorted(POLICY_LOSS_REGISTRY)
+  ['cispo', 'gmpo', 'gspo', 'ppo', 'reinforce', 'sapo']
+  >>> spec = get_policy_loss("gspo")
+  >>> spec.defaults["clip_low"], spec.defaults["clip_high"]
+  (0.0003, 0.0004)
+  >>> get_policy_loss("sapo").extra_hparams
+  {'tau_pos': 1.0, 'tau_neg': 1.05}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Mapping, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm import advantages as A
+from jaxrl_llm import losses as L
+
+CLIP_OPTIONS = ("clip_low", "clip_high", "dual_clip")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossSpec:
+  """A registered policy loss.
+
+  Attributes:
+    name: the registry key (``TrainConfig.policy_loss``, ``--policy-loss``).
+    fn: ``fn(logp, old_logp, advantages, mask, **kwargs) -> (per_token, metrics)``.
+    defaults: the loss's own defaults of its traced hyperparameters: the clip options
+      it uses (``clip_low``, ``clip_high``; ``clip_high=None`` = symmetric) and its
+      extra ones (e.g. SAPO's ``tau_pos``).
+    static: static keyword arguments always passed (e.g. CISPO's ``mode``).
+    doc: one line for ``--help``.
+  """
+  name: str
+  fn: Callable[..., Any]
+  defaults: Mapping[str, Optional[float]]
+  static: Mapping[str, Any]
+  doc: str
+
+  @property
+  def uses_clip(self) -> bool:
+    """Whether the loss takes a clip range (schedule / adaptive clip apply)."""
+    return "clip_low" in self.defaults
+
+  @property
+  def supports_dual_clip(self) -> bool:
+    return "dual_clip" in inspect.signature(self.fn).parameters
+
+  @property
+  def extra_hparams(self) -> dict:
+    """Traced hyperparameters other than the shared clip options, with defaults."""
+    return {k: val for k, val in self.defaults.items() if k not in CLIP_OPTIONS}
+
+
+POLICY_LOSS_REGISTRY: dict[str, PolicyLossSpec] = {}
+
+
+def register_policy_loss(name: str, fn: Callable[..., Any], *, doc: str = "",
+                         static: Optional[Mapping[str, Any]] = None,
+                         **defaults: Optional[float]) -> PolicyLossSpec:
+  """Registers ``fn`` under ``name`` with its traced hyperparameter defaults.
+
+  Args:
+    name: registry key.
+    fn: ``fn(logp, old_logp, advantages, mask, **hparams) -> (per_token, metrics)``.
+    doc: a one-line description (shown by ``jaxrl-llm train --help``).
+    static: static keyword arguments passed on every call.
+    **defaults: traced hyperparameters and their defaults; ``clip_low`` (and
+      ``clip_high``) mark a clipped loss.
+
+  Returns:
+    The :class:`PolicyLossSpec` (also stored in ``POLICY_LOSS_REGISTRY``).
+  """
+  params = inspect.signature(fn).parameters
+  unknown = [k for k in list(defaults) + list(static or {}) if k not in params]
+  if unknown:
+    raise ValueError(f"register_policy_loss({name!r}): {fn.__name__} has no keyword(s) "
+                     f"{unknown}.")
+  spec = PolicyLossSpec(name=name, fn=fn, defaults=dict(defaults),
+                        static=dict(static or {}), doc=doc)
+  POLICY_LOSS_REGISTRY[name] = spec
+  return spec
+
+
+def get_policy_loss(name: str) -> PolicyLossSpec:
+  """The :class:`PolicyLossSpec` registered as ``name`` (ValueError naming the choices)."""
+  if name not in POLICY_LOSS_REGISTRY:
+    raise ValueError(f"`policy_loss` must be one of {sorted(POLICY_LOSS_REGISTRY)}, got "
+                     f"{name!r}.")
+  return POLICY_LOSS_REGISTRY[name]
+
+
+def _reinforce(logp, old_logp, advantages, mask, **kwargs):
+  """On-policy REINFORCE in the common signature (``old_logp`` unused)."""
+  del old_logp
+  return L.reinforce_policy_loss(logp, advantages, mask, **kwargs)
+
+
+register_policy_loss("ppo", L.ppo_policy_loss, clip_low=0.2, clip_high=None,
+                     doc="PPO clipped surrogate (clip-higher, dual clip)")
+register_policy_loss("gspo", L.gspo_policy_loss, clip_low=3e-4, clip_high=4e-4,
+                     doc="GSPO sequence-ratio clip (epsilons at the 3e-4 scale)")
+register_policy_loss("cispo", L.cispo_policy_loss, clip_low=0.2, clip_high=None,
+                     static={"mode": "verl"},
+                     doc="CISPO clipped stop-gradient IS weight (verl form)")
+register_policy_loss("sapo", L.sapo_policy_loss, tau_pos=1.0, tau_neg=1.05,
+                     doc="SAPO sigmoid gate (temperatures tau_pos / tau_neg)")
+register_policy_loss("gmpo", L.gmpo_policy_loss, clip_low=0.4, clip_high=0.4,
+                     doc="GMPO geometric-mean ratio, log-space clip")
+register_policy_loss("reinforce", _reinforce,
+                     doc="on-policy REINFORCE / GPG (-A log pi)")
+
+
+# ------------------------------------------------------------------- advantage estimators
+
+
+class AdvantageInputs(NamedTuple):
+  """What an advantage estimator may read (absent entries are None).
+
+  Attributes:
+    rewards: token rewards ``[B, T]`` (the score at the last response token).
+    mask: ``[B, T]``, 1 on response tokens.
+    values: critic values ``[B, T]`` at rollout.
+    scores: per-sequence scores ``[B]``.
+    greedy_scores: scores of the greedy completion of each row's prompt ``[B]``.
+    group_size: completions per prompt (rows of one prompt are consecutive).
+  """
+  rewards: Any = None
+  mask: Any = None
+  values: Any = None
+  scores: Any = None
+  greedy_scores: Any = None
+  group_size: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageEstimatorSpec:
+  """A registered advantage estimator.
+
+  Attributes:
+    name: registry key.
+    fn: ``fn(inputs: AdvantageInputs, hparams: dict, **static) -> (adv, returns)``;
+      ``adv`` is ``[B, T]`` or ``[B]``, ``returns`` ``[B, T]`` or None.
+    needs_values: needs a critic (``inputs.values``); such estimators run inside the
+      train step (``TrainConfig.advantage_estimator``).
+    needs_greedy: needs ``inputs.greedy_scores`` (one greedy rollout per prompt).
+    group: a group baseline (needs ``group_size >= 2``).
+    doc: one line for ``--help``.
+  """
+  name: str
+  fn: Callable[..., Any]
+  needs_values: bool
+  needs_greedy: bool
+  group: bool
+  doc: str
+
+
+ADVANTAGE_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimatorSpec] = {}
+
+
+def register_advantage_estimator(name: str, fn: Callable[..., Any], *,
+                                 needs_values: bool = False, needs_greedy: bool = False,
+                                 group: bool = False,
+                                 doc: str = "") -> AdvantageEstimatorSpec:
+  """Registers an advantage estimator (see :class:`AdvantageEstimatorSpec`)."""
+  spec = AdvantageEstimatorSpec(name=name, fn=fn, needs_values=needs_values,
+                                needs_greedy=needs_greedy, group=group, doc=doc)
+  ADVANTAGE_ESTIMATOR_REGISTRY[name] = spec
+  return spec
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimatorSpec:
+  """The registered estimator ``name`` (ValueError naming the choices)."""
+  if name not in ADVANTAGE_ESTIMATOR_REGISTRY:
+    raise ValueError(f"`advantage_estimator` must be one of "
+                     f"{sorted(ADVANTAGE_ESTIMATOR_REGISTRY)}, got {name!r}.")
+  return ADVANTAGE_ESTIMATOR_REGISTRY[name]
+
+
+def _f32(x):
+  return jnp.asarray(x, jnp.float32)
+
+
+def _gae(x: AdvantageInputs, hp, method="scan"):
+  return A.gae(x.rewards, x.values, x.mask, gamma=hp["gamma"], lam=hp["lam"],
+               method=method)
+
+
+def _hybrid(x: AdvantageInputs, hp, method="scan", n=4):
+  return A.hybrid_advantages(x.rewards, x.values, x.mask, n=n, gamma=hp["gamma"],
+                             lam=hp["lam"], mix=hp["hybrid_mix"], method=method)
+
+
+def _group(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
+  def estimator(x: AdvantageInputs, hp):
+    del hp
+    return fn(_f32(x.scores), group_size=x.group_size), None
+  estimator.__doc__ = f"{fn.__name__} of the sequence scores."
+  return estimator
+
+
+def _self_critical(x: AdvantageInputs, hp):
+  del hp
+  return A.self_critical_advantages(_f32(x.scores), _f32(x.greedy_scores)), None
+
+
+def _reinforce_pp(x: AdvantageInputs, hp):
+  return A.reinforce_pp_advantages(x.rewards, x.mask, gamma=hp.get("gamma", 1.0)), None
+
+
+register_advantage_estimator("gae", _gae, needs_values=True,
+                             doc="GAE over token rewards and critic values")
+register_advantage_estimator("hybrid", _hybrid, needs_values=True,
+                             doc="n-step returns mixed with GAE (hybrid_n, hybrid_mix)")
+register_advantage_estimator("grpo", _group(A.grpo_advantages), group=True,
+                             doc="group mean baseline / group std")
+register_advantage_estimator("dr_grpo", _group(A.dr_grpo_advantages), group=True,
+                             doc="group mean baseline, no std (Dr. GRPO)")
+register_advantage_estimator("rloo", _group(A.rloo_advantages), group=True,
+                             doc="leave-one-out group baseline")
+register_advantage_estimator("self_critical", _self_critical, needs_greedy=True,
+                             doc="score minus the greedy completion's score")
+register_advantage_estimator("reinforce_pp", _reinforce_pp,
+                             doc="REINFORCE++ discounted returns, batch-whitened")
+
+
+def compute_advantages(name: str, inputs: AdvantageInputs, hparams: Mapping[str, Any],
+                       **static: Any):
+  """Runs the registered estimator ``name``: ``(advantages, returns or None)``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> adv, ret = compute_advantages("rloo", AdvantageInputs(
+    ...     scores=jnp.array([1.0, 0.0, 0.0, 0.0]), group_size=2), {})
+    >>> [float(x) for x in adv], ret
+    ([1.0, -1.0, 0.0, 0.0], None)
+  """
+  spec = get_advantage_estimator(name)
+  return spec.fn(inputs, dict(hparams), **static)
+
+
+__all__ = ["AdvantageInputs", "AdvantageEstimatorSpec", "PolicyLossSpec",
+           "ADVANTAGE_ESTIMATOR_REGISTRY", "POLICY_LOSS_REGISTRY", "CLIP_OPTIONS",
+           "register_policy_loss", "register_advantage_estimator", "get_policy_loss",
+           "get_advantage_estimator", "compute_advantages"]

@@ -1,0 +1,215 @@
+"""Crash-consistent run folders, with real files, real kills and a real full device."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxrl_llm import run_folder as RF
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _strict_rows(path):
+  """Parses every line with a JSON parser that refuses NaN / Infinity tokens."""
+
+  def refuse(token):
+    raise AssertionError(f"non-strict JSON token {token}")
+
+  with open(path) as f:
+    text = f.read()
+  assert text == "" or text.endswith("\n")
+  return [json.loads(line, parse_constant=refuse) for line in text.splitlines()]
+
+
+def test_rows_are_durable_and_strict_before_close(tmp_path):
+  path = str(tmp_path / "metrics.jsonl")
+  log = RF.MetricsWriter(path)
+  rows = [{"step": 0, "eval_accuracy": 0.25},
+          {"step": 1, "loss": float("nan"), "kl": float("inf"), "x": -float("inf"),
+           "n": np.float32(1.5), "i": np.int64(3), "arr": np.arange(2)}]
+  for i, row in enumerate(rows):
+    log.append(row)
+    assert len(_strict_rows(path)) == i + 1       # visible to a reader at once
+  log.close()
+  got = _strict_rows(path)
+  assert got[1] == {"step": 1, "loss": None, "kl": None, "x": None, "n": 1.5, "i": 3,
+                    "arr": [0, 1]}
+  assert RF.read_metrics(path) == (got, None)
+
+
+def test_a_really_torn_file_is_reported_repaired_and_appended_to(tmp_path):
+  path = str(tmp_path / "metrics.jsonl")
+  with RF.MetricsWriter(path) as log:
+    for step in range(4):
+      log.append({"step": step, "reward": step / 4})
+  size = os.path.getsize(path)
+  os.truncate(path, size - 7)                     # a power cut mid-way through row 3
+  rows, note = RF.read_metrics(path)
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  assert note == f"{path}: line 4 is incomplete (torn write); ignored it"
+  # Appending after a torn tail never glues a new row onto the torn one.
+  with RF.MetricsWriter(path) as log:
+    assert log.note == note
+    log.append({"step": 3, "reward": 0.75})
+  assert [r["step"] for r in _strict_rows(path)] == [0, 1, 2, 3]
+
+
+def test_complete_last_row_without_newline_is_kept(tmp_path):
+  path = str(tmp_path / "metrics.jsonl")
+  with open(path, "w") as f:
+    f.write('{"step": 0}\n{"step": 1}')            # cut exactly before the newline
+  assert RF.read_metrics(path) == ([{"step": 0}, {"step": 1}], None)
+  with RF.MetricsWriter(path) as log:
+    log.append({"step": 2})
+  assert [r["step"] for r in _strict_rows(path)] == [0, 1, 2]
+
+
+def test_corruption_before_the_last_line_raises_naming_the_line(tmp_path):
+  path = str(tmp_path / "metrics.jsonl")
+  with open(path, "w") as f:
+    f.write('{"step": 0}\n{"ste\n{"step": 2}\n')
+  with pytest.raises(RF.RunFolderIOError, match=r"metrics.jsonl: line 2 is not a JSON"):
+    RF.read_metrics(path)
+  with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist"):
+    RF.read_metrics(str(tmp_path / "nope.jsonl"))
+  assert RF.read_metrics(str(tmp_path / "nope.jsonl"), missing_ok=True) == ([], None)
+
+
+def test_prepare_metrics_keeps_rows_up_to_resume_step_and_rewrites_only_if_needed(
+    tmp_path):
+  path = str(tmp_path / "metrics.jsonl")
+  RF.rewrite_jsonl(path, [{"step": s, "v": s * 0.5} for s in range(6)])
+  inode = os.stat(path).st_ino
+  rows, note = RF.prepare_metrics(path, keep_upto=None)
+  assert len(rows) == 6 and note is None and os.stat(path).st_ino == inode  # untouched
+  rows, note = RF.prepare_metrics(path, keep_upto=3)
+  assert [r["step"] for r in rows] == [0, 1, 2, 3]
+  assert note == f"{path}: dropped 2 rows after step 3"
+  assert os.stat(path).st_ino != inode                   # replaced by rename, not in place
+  assert _strict_rows(path) == rows
+  assert not os.path.exists(path + ".tmp")
+  assert RF.prepare_metrics(str(tmp_path / "none.jsonl"), keep_upto=3) == ([], None)
+  assert not os.path.exists(tmp_path / "none.jsonl")
+
+
+_CHILD = r"""
+import importlib.util, os, signal, sys
+path, mode, module = sys.argv[1], sys.argv[2], sys.argv[4]
+spec = importlib.util.spec_from_file_location("run_folder", module)  # no jax import
+RF = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(RF)
+rows = [{"step": s, "new": True, "pad": "x" * 200} for s in range(int(sys.argv[3]))]
+if mode == "die-before-rename":
+  real_fsync = os.fsync
+  def fsync_then_die(fd):
+    real_fsync(fd)
+    os.kill(os.getpid(), signal.SIGKILL)   # temp written and synced, rename not done
+  os.fsync = fsync_then_die
+real_write = RF.atomic_write_text
+def announce_then_write(p, text):
+  print("start", flush=True)               # the rows are serialized: the write begins
+  real_write(p, text)
+RF.atomic_write_text = announce_then_write
+RF.rewrite_jsonl(path, rows)
+print("done", flush=True)
+"""
+
+
+MODULE = os.path.join(ROOT, "jaxrl_llm", "run_folder.py")
+
+
+def _old_file(path, n):
+  RF.rewrite_jsonl(path, [{"step": s, "old": True} for s in range(n)])
+  return _strict_rows(path)
+
+
+def test_sigkill_inside_a_rewrite_leaves_the_old_file_whole(tmp_path):
+  path = str(tmp_path / "metrics.jsonl")
+  old = _old_file(path, 50)
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  proc = subprocess.run([sys.executable, "-c", _CHILD, path, "die-before-rename", "10",
+                         MODULE], env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == -signal.SIGKILL, proc.stderr
+  assert _strict_rows(path) == old                 # steps 0-49 all still there
+  # The next start repairs nothing it does not need to and appends cleanly.
+  rows, note = RF.prepare_metrics(path, keep_upto=49)
+  assert rows == old and note is None
+
+
+def test_sigkill_at_random_moments_of_big_rewrites_never_loses_rows(tmp_path):
+  path = str(tmp_path / "metrics.jsonl")
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  rng = np.random.default_rng(0)
+  outcomes = set()
+  for trial in range(6):
+    old = _old_file(path, 100 + trial)
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, path, "plain", "30000", MODULE],
+                            env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "start"
+    time.sleep(float(rng.uniform(0.0, 0.1)))
+    proc.kill()
+    proc.wait(timeout=60)
+    rows = _strict_rows(path)                      # never torn, never short
+    if rows == old:
+      outcomes.add("old")
+    else:
+      assert len(rows) == 30000 and all(r["new"] for r in rows)
+      outcomes.add("new")
+  print("outcomes of the kills:", sorted(outcomes))   # which ones depends on timing
+
+
+def test_full_device_gives_one_line_error_naming_the_path():
+  if not os.path.exists("/dev/full"):
+    pytest.skip("no /dev/full on this system")
+  log = RF.MetricsWriter("/dev/full")
+  with pytest.raises(RF.RunFolderIOError) as info:
+    log.append({"step": 1, "loss": 0.5})
+  msg = str(info.value)
+  assert msg == ("cannot write /dev/full: no space left on device (ENOSPC); free some "
+                 "space or choose another --out")
+  assert "\n" not in msg and info.value.errno == 28 and info.value.filename == "/dev/full"
+  assert isinstance(info.value, OSError)
+
+
+def test_write_json_is_atomic_strict_and_readable(tmp_path):
+  path = str(tmp_path / "config.json")
+  RF.write_json(path, {"lr": 1e-3, "clip_end": None, "bad": float("nan")})
+  assert RF.read_json(path) == {"lr": 1e-3, "clip_end": None, "bad": None}
+  assert not os.path.exists(path + ".tmp")
+  with open(path, "w") as f:
+    f.write('{"lr": ')
+  with pytest.raises(RF.RunFolderIOError, match="config.json is not valid JSON"):
+    RF.read_json(path)
+  with pytest.raises(FileNotFoundError, match="missing.json does not exist"):
+    RF.read_json(str(tmp_path / "missing.json"))
+  with pytest.raises(RF.RunFolderIOError, match=r"cannot write .*sub/config.json"):
+    RF.write_json(str(tmp_path / "sub" / "config.json"), {})   # folder missing
+
+
+def test_probe_run_folder_creates_nothing_and_names_the_path(tmp_path):
+  out = tmp_path / "runs" / "a"
+  RF.probe_run_folder(str(out), min_free_bytes=1)
+  assert os.listdir(tmp_path) == []                # nothing created, no probe left
+  afile = tmp_path / "file"
+  afile.write_text("x")
+  with pytest.raises(RF.RunFolderIOError, match=r"run folder .*file/run: .*file is not a"):
+    RF.probe_run_folder(str(afile / "run"))
+  with pytest.raises(RF.RunFolderIOError, match=r"run folder .*a: only .* MiB free.*need"):
+    RF.probe_run_folder(str(out), min_free_bytes=1 << 62)
+  if os.access("/sys", os.W_OK) and not os.path.ismount("/sys"):
+    return
+  try:
+    RF.probe_run_folder("/sys/jaxrl_probe/run")
+  except RF.RunFolderIOError as e:
+    assert str(e).startswith("run folder /sys/jaxrl_probe/run is not writable: ")
+    assert "\n" not in str(e)
+  else:
+    pytest.skip("/sys is writable here")
