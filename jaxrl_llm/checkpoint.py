@@ -1,22 +1,58 @@
 """Save, restore and resume a whole :class:`~jaxrl_llm.train.TrainState` with orbax.
 
-A thin layer over ``orbax.checkpoint.CheckpointManager``: keep-last-N, atomic saves
-(orbax writes to a temporary folder and renames it when complete, so an interrupted
-save never shadows the previous checkpoint), and restore onto the structure, dtypes and
-shardings of a template state, so a state saved on one mesh can be restored on another.
+A layer over ``orbax.checkpoint.CheckpointManager`` that only hands back state it has
+verified:
+
+* **Atomic saves**: orbax writes into a temporary folder and renames it when complete,
+  so an interrupted save never shadows the previous checkpoint.
+* **A fingerprint with every step**: each save also writes a small JSON record of the
+  state: its tree paths, shapes, dtypes, whether every leaf is finite, and two 32-bit
+  checksums per leaf over the raw bits ``w_i`` (the leaf's words as ``uint32``)::
+
+      s1 = sum_i w_i              (mod 2**32)
+      s2 = sum_i (2 i + 1) w_i    (mod 2**32)
+
+  Both are exact integer sums, so they do not depend on reduction order or on the mesh
+  the state lives on (a state saved on 8 devices verifies on 1), and because ``1`` and
+  ``2 i + 1`` are odd, and so invertible mod ``2**32``, *any* change of a single word
+  changes both. They are computed on device by one jitted function (a collective when
+  the state is sharded), so nothing is gathered to the host.
+* **Verified restores with fallback**: :meth:`Checkpointer.restore` re-reads the
+  record, checks the restored tree against the template and the record (structure,
+  shapes, dtypes, finiteness, checksums) and, when the latest step fails (flipped
+  bytes, a truncated data file, missing metadata, a non-finite state), logs one line
+  naming it and falls back to the newest step that verifies. Orbax's own errors never
+  escape as tracebacks: a step that cannot be read is a step that does not verify.
+* **Rotation that keeps a good state**: ``max_to_keep`` keeps the newest N steps *and*
+  the newest step that is trusted (finite at save time and not found bad since), so a
+  run that starts saving garbage cannot rotate away its last good checkpoint.
+* **Restore anywhere**: restore onto the structure, dtypes and shardings of a template
+  state (concrete arrays or ``jax.ShapeDtypeStruct`` leaves with shardings, see
+  :func:`abstract_like`), so a state saved on one mesh can be restored on another.
+
 A JSON ``extra`` dict (e.g. the data-stream position of a trainer) is saved alongside.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
+VERIFY_ITEM = "verify"
 
-def abstract_like(tree):
+
+class CheckpointError(RuntimeError):
+  """No checkpoint could be saved, or none of the requested ones verifies."""
+
+
+def abstract_like(tree: Any) -> Any:
   """``jax.ShapeDtypeStruct`` of every leaf, keeping its sharding when it has one."""
 
   def one(x):
@@ -26,8 +62,147 @@ def abstract_like(tree):
   return jax.tree_util.tree_map(one, tree)
 
 
+def _words(x: jax.Array) -> jax.Array:
+  """The raw bits of ``x`` as ``uint32`` words (one per element; two for 8-byte types)."""
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  size = x.dtype.itemsize
+  if size == 4:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  if size == 8:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)      # adds a trailing axis of 2
+  unsigned = {2: jnp.uint16, 1: jnp.uint8}[size]
+  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _linear_index(shape: tuple[int, ...]) -> jax.Array:
+  """Row-major element index ``i`` of every position (``uint32``, wraps mod 2**32)."""
+  idx = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(
+        stride % 2**32)
+    stride *= shape[axis]
+  return idx
+
+
+def _leaf_fingerprint(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  w = _words(x)
+  odd = jnp.uint32(2) * _linear_index(w.shape) + jnp.uint32(1)
+  sums = jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * odd, dtype=jnp.uint32)])
+  inexact = jnp.issubdtype(x.dtype, jnp.inexact)
+  finite = jnp.all(jnp.isfinite(x)) if inexact else jnp.array(True)
+  return sums, finite
+
+
+@jax.jit
+def _fingerprints(leaves: list) -> tuple[list, list]:
+  out = [_leaf_fingerprint(x) for x in leaves]
+  return [o[0] for o in out], [o[1] for o in out]
+
+
+def fingerprint(state: Any) -> dict:
+  """The verification record of ``state``: paths, shapes, dtypes, finiteness, checksums.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> rec = fingerprint({"w": jnp.array([1.0, 2.0]), "n": jnp.array(3)})
+    >>> rec["paths"], rec["shapes"], rec["finite"]
+    (["['n']", "['w']"], [[], [2]], True)
+    >>> rec["checksums"][1] == fingerprint({"w": jnp.array([1.0, 2.0])})["checksums"][0]
+    True
+    >>> fingerprint({"w": jnp.array([1.0, jnp.inf])})["nonfinite"]
+    ["['w']"]
+  """
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  paths = [jax.tree_util.keystr(p) for p, _ in flat]
+  leaves = [jnp.asarray(x) for _, x in flat]
+  sums, finite = _fingerprints(leaves) if leaves else ([], [])
+  sums = [[int(v) for v in np.asarray(s)] for s in sums]
+  finite = [bool(np.asarray(f)) for f in finite]
+  return {"paths": paths, "shapes": [list(x.shape) for x in leaves],
+          "dtypes": [str(x.dtype) for x in leaves], "checksums": sums,
+          "finite": all(finite),
+          "nonfinite": [p for p, f in zip(paths, finite) if not f]}
+
+
+def verify_against(record: dict, state: Any, template: Any = None) -> Optional[str]:
+  """Why ``state`` does not match ``record`` (and ``template``), or ``None`` if it does.
+
+  Checks, in order: tree paths, shapes and dtypes against the template and against the
+  record, finiteness of every leaf, then the checksums.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> rec = fingerprint({"w": jnp.ones(3)})
+    >>> verify_against(rec, {"w": jnp.ones(3)}) is None
+    True
+    >>> verify_against(rec, {"w": jnp.ones(3).at[1].set(1.0000001)})
+    "checksum of ['w'] differs from the one saved with this step"
+  """
+  got = fingerprint(state)
+  if template is not None:
+    want = jax.tree_util.tree_flatten_with_path(template)[0]
+    want_paths = [jax.tree_util.keystr(p) for p, _ in want]
+    if want_paths != got["paths"]:
+      return _first_path_difference("template", want_paths, got["paths"])
+    for path, (_, t), shape, dtype in zip(want_paths, want, got["shapes"], got["dtypes"]):
+      t_shape = list(t.shape) if hasattr(t, "shape") else list(np.shape(t))
+      t_dtype = str(jnp.dtype(t.dtype)) if hasattr(t, "dtype") else dtype
+      if t_shape != shape or t_dtype != dtype:
+        return f"leaf {path} is {dtype}{shape}, the template wants {t_dtype}{t_shape}"
+  if record.get("paths") != got["paths"]:
+    return _first_path_difference("saved record", record.get("paths") or [], got["paths"])
+  for key in ("shapes", "dtypes"):
+    for path, saved, now in zip(got["paths"], record[key], got[key]):
+      if saved != now:
+        return f"leaf {path} has {key[:-1]} {now}, saved as {saved}"
+  if got["nonfinite"]:
+    more = len(got["nonfinite"]) - 1
+    return (f"non-finite values in {got['nonfinite'][0]}"
+            + (f" and {more} other leaves" if more else ""))
+  for path, saved, now in zip(got["paths"], record["checksums"], got["checksums"]):
+    if list(saved) != list(now):
+      return f"checksum of {path} differs from the one saved with this step"
+  return None
+
+
+def _first_path_difference(what: str, want: list, got: list) -> str:
+  missing = [p for p in want if p not in got]
+  extra = [p for p in got if p not in want]
+  if missing:
+    return f"tree differs from the {what}: {missing[0]} is missing"
+  if extra:
+    return f"tree differs from the {what}: unexpected leaf {extra[0]}"
+  return f"tree differs from the {what}: leaves in another order"
+
+
+def _one_line(exc: BaseException, limit: int = 160) -> str:
+  text = " ".join(str(exc).split()) or type(exc).__name__
+  if len(text) > limit:
+    text = text[:limit - 3] + "..."
+  return f"{type(exc).__name__}: {text}"
+
+
+def _stderr(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
 class Checkpointer:
-  """Checkpoints of a train state in ``directory`` (one sub-folder per step).
+  """Verified checkpoints of a train state in ``directory`` (one sub-folder per step).
+
+  Args:
+    directory: where the step folders go (created if missing).
+    max_to_keep: keep the newest ``max_to_keep`` steps, plus the newest trusted one
+      (finite at save time and not found bad on restore) if it is older; ``None``
+      keeps all.
+    save_interval_steps: orbax's interval; :meth:`save` of other steps returns
+      ``False`` unless ``force``.
+    async_save: write in a background thread (every :meth:`save` still waits for it).
+    log: called with each one-line message (a checkpoint that failed verification,
+      rotation notes); default: print to stderr.
 
   Examples:
     >>> import tempfile, jax.numpy as jnp
@@ -35,54 +210,200 @@ class Checkpointer:
     >>> ckpt.save(1, {"w": jnp.ones(3)}, extra={"epoch": 0})
     True
     >>> state, extra = ckpt.restore({"w": jnp.zeros(3)})
-    >>> float(state["w"].sum()), extra
-    (3.0, {'epoch': 0})
+    >>> float(state["w"].sum()), extra, ckpt.restored_step
+    (3.0, {'epoch': 0}, 1)
     >>> ckpt.close()
   """
 
   def __init__(self, directory: str, *, max_to_keep: Optional[int] = 3,
-               save_interval_steps: int = 1, async_save: bool = False):
+               save_interval_steps: int = 1, async_save: bool = False,
+               log: Optional[Callable[[str], None]] = None):
+    if max_to_keep is not None and max_to_keep < 1:
+      raise ValueError(f"`max_to_keep` must be >= 1 or None, got {max_to_keep}.")
     self.directory = os.path.abspath(directory)
+    self.max_to_keep = max_to_keep
+    self.log = log or _stderr
+    self.bad_steps: dict[int, str] = {}
+    self.restored_step: Optional[int] = None
+    self._records: dict[int, dict] = {}
+    # Rotation is done here (see _rotate), not by orbax, so it can spare a good step.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, save_interval_steps=save_interval_steps, create=True,
+        max_to_keep=None, save_interval_steps=save_interval_steps, create=True,
         enable_async_checkpointing=async_save)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    try:
+      self._manager = ocp.CheckpointManager(self.directory, options=options)
+    except OSError as e:
+      raise CheckpointError(f"cannot use checkpoint folder {self.directory}: "
+                            f"{_one_line(e)}") from None
+
+  # ------------------------------------------------------------------------- save
 
   def save(self, step: int, state: Any, *, extra: Optional[dict] = None,
            force: bool = False) -> bool:
-    """Saves ``state`` (and JSON ``extra``) as ``step``; returns whether it saved."""
-    args = {"state": ocp.args.StandardSave(state)}
-    args["extra"] = ocp.args.JsonSave(extra or {})
-    saved = self._manager.save(int(step), args=ocp.args.Composite(**args), force=force)
-    self._manager.wait_until_finished()
+    """Saves ``state`` (and JSON ``extra``) as ``step``; returns whether it saved.
+
+    A step that exists already is kept (returns ``False``), as orbax does not save a
+    step older than its newest one; steps from ``step`` on that failed verification
+    in :meth:`restore` are deleted first (logged), so a run that fell back to an
+    older checkpoint saves its new steps in their place.
+
+    Raises:
+      CheckpointError: the save failed (full disk, unwritable folder, ...); one line
+        naming the folder and the cause.
+    """
+    step = int(step)
+    for s in self.all_steps():
+      if s >= step and s in self.bad_steps:      # replaced by the run that went on
+        self.log(f"removing unusable checkpoint {self._step_dir(s)} "
+                 f"({self.bad_steps.pop(s)})")
+        self._manager.delete(s)
+        self._records.pop(s, None)
+    if step in self.all_steps():
+      return False
+    record = fingerprint(state)
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                              extra=ocp.args.JsonSave(extra or {}),
+                              **{VERIFY_ITEM: ocp.args.JsonSave(record)})
+    try:
+      saved = self._manager.save(step, args=args, force=force)
+      self._manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise bare Exception
+      raise CheckpointError(f"cannot save checkpoint step {step} in {self.directory}: "
+                            f"{_one_line(_root_cause(e))}") from None
+    if saved:
+      self._records[step] = record
+      self.bad_steps.pop(step, None)
+      if not record["finite"]:
+        self.log(f"checkpoint {self._step_dir(step)} holds non-finite values "
+                 f"({record['nonfinite'][0]}); it will not count as a good state")
+      self._rotate()
     return bool(saved)
+
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def _record(self, step: int) -> Optional[dict]:
+    """The verification record saved with ``step`` (``None`` if absent or unreadable)."""
+    if step not in self._records:
+      if not os.path.isdir(os.path.join(self._step_dir(step), VERIFY_ITEM)):
+        return None
+      try:
+        got = self._manager.restore(step, args=ocp.args.Composite(
+            **{VERIFY_ITEM: ocp.args.JsonRestore()}))[VERIFY_ITEM]
+      except Exception:  # noqa: BLE001 - an unreadable record is a missing one
+        return None
+      self._records[step] = dict(got or {})
+    return self._records[step]
+
+  def trusted(self, step: int) -> bool:
+    """Whether ``step`` counts as a good state for rotation (see the class doc)."""
+    if step in self.bad_steps:
+      return False
+    record = self._record(step)
+    return record is not None and bool(record.get("finite"))
+
+  def _rotate(self) -> None:
+    if self.max_to_keep is None:
+      return
+    steps = sorted(self.all_steps())
+    keep = set(steps[-self.max_to_keep:])
+    good = next((s for s in reversed(steps) if self.trusted(s)), None)
+    if good is not None:
+      keep.add(good)
+    for s in steps:
+      if s not in keep:
+        self._manager.delete(s)
+        self._records.pop(s, None)
+        self.bad_steps.pop(s, None)
+
+  # ---------------------------------------------------------------------- restore
 
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
-    return list(self._manager.all_steps())
+    return sorted(self._manager.all_steps())
 
-  def restore(self, template: Any, step: Optional[int] = None):
-    """Restores ``(state, extra)`` from ``step`` (default: the latest).
+  def restore(self, template: Any, step: Optional[int] = None, *,
+              fallback: bool = True) -> tuple[Any, dict]:
+    """Restores ``(state, extra)`` from ``step`` (default: the newest that verifies).
 
     ``template`` is a state of the right structure: concrete arrays, or
     ``jax.ShapeDtypeStruct`` leaves (see :func:`abstract_like`) whose ``sharding``
     says where each restored leaf goes, e.g. onto a different mesh than at save time.
+
+    Every candidate is verified (see the module doc). With ``step=None`` and
+    ``fallback``, a step that fails is logged in one line naming it, recorded in
+    ``bad_steps``, and the next older step is tried; ``restored_step`` tells which
+    step was returned. Checkpoints saved without a record (older versions) are only
+    checked against the template and for finiteness.
+
+    Raises:
+      FileNotFoundError: the folder holds no checkpoint.
+      CheckpointError: no candidate verifies (the message lists each one's reason).
     """
-    step = self.latest_step() if step is None else step
-    if step is None:
+    steps = self.all_steps()
+    if not steps:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    restored = self._manager.restore(int(step), args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_like(template)),
-        extra=ocp.args.JsonRestore()))
-    return restored["state"], dict(restored["extra"] or {})
+    if step is not None:
+      candidates = [int(step)]
+    else:
+      candidates = sorted(steps, reverse=True)
+      if not fallback:
+        candidates = candidates[:1]
+    failures = []
+    for s in candidates:
+      result, reason = self._restore_verified(template, s)
+      if reason is None:
+        self.restored_step = s
+        return result
+      self.bad_steps[s] = reason
+      failures.append(f"step {s} ({reason})")
+      if step is None and fallback and s != candidates[-1]:
+        self.log(f"checkpoint {self._step_dir(s)} is unusable ({reason}); falling back "
+                 "to an older checkpoint")
+    raise CheckpointError(f"no usable checkpoint in {self.directory}: "
+                          + "; ".join(failures))
+
+  def _restore_verified(self, template: Any, step: int
+                        ) -> tuple[Any, Optional[str]]:
+    if step not in self.all_steps():
+      return None, "no such step"
+    record = self._record(step)
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_like(template)),
+          extra=ocp.args.JsonRestore()))
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise bare Exception
+      return None, f"cannot be read: {_one_line(_root_cause(e))}"
+    state, extra = restored["state"], dict(restored["extra"] or {})
+    if record is None:
+      if os.path.isdir(os.path.join(self._step_dir(step), VERIFY_ITEM)):
+        return None, "its verification record cannot be read"
+      record = fingerprint(state)                # legacy step: structure + finiteness
+    reason = verify_against(record, state, template)
+    return (state, extra), reason
 
   def close(self) -> None:
     self._manager.close()
 
-  def __enter__(self):
+  def __enter__(self) -> Checkpointer:
     return self
 
-  def __exit__(self, *exc):
+  def __exit__(self, *exc: object) -> None:
     self.close()
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+  """The innermost cause of a chained exception (where orbax hides ``ENOSPC``)."""
+  seen = set()
+  while True:
+    nxt = exc.__cause__ or exc.__context__
+    if nxt is None or id(nxt) in seen:
+      return exc
+    seen.add(id(exc))
+    exc = nxt
+
+
+__all__ = ["Checkpointer", "CheckpointError", "abstract_like", "fingerprint",
+           "verify_against"]

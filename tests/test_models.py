@@ -299,6 +299,53 @@ def test_remat_identical_values_and_grads():
   assert_close(g0, g1, atol=1e-6)
 
 
+def test_remat_policies_identical_values_and_grads():
+  tokens, mask = _tokens(7), _left_mask([10, 5, 1], 10)
+  l0, g0 = LOSS_GRAD(PARAMS, GRAPHDEF, tokens, mask)
+  for policy in ("dots_saveable", "nothing_saveable"):
+    g_r, p_r = _build(TransformerConfig.tiny(V, remat=True, remat_policy=policy))
+    l1, g1 = LOSS_GRAD(p_r, g_r, tokens, mask)
+    assert_close(l0, l1, atol=1e-6)
+    assert_close(g0, g1, atol=1e-6)
+
+
+# The blockwise (O(T) memory) attention with blocks that do not divide T: the model
+# gives the same values, gradients and cached decoding as with the plain softmax.
+BLOCK_CFG = TransformerConfig.tiny(V, attention="blockwise", attention_block_size=4)
+
+
+def test_blockwise_attention_matches_xla_forward_and_grads():
+  g_b, p_b = _build(BLOCK_CFG)
+  g_x, p_x = _build(TransformerConfig.tiny(V, attention="xla"))
+  assert_close(p_b, PARAMS, atol=0)
+  tokens = _tokens(12)
+  mask = _left_mask([10, 7, 0], 10)
+  mask[1, 8:] = 0  # left and right padding, and an empty row
+  l0, g0 = LOSS_GRAD(PARAMS, GRAPHDEF, tokens, mask)
+  for graphdef, params in ((g_b, p_b), (g_x, p_x)):
+    l1, g1 = LOSS_GRAD(params, graphdef, tokens, mask)
+    assert_close(l0, l1, atol=1e-5)
+    assert_close(g0, g1, atol=1e-5)
+
+
+def test_blockwise_attention_cache_decode_matches_full_forward():
+  g_b, p_b = _build(BLOCK_CFG)
+  fns = make_decode_fns(g_b)
+  b, p, n = 3, 6, 3
+  tokens = np.asarray(_tokens(13, b=b, t=p + n))
+  prompt_mask = _left_mask([6, 3, 1], p)
+  full_mask = np.concatenate([prompt_mask, np.ones((b, n), np.float32)], axis=1)
+  hidden, _, lm_head = APPLY(PARAMS, tokens, None, full_mask)
+  full_logits = np.asarray(hidden @ lm_head)
+  cache = fns.init_cache(p_b, b, p + n + 2)   # 2 slots never written
+  logits, cache = _jit(fns.prefill)(p_b, tokens[:, :p], prompt_mask, cache)
+  assert_close(logits, full_logits[:, p - 1], atol=1e-5)
+  decode = _jit(fns.decode)
+  for t in range(p, p + n):
+    logits, cache = decode(p_b, tokens[:, t], cache)
+    assert_close(logits, full_logits[:, t], atol=1e-5)
+
+
 def test_bfloat16_runs_finite():
   """bf16 params/matmuls (one layer, to keep the bf16 CPU compile short)."""
   cfg = TransformerConfig.tiny(V, dtype=jnp.bfloat16, n_layers=1)
@@ -450,6 +497,13 @@ def test_bad_inputs_raise():
     TransformerConfig.tiny(0)
   with pytest.raises(ValueError, match="name"):
     get_config("huge", V)
+  with pytest.raises(ValueError, match="remat_policy"):
+    TransformerConfig.tiny(V, remat=True, remat_policy="some")
+  with pytest.raises(ValueError, match="attention_block_size"):
+    TransformerConfig.tiny(V, attention_block_size=0)
+  with pytest.raises(ValueError, match="implementation"):
+    model_bad = Transformer(TransformerConfig.tiny(V, attention="nope"))
+    jax.eval_shape(lambda: model_bad(jnp.ones((1, 4), jnp.int32)))
 
 
 def test_presets():

@@ -107,6 +107,17 @@ def test_greedy_matches_no_cache_argmax_decoding():
   assert out.tokens.dtype == np.int32 and out.logprobs.dtype == np.float32
 
 
+def test_greedy_unchanged_with_blockwise_attention():
+  cfg = TransformerConfig.tiny(V, attention="blockwise", attention_block_size=4)
+  graphdef, params = split_model(Transformer(cfg, rngs=nnx.Rngs(0)))
+  out = _jit(functools.partial(sample, make_decode_fns(graphdef)),
+             static_argnames=("max_new_tokens", "greedy"))(
+      params, PROMPTS, LEFT_MASK, jax.random.key(0), max_new_tokens=N, greedy=True)
+  ref_tokens, ref_logps = GREEDY_REF
+  np.testing.assert_array_equal(np.asarray(out.completion), ref_tokens)
+  assert_close(np.asarray(out.logprobs), ref_logps, atol=1e-4)
+
+
 def test_right_padded_prompts_give_the_same_completion():
   right_prompts = np.zeros_like(PROMPTS)
   right_mask = np.zeros_like(LEFT_MASK)

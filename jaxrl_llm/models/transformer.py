@@ -15,6 +15,11 @@ Conventions:
   a row has position k-1 wherever it sits. Left padding, right padding and holes all
   give the same outputs at real tokens.
 * Causality is by array index: the query at index t sees the real keys at indices <= t.
+  Attention is :func:`jaxrl_llm.attention.dot_product_attention` (``config.attention``
+  picks the implementation; ``None`` chooses by backend and size, so long sequences get
+  the O(T)-memory ``"blockwise"`` kernel and a ``sequence`` mesh axis gets ``"ring"``
+  when :mod:`jaxrl_llm.parallel` registers it). A padded query that sees no real key
+  gets a zero attention output.
 * Every parameter carries logical axis names (``vocab``, ``embed``, ``heads``,
   ``kv_heads``, ``head_dim``, ``mlp``, or ``None``) as ``out_sharding`` metadata with
   eager sharding off; ``nnx.get_partition_spec(nnx.state(model))`` gives the logical
@@ -40,22 +45,57 @@ pure functions of ``params`` returning next-token logits, the protocol of
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm import _validate as v
-
-_NEG = -1e30  # finite "minus infinity" for masked attention scores
+from jaxrl_llm.attention import ATTENTION_IMPLEMENTATIONS, dot_product_attention
 
 PRESETS = ("tiny", "small")
+
+#: ``TransformerConfig.remat_policy`` names -> ``jax.checkpoint`` policies.
+REMAT_POLICIES: dict[str, Any] = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable":
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+}
 
 
 # ----------------------------------------------------------------------------------
 # Config
 # ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  r"""Llama-3 RoPE frequency scaling (Hugging Face ``rope_type: "llama3"``).
+
+  With wavelength :math:`\lambda_i = 2\pi / \omega_i`, :math:`L` =
+  ``original_max_position_embeddings``, :math:`s` = ``factor``, :math:`l, h` = the low
+  and high frequency factors: :math:`\omega_i` is kept when :math:`\lambda_i < L/h`,
+  divided by :math:`s` when :math:`\lambda_i > L/l`, and in between interpolated,
+  :math:`(1-\mu)\,\omega_i/s + \mu\,\omega_i` with
+  :math:`\mu = (L/\lambda_i - l)/(h - l)` (Meta's Llama 3.1 reference code).
+  """
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+  def __post_init__(self):
+    if not self.factor > 0 or not self.high_freq_factor > self.low_freq_factor > 0:
+      raise ValueError(f"RopeScaling needs factor > 0 and high_freq_factor > "
+                       f"low_freq_factor > 0, got {self!r}.")
+    if self.original_max_position_embeddings < 1:
+      raise ValueError(f"`original_max_position_embeddings` must be positive, got "
+                       f"{self.original_max_position_embeddings}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +118,19 @@ class TransformerConfig:
     value_head: add a scalar value head ``Linear(D -> 1)`` on the final hidden states.
     remat: wrap each block in ``nnx.remat`` (``jax.checkpoint``) in the full forward,
       trading recomputation for activation memory; results are identical.
+    remat_policy: what a remat'd block keeps for the backward pass (only with
+      ``remat=True``): ``None`` or ``"nothing_saveable"`` (the least memory: only block
+      inputs), ``"dots_saveable"`` / ``"dots_with_no_batch_dims_saveable"`` (keep matmul
+      outputs, less recomputation), ``"everything_saveable"``; see ``REMAT_POLICIES``.
+    attention: the :func:`jaxrl_llm.dot_product_attention` implementation
+      (``"xla"``, ``"blockwise"``, ``"cudnn"``, a registered name such as ``"ring"``),
+      or ``None`` to choose by backend and size (``select_implementation``).
+    attention_block_size: query/key block size of ``"blockwise"``; ``None`` = default.
     dtype: parameter and matmul dtype (e.g. ``jnp.float32`` or ``jnp.bfloat16``).
     norm_eps: RMSNorm epsilon.
+    qkv_bias: add biases to the query/key/value projections (Qwen2).
+    qk_norm: RMSNorm over ``head_dim`` of each query and key head before RoPE (Qwen3).
+    rope_scaling: a :class:`RopeScaling` (Llama-3 frequency scaling) or ``None``.
   """
 
   vocab_size: int
@@ -96,6 +147,12 @@ class TransformerConfig:
   remat: bool = False
   dtype: Any = jnp.float32
   norm_eps: float = 1e-6
+  remat_policy: str | None = None
+  attention: str | None = None
+  attention_block_size: int | None = None
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  rope_scaling: RopeScaling | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -115,23 +172,37 @@ class TransformerConfig:
       raise ValueError(f"`head_dim` must be even for RoPE, got {self.dim_per_head}.")
     if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
       raise ValueError(f"`dtype` must be a floating dtype, got {self.dtype!r}.")
+    if self.remat_policy is not None:
+      v.check_choice("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
+    # Implementations may be registered later (e.g. "ring" by jaxrl_llm.parallel), so
+    # an unknown name is only rejected at trace time; here only the type is checked.
+    if self.attention is not None and not isinstance(self.attention, str):
+      raise ValueError(f"`attention` must be None or an implementation name (one of "
+                       f"{list(ATTENTION_IMPLEMENTATIONS)}), got {self.attention!r}.")
+    if self.attention_block_size is not None and (
+        not isinstance(self.attention_block_size, int) or self.attention_block_size < 1):
+      raise ValueError(f"`attention_block_size` must be None or a positive int, got "
+                       f"{self.attention_block_size!r}.")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"`rope_scaling` must be None or a RopeScaling, got "
+                       f"{self.rope_scaling!r}.")
 
   @property
   def dim_per_head(self) -> int:
     return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
   @classmethod
-  def tiny(cls, vocab_size: int, **overrides) -> "TransformerConfig":
+  def tiny(cls, vocab_size: int, **overrides) -> TransformerConfig:
     """64 wide, 2 layers, 4 query / 2 KV heads: a CPU fwd+bwd in milliseconds."""
-    base = dict(vocab_size=vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                d_ff=128, max_seq_len=128)
+    base = {"vocab_size": vocab_size, "d_model": 64, "n_layers": 2, "n_heads": 4,
+            "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 128}
     return cls(**{**base, **overrides})
 
   @classmethod
-  def small(cls, vocab_size: int, **overrides) -> "TransformerConfig":
+  def small(cls, vocab_size: int, **overrides) -> TransformerConfig:
     """256 wide, 4 layers, 8 query / 4 KV heads, d_ff 1024, 512 tokens (~3M + 256 V)."""
-    base = dict(vocab_size=vocab_size, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4,
-                d_ff=1024, max_seq_len=512)
+    base = {"vocab_size": vocab_size, "d_model": 256, "n_layers": 4, "n_heads": 8,
+            "n_kv_heads": 4, "d_ff": 1024, "max_seq_len": 512}
     return cls(**{**base, **overrides})
 
 
@@ -161,7 +232,23 @@ def _normal(stddev):
   return nnx.initializers.normal(stddev=stddev)
 
 
-def rope(x, positions, theta):
+def rope_frequencies(d: int, theta, scaling: RopeScaling | None = None) -> jax.Array:
+  r"""The ``d/2`` RoPE frequencies :math:`\omega_i = \theta^{-2i/d}` (float32),
+  scaled by ``scaling`` (:class:`RopeScaling`) when given."""
+  freqs = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  if scaling is None:
+    return freqs
+  s, lo, hi = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+  old = float(scaling.original_max_position_embeddings)
+  wavelen = 2 * jnp.pi / freqs
+  scaled = jnp.where(wavelen > old / lo, freqs / s, freqs)
+  mu = (old / wavelen - lo) / (hi - lo)
+  smoothed = (1 - mu) * scaled / s + mu * scaled
+  medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x, positions, theta, scaling: RopeScaling | None = None):
   r"""Rotary position embedding (rotate-half form), computed in float32.
 
   For each head vector split into halves :math:`(a, b)` of width ``d/2`` and frequency
@@ -179,12 +266,13 @@ def rope(x, positions, theta):
     x: ``[B, T, N, d]`` queries or keys (``d`` even).
     positions: ``[B, T]`` integer positions.
     theta: RoPE base.
+    scaling: optional :class:`RopeScaling` of the frequencies (Llama 3).
 
   Returns:
     ``[B, T, N, d]`` in the dtype of ``x``.
   """
   d = x.shape[-1]
-  freqs = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  freqs = rope_frequencies(d, theta, scaling)
   angles = positions.astype(jnp.float32)[..., None] * freqs  # [B, T, d/2]
   cos = jnp.cos(angles)[:, :, None, :]
   sin = jnp.sin(angles)[:, :, None, :]
@@ -197,48 +285,14 @@ def rope(x, positions, theta):
 class RMSNorm(nnx.Module):
   r""":math:`y = x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \cdot g` (float32 inside)."""
 
-  def __init__(self, dim: int, eps: float, dtype, *, rngs: nnx.Rngs):
+  def __init__(self, dim: int, eps: float, dtype, *, rngs: nnx.Rngs, names=("embed",)):
     self.eps = eps
-    self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",), dtype)
+    self.scale = _param(rngs, nnx.initializers.ones, (dim,), names, dtype)
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
-
-
-def attend(q, k, v, q_index, kv_valid):
-  r"""Causal, padding-masked (grouped-query) dot-product attention.
-
-  Query ``t`` attends to key ``s`` iff ``s <= q_index[t]`` and ``kv_valid[b, s]``:
-
-  .. math::
-
-    o_t = \sum_s \mathrm{softmax}_s\big(q_t \cdot k_s / \sqrt{d}\big)\, v_s .
-
-  A query with no allowed key (a padded position at the start of a row) gets a finite
-  uniform average instead of NaN; real queries always see at least themselves.
-
-  Args:
-    q: ``[B, T, H, d]``.
-    k, v: ``[B, S, K, d]`` with ``H % K == 0`` (query head ``h`` uses KV head
-      ``h // (H // K)``).
-    q_index: ``[T]`` int, the key index of each query (causal limit).
-    kv_valid: ``[B, S]`` bool, real keys.
-
-  Returns:
-    ``[B, T, H, d]`` in the dtype of ``q``.
-  """
-  b, t, h, d = q.shape
-  kvh = k.shape[2]
-  qg = q.reshape(b, t, kvh, h // kvh, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-  scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
-  allowed = (jnp.arange(k.shape[1])[None, :] <= q_index[:, None])[None] & kv_valid[:, None]
-  scores = jnp.where(allowed[:, None, None], scores, _NEG)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-  return out.reshape(b, t, h, d).astype(q.dtype)
 
 
 class Attention(nnx.Module):
@@ -248,6 +302,9 @@ class Attention(nnx.Module):
     c = config
     d, h, kvh, hd = c.d_model, c.n_heads, c.n_kv_heads, c.dim_per_head
     self.theta = c.rope_theta
+    self.rope_scaling = c.rope_scaling
+    self.implementation = c.attention
+    self.block_size = c.attention_block_size
     std_in = d ** -0.5
     std_out = (h * hd) ** -0.5 / (2 * c.n_layers) ** 0.5
     self.wq = _param(rngs, _normal(std_in), (d, h, hd), ("embed", "heads", "head_dim"),
@@ -258,30 +315,46 @@ class Attention(nnx.Module):
                      ("embed", "kv_heads", "head_dim"), c.dtype)
     self.wo = _param(rngs, _normal(std_out), (h, hd, d), ("heads", "head_dim", "embed"),
                      c.dtype)
+    if c.qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.bq = _param(rngs, zeros, (h, hd), ("heads", "head_dim"), c.dtype)
+      self.bk = _param(rngs, zeros, (kvh, hd), ("kv_heads", "head_dim"), c.dtype)
+      self.bv = _param(rngs, zeros, (kvh, hd), ("kv_heads", "head_dim"), c.dtype)
+    if c.qk_norm:
+      self.q_norm = RMSNorm(hd, c.norm_eps, c.dtype, rngs=rngs, names=("head_dim",))
+      self.k_norm = RMSNorm(hd, c.norm_eps, c.dtype, rngs=rngs, names=("head_dim",))
 
   def __call__(self, x, positions, kv_valid, cache_kv=None, index=None):
     """Attention over ``x`` ``[B, T, D]``; with a cache, over cache + ``x``.
 
-    Without ``cache_kv`` the keys are ``x``'s own (``kv_valid`` ``[B, T]``). With
-    ``cache_kv = (k, v)`` ``[B, S, K, d]`` the new keys are written at slots
-    ``index .. index+T-1`` and ``kv_valid`` ``[B, S]`` covers the whole cache.
+    Without ``cache_kv`` the keys are ``x``'s own (``kv_valid`` ``[B, T]``), and query
+    ``t`` sees keys ``<= t``. With ``cache_kv = (k, v)`` ``[B, S, K, d]`` the new keys
+    are written at slots ``index .. index+T-1``, ``kv_valid`` ``[B, S]`` covers the
+    whole cache (unwritten slots False), and query ``t`` sees slots ``<= index + t``
+    (``query_offset=index``: the cache is not end-aligned, its tail is unwritten).
     Returns ``(out [B, T, D], (k, v))``.
     """
     dtype = x.dtype
     q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
     k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
     val = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))
-    q = rope(q, positions, self.theta)
-    k = rope(k, positions, self.theta)
-    t = x.shape[1]
-    if cache_kv is None:
-      q_index = jnp.arange(t)
-    else:
+    if hasattr(self, "bq"):   # config.qkv_bias
+      q = q + self.bq[...].astype(dtype)
+      k = k + self.bk[...].astype(dtype)
+      val = val + self.bv[...].astype(dtype)
+    if hasattr(self, "q_norm"):   # config.qk_norm
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = rope(q, positions, self.theta, self.rope_scaling)
+    k = rope(k, positions, self.theta, self.rope_scaling)
+    query_offset = None
+    if cache_kv is not None:
       ck, cv = cache_kv
       k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
       val = jax.lax.dynamic_update_slice(cv, val.astype(cv.dtype), (0, index, 0, 0))
-      q_index = index + jnp.arange(t)
-    out = attend(q, k.astype(dtype), val.astype(dtype), q_index, kv_valid)
+      query_offset = jnp.asarray(index, jnp.int32)
+    out = dot_product_attention(q, k.astype(dtype), val.astype(dtype), key_mask=kv_valid,
+                                is_causal=True, implementation=self.implementation,
+                                block_size=self.block_size, query_offset=query_offset)
     out = jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dtype))
     return out, (k, val)
 
@@ -328,7 +401,10 @@ def _block_forward(block, x, positions, kv_valid):
   return block(x, positions, kv_valid)[0]
 
 
-_block_forward_remat = nnx.remat(_block_forward)
+def _remat_block_forward(policy: str | None) -> Callable:
+  if policy is None:
+    return nnx.remat(_block_forward)
+  return nnx.remat(_block_forward, policy=REMAT_POLICIES[policy])
 
 
 # ----------------------------------------------------------------------------------
@@ -459,7 +535,8 @@ class Transformer(nnx.Module):
     if positions is None:
       positions = _positions_from_mask(mask)
     kv_valid = mask > 0
-    block_fn = _block_forward_remat if self.config.remat else _block_forward
+    c = self.config
+    block_fn = _remat_block_forward(c.remat_policy) if c.remat else _block_forward
     x = self._embed(tokens)
     for block in self.blocks:
       x = block_fn(block, x, positions, kv_valid)

@@ -1,0 +1,229 @@
+"""Checkpoints you can trust: real orbax checkpoints on disk, really corrupted."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrl_llm.checkpoint import (Checkpointer, CheckpointError, abstract_like,
+                                  fingerprint, verify_against)
+
+
+def _states(n):
+  """``n`` successive (params, Adam state, step) states of a small quadratic problem."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 4096, dtype=jnp.float32).reshape(64, 64),
+            "b": jnp.arange(7, dtype=jnp.bfloat16), "n": jnp.array(3, jnp.int32)}
+  opt = optax.adam(1e-2)
+  state = {"params": params, "opt": opt.init(params), "step": jnp.array(0, jnp.int32)}
+  out = []
+  for _ in range(n):
+    grads = jax.tree_util.tree_map(lambda x: jnp.sin(x.astype(jnp.float32) * 3 + 1).astype(
+        x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.zeros_like(x),
+        state["params"])
+    updates, opt_state = opt.update(grads, state["opt"], state["params"])
+    state = {"params": optax.apply_updates(state["params"], updates), "opt": opt_state,
+             "step": state["step"] + 1}
+    out.append(state)
+  return out
+
+
+def _host(tree):
+  return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _bit_identical(a, b):
+  la, lb = _host(a), _host(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    assert x.tobytes() == y.tobytes()
+
+
+def _saved(tmp_path, n=3, **kwargs):
+  messages = []
+  states = _states(n)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), log=messages.append, **kwargs)
+  for i, st in enumerate(states, start=1):
+    assert ckpt.save(i, st, extra={"step": i})
+  return ckpt, states, messages
+
+
+def _data_files(ckpt, step):
+  files = glob.glob(os.path.join(ckpt.directory, str(step), "state", "**", "d", "*"),
+                    recursive=True)
+  return sorted(files, key=os.path.getsize)
+
+
+def _expect_fallback(tmp_path, ckpt, states, messages, bad_step, reason_part):
+  """A fresh process's view: a new Checkpointer on the folder restores step bad-1."""
+  fresh = Checkpointer(ckpt.directory, log=messages.append)
+  state, extra = fresh.restore(abstract_like(states[0]))
+  assert fresh.restored_step == bad_step - 1 and extra == {"step": bad_step - 1}
+  _bit_identical(state, states[bad_step - 2])
+  assert reason_part in fresh.bad_steps[bad_step], fresh.bad_steps
+  line = messages[-1]
+  assert line.startswith(f"checkpoint {ckpt.directory}/{bad_step} is unusable (")
+  assert line.endswith("falling back to an older checkpoint") and "\n" not in line
+  with pytest.raises(CheckpointError, match=rf"step {bad_step} \("):
+    fresh.restore(states[0], step=bad_step)                 # an explicit step: no fallback
+  fresh.close()
+
+
+def test_intact_checkpoints_restore_bit_identically(tmp_path):
+  ckpt, states, messages = _saved(tmp_path)
+  state, extra = ckpt.restore(states[0])
+  assert ckpt.restored_step == 3 and extra == {"step": 3} and messages == []
+  _bit_identical(state, states[2])
+  state, _ = ckpt.restore(states[0], step=1)
+  _bit_identical(state, states[0])
+  ckpt.close()
+
+
+def test_flipped_bytes_in_the_latest_data_file_fall_back_to_the_previous_step(tmp_path):
+  ckpt, states, messages = _saved(tmp_path)
+  ckpt.close()
+  big = _data_files(ckpt, 3)[-1]                   # the largest chunk: the weights
+  data = bytearray(open(big, "rb").read())
+  mid = len(data) // 2
+  data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+  with open(big, "wb") as f:
+    f.write(data)
+  _expect_fallback(tmp_path, ckpt, states, messages, 3, "")
+
+
+def test_a_single_flipped_bit_is_caught(tmp_path):
+  ckpt, states, messages = _saved(tmp_path)
+  ckpt.close()
+  # Data chunks are uncompressed here, so a low mantissa bit of one float flips
+  # silently inside orbax: only the checksum can see it.
+  for path in _data_files(ckpt, 3)[::-1]:
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    with open(path, "wb") as f:
+      f.write(data)
+    break
+  _expect_fallback(tmp_path, ckpt, states, messages, 3, "")
+
+
+def test_truncated_data_file_falls_back(tmp_path):
+  ckpt, states, messages = _saved(tmp_path)
+  ckpt.close()
+  big = _data_files(ckpt, 3)[-1]
+  os.truncate(big, os.path.getsize(big) // 2)
+  _expect_fallback(tmp_path, ckpt, states, messages, 3, "cannot be read")
+
+
+def test_missing_orbax_metadata_falls_back(tmp_path):
+  ckpt, states, messages = _saved(tmp_path)
+  ckpt.close()
+  os.remove(os.path.join(ckpt.directory, "3", "state", "_METADATA"))
+  _expect_fallback(tmp_path, ckpt, states, messages, 3, "cannot be read")
+
+
+def test_missing_verification_record_falls_back(tmp_path):
+  ckpt, states, messages = _saved(tmp_path)
+  ckpt.close()
+  for path in glob.glob(os.path.join(ckpt.directory, "3", "verify", "*")):
+    os.remove(path)
+  _expect_fallback(tmp_path, ckpt, states, messages, 3, "verification record")
+
+
+def test_nothing_verifies_gives_one_line_error_naming_every_step(tmp_path):
+  ckpt, states, _ = _saved(tmp_path, n=2)
+  ckpt.close()
+  for step in (1, 2):
+    os.remove(os.path.join(ckpt.directory, str(step), "state", "_METADATA"))
+  fresh = Checkpointer(ckpt.directory, log=lambda m: None)
+  with pytest.raises(CheckpointError) as info:
+    fresh.restore(states[0])
+  msg = str(info.value)
+  assert "\n" not in msg and msg.startswith(f"no usable checkpoint in {ckpt.directory}: ")
+  assert "step 2 (cannot be read: " in msg and "; step 1 (cannot be read: " in msg
+  with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+    Checkpointer(str(tmp_path / "empty")).restore(states[0])
+  fresh.close()
+
+
+def test_template_mismatch_is_named(tmp_path):
+  ckpt, states, _ = _saved(tmp_path, n=1)
+  wrong = dict(states[0], params=dict(states[0]["params"], w=jnp.zeros((64, 32))))
+  with pytest.raises(CheckpointError, match=r"step 1 \(.*"):
+    ckpt.restore(wrong)
+  ckpt.close()
+
+
+def test_non_finite_state_is_refused_and_rotation_spares_the_last_good_step(tmp_path):
+  states = _states(2)
+  messages = []
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=2, log=messages.append)
+  ckpt.save(1, states[0], extra={"step": 1})
+  ckpt.save(2, states[1], extra={"step": 2})
+  poisoned = dict(states[1], opt=jax.tree_util.tree_map(
+      lambda x: x * jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else x,
+      states[1]["opt"]))
+  for step in (3, 4, 5):
+    ckpt.save(step, poisoned, extra={"step": step})
+  assert "holds non-finite values" in messages[0]
+  assert ckpt.all_steps() == [2, 4, 5]            # newest 2, plus the last good one
+  state, extra = ckpt.restore(states[0])
+  assert ckpt.restored_step == 2 and extra == {"step": 2}
+  _bit_identical(state, states[1])
+  assert [m.split(" is unusable")[0] for m in messages[-2:]] == [
+      f"checkpoint {ckpt.directory}/5", f"checkpoint {ckpt.directory}/4"]
+  assert "non-finite values in ['opt']" in ckpt.bad_steps[5]
+  # The run goes on from step 2: its new step 3 replaces the unusable 4 and 5.
+  assert ckpt.save(3, states[1], extra={"step": 3})
+  assert [m.split(" (")[0] for m in messages[-2:]] == [
+      f"removing unusable checkpoint {ckpt.directory}/{s}" for s in (4, 5)]
+  assert ckpt.all_steps() == [2, 3]
+  state, _ = ckpt.restore(states[0])
+  assert ckpt.restored_step == 3
+  ckpt.close()
+
+
+def test_keep_last_n_when_all_are_good(tmp_path):
+  ckpt, _, _ = _saved(tmp_path, n=4, max_to_keep=2)
+  assert ckpt.all_steps() == [3, 4]
+  assert not ckpt.save(4, _states(1)[0])          # an existing good step is kept
+  ckpt.close()
+
+
+def test_save_failure_is_one_line_naming_the_folder(tmp_path):
+  states = _states(1)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  shutil.rmtree(ckpt.directory)
+  with open(ckpt.directory, "w") as f:             # the folder became a file
+    f.write("x")
+  with pytest.raises(CheckpointError) as info:
+    ckpt.save(1, states[0])
+  msg = str(info.value)
+  assert msg.startswith(f"cannot save checkpoint step 1 in {ckpt.directory}: ")
+  assert "\n" not in msg
+
+
+def test_fingerprint_sees_every_single_word_change_and_ignores_layout():
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
+  base = fingerprint({"x": x})
+  for i, j in [(0, 0), (3, 7), (7, 15)]:
+    for new in (jnp.nextafter(x[i, j], jnp.inf), -x[i, j]):
+      changed = fingerprint({"x": x.at[i, j].set(new)})
+      assert changed["checksums"][0][0] != base["checksums"][0][0]
+      assert changed["checksums"][0][1] != base["checksums"][0][1]
+  swapped = fingerprint({"x": x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])})
+  assert swapped["checksums"][0][0] == base["checksums"][0][0]   # same multiset ...
+  assert swapped["checksums"][0][1] != base["checksums"][0][1]   # ... other positions
+  n = jax.device_count()
+  if n > 1 and 8 % n == 0:                         # the same record on any sharding
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    sharded = jax.device_put(x, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("d")))
+    assert fingerprint({"x": sharded}) == base
+  assert verify_against(base, {"x": x}) is None
+  assert "non-finite values in ['x']" in verify_against(base, {"x": x.at[2, 2].set(jnp.nan)})
