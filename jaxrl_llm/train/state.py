@@ -144,14 +144,10 @@ class TrainConfig:
       if not isinstance(val, int) or isinstance(val, bool) or val < 1:
         raise ValueError(f"`{name}` must be an int >= 1, got {val!r}.")
     spec = get_policy_loss(self.policy_loss)
-    v.check_choice("loss_agg_mode", self.loss_agg_mode, AGGREGATION_MODES)
-    v.check_choice("kl_mode", self.kl_mode, KL_MODES)
-    v.check_choice("kl_kind", self.kl_kind, KL_KINDS)
-    v.check_choice("reward_kl_kind", self.reward_kl_kind, KL_KINDS)
-    v.check_choice("gae_method", self.gae_method, ("scan", "associative"))
-    v.check_choice("advantage_estimator", self.advantage_estimator,
-                   advantage_estimators())
-    v.check_choice("adaptive_clip_metric", self.adaptive_clip_metric, ("kl", "clipfrac"))
+    for f in dataclasses.fields(self):
+      choices = field_choices(f.name)
+      if choices is not None:
+        v.check_choice(f.name, getattr(self, f.name), choices)
     if self.clip_schedule is not None and self.adaptive_clip:
       raise ValueError("`clip_schedule` and `adaptive_clip` are exclusive: pick one.")
     if self.adaptive_kl and self.kl_mode == "none":
@@ -236,6 +232,23 @@ def _check_range(name: str, x, *, low=None, high=None, inclusive=False) -> None:
                      f"got {x!r}.")
 
 
+def field_choices(name: str) -> Optional[tuple]:
+  """The allowed values of the :class:`TrainConfig` field ``name`` (None: any value).
+
+  Examples:
+    >>> field_choices("kl_mode"), field_choices("lam")
+    (('none', 'loss', 'reward'), None)
+  """
+  if name == "policy_loss":
+    return tuple(POLICY_LOSS_REGISTRY)
+  if name == "advantage_estimator":
+    return advantage_estimators()
+  return {"loss_agg_mode": tuple(AGGREGATION_MODES), "kl_mode": KL_MODES,
+          "kl_kind": KL_KINDS, "reward_kl_kind": KL_KINDS,
+          "gae_method": ("scan", "associative"),
+          "adaptive_clip_metric": ("kl", "clipfrac")}.get(name)
+
+
 def advantage_estimators() -> tuple:
   """Names of the registered in-step (critic-based) advantage estimators."""
   return tuple(k for k, spec in ADVANTAGE_ESTIMATOR_REGISTRY.items() if spec.needs_values)
@@ -288,8 +301,11 @@ def init_train_state(params: Any, optimizer: optax.GradientTransformation,
       hparams=config.hparams(),
       kl_ctrl=adaptive_kl_init(max(config.kl_coef, 1e-8), target=config.kl_target,
                                horizon=config.kl_horizon),
-      clip_ctrl=adaptive_clip_init(config.clip_range()[0], eps_min=config.clip_min,
-                                   eps_max=config.clip_max,
+      # The controller's epsilon lives in [clip_min, clip_max] (adaptive_clip_init
+      # rejects a start outside it); a loss's own clip_low (GSPO 3e-4) may not.
+      clip_ctrl=adaptive_clip_init(min(max(config.clip_range()[0], config.clip_min),
+                                       config.clip_max),
+                                   eps_min=config.clip_min, eps_max=config.clip_max,
                                    metric=config.adaptive_clip_metric, **clip_kwargs),
       rng=jnp.asarray(rng, jnp.uint32),
   )
