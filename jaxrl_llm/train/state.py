@@ -307,8 +307,11 @@ def init_train_state(params: Any, optimizer: optax.GradientTransformation,
       hparams=config.hparams(),
       kl_ctrl=adaptive_kl_init(max(config.kl_coef, 1e-8), target=config.kl_target,
                                horizon=config.kl_horizon),
-      clip_ctrl=adaptive_clip_init(config.clip_range()[0], eps_min=config.clip_min,
-                                   eps_max=config.clip_max,
+      # The controller's epsilon lives in [clip_min, clip_max] (adaptive_clip_init
+      # rejects a start outside it); a loss's own clip_low (GSPO 3e-4) may not.
+      clip_ctrl=adaptive_clip_init(min(max(config.clip_range()[0], config.clip_min),
+                                       config.clip_max),
+                                   eps_min=config.clip_min, eps_max=config.clip_max,
                                    metric=config.adaptive_clip_metric, **clip_kwargs),
       rng=jnp.asarray(rng, jnp.uint32),
   )
