@@ -192,7 +192,8 @@ def summarize(history: list[dict], wall_s: float, run: RunConfig) -> dict:
   evals = [r for r in history if "eval_accuracy" in r]
   steps = [r for r in history if "reward" in r]
   summary = {
-      "algo": run.algo, "task": run.task if run.dataset is None else run.dataset, "steps": steps[-1]["step"] if steps else 0,
+      "algo": run.algo, "task": run.task if run.dataset is None else run.dataset,
+      "steps": steps[-1]["step"] if steps else 0,
       "wall_s": round(wall_s, 1),
       "eval_accuracy_start": evals[0]["eval_accuracy"] if evals else math.nan,
       "eval_accuracy_end": evals[-1]["eval_accuracy"] if evals else math.nan,

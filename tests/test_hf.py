@@ -18,8 +18,8 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 transformers = pytest.importorskip("transformers")
 
-from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
-from jaxrl_llm.tasks.jsonl import JsonlTask
+from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer  # noqa: E402
+from jaxrl_llm.tasks.jsonl import JsonlTask  # noqa: E402
 
 # ------------------------------------------------------------------------- tokenizers
 
@@ -395,7 +395,8 @@ import json, sys
 import numpy as np, jax, jax.numpy as jnp
 from jaxrl_llm.models import from_pretrained
 from jaxrl_llm.parallel import make_mesh
-path, tokens, mask = sys.argv[1], np.array(json.loads(sys.argv[2])), np.array(json.loads(sys.argv[3]))
+path = sys.argv[1]
+tokens, mask = np.array(json.loads(sys.argv[2])), np.array(json.loads(sys.argv[3]))
 assert jax.device_count() >= 8, jax.device_count()
 mesh = make_mesh(data=1, fsdp=4, tensor=2, devices=jax.devices()[:8])
 one = from_pretrained(path)
