@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import typing
+from typing import Any, Optional, Sequence
 
 PLOT_KEYS = (("reward", "train reward"), ("eval_accuracy", "eval accuracy (greedy)"),
              ("kl_ref", "KL to reference"), ("pg_clipfrac", "clip fraction"),
@@ -169,7 +170,7 @@ def _train_epilog() -> str:
   return "\n".join(lines)
 
 
-def run_config_from_args(args: argparse.Namespace):
+def run_config_from_args(args: argparse.Namespace) -> Any:
   """The :class:`~jaxrl_llm.trainer.RunConfig` of parsed ``train`` arguments."""
   from jaxrl_llm.loop.config import RunConfig
   values = vars(args)
@@ -186,7 +187,7 @@ def run_config_from_args(args: argparse.Namespace):
   return RunConfig(**run, train=train)
 
 
-def cmd_train(args) -> int:
+def cmd_train(args: argparse.Namespace) -> int:
   from jaxrl_llm.trainer import RunFolderError, format_summary, run_training
   try:
     run = run_config_from_args(args)
@@ -205,7 +206,7 @@ def cmd_train(args) -> int:
   return 0
 
 
-def cmd_eval(args) -> int:
+def cmd_eval(args: argparse.Namespace) -> int:
   import jax
   from jaxrl_llm.checkpoint import Checkpointer
   from jaxrl_llm.loop import Policy, RunConfig, evaluate, make_optimizer
@@ -235,7 +236,7 @@ def load_history(run_dir: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def cmd_plot(args) -> int:
+def cmd_plot(args: argparse.Namespace) -> int:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -282,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   if args.command is None:

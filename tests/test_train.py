@@ -499,3 +499,24 @@ def test_one_step_matches_numpy_loss_and_sgd_update(family):
                                atol=2e-5, err_msg=name)
   if family == "grpo":                             # no value head: its params are unused
     np.testing.assert_array_equal(np.asarray(new.params["v"]), np.asarray(params["v"]))
+
+
+def test_decoupled_estimators_in_the_step():
+  from jaxrl_llm import advantages as A
+  from jaxrl_llm.train import AdvantageInputs, compute_advantages
+  params, batch = _table_params(), _table_batch()
+  del batch["advantages"]
+  m = batch["loss_mask"]
+  inputs = AdvantageInputs(rewards=batch["rewards"], values=batch["old_values"], mask=m)
+  hp = TrainConfig(lam=0.9, lam_value=1.0).hparam_values()
+  adv, ret = compute_advantages("decoupled_gae", inputs, hp)
+  want_adv, want_ret = A.decoupled_gae(batch["rewards"], batch["old_values"], m, gamma=1.0,
+                                       lam_policy=0.9, lam_value=1.0)
+  assert_close(adv, want_adv, atol=1e-6)
+  assert_close(ret, want_ret, atol=1e-6)
+  assert "lam_value" not in TrainConfig().hparam_names()        # absent unless set
+  for est in ("decoupled_gae", "vapo_gae"):
+    step = make_train_step(_table_apply, optax.sgd(0.1),
+                           TrainConfig(advantage_estimator=est, lam_value=1.0))
+    _, metrics = jax.jit(step)(step.init(params), batch)
+    assert float(metrics["skipped"]) == 0 and np.isfinite(float(metrics["vf_loss"]))
