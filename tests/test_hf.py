@@ -587,21 +587,27 @@ def _tiny_hf_folder(tmp_path):
   return model_dir, str(data)
 
 
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
-def test_cli_train_on_local_checkpoint_and_jsonl(tmp_path, algo):
+@pytest.mark.parametrize("algo, extra", [
+    ("ppo", []), ("grpo", []),
+    ("ppo", ["--critic", "policy", "--critic-lr", "1e-4"]),   # a separate critic
+])
+def test_cli_train_on_local_checkpoint_and_jsonl(tmp_path, algo, extra):
   from jaxrl_llm import cli
   model_dir, data = _tiny_hf_folder(tmp_path)
   out = str(tmp_path / "run")
   rc = cli.main(["train", "--model", model_dir, "--dataset", data, "--reward", "math",
                  "--algo", algo, "--steps", "2", "--prompts-per-step", "2",
                  "--group-size", "2", "--max-new-tokens", "4", "--eval-size", "3",
-                 "--eval-every", "2", "--save-every", "2", "--out", out, "--no-progress"])
+                 "--eval-every", "2", "--save-every", "2", "--out", out, "--no-progress",
+                 *extra])
   assert rc == 0
   with open(os.path.join(out, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f if line.strip()]
   assert [r["step"] for r in rows] == [0, 1, 2]
   assert all(np.isfinite(r["loss"]) and r["skipped"] == 0 for r in rows[1:])
   assert "eval_reward" in rows[-1]
+  if extra:
+    assert all(np.isfinite(r["vf_loss"]) for r in rows[1:])
   # The eval command restores the run (model and task rebuilt from config.json).
   assert cli.main(["eval", "--out", out, "--eval-size", "2"]) == 0
 

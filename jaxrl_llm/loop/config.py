@@ -61,6 +61,10 @@ class RunConfig:
     reward: the reward of --dataset completions (a name in jaxrl_llm.tasks.REWARDS:
       math, boxed, exact).
     max_new_tokens: tokens sampled per completion on --dataset.
+    critic: a separate critic (its own parameters and Adam optimizer) for recipes with
+      a value model: a Hugging Face model folder it is initialised from, or "policy"
+      (a copy of the policy's initial weights); None: the policy's value head.
+    critic_lr: the separate critic's learning rate (default: --lr).
     train: TrainConfig fields set on top of the recipe's (e.g. ``{"kl_coef": 0.01,
       "policy_loss": "gspo"}``).
   """
@@ -86,6 +90,8 @@ class RunConfig:
   dataset: Optional[str] = None
   reward: str = "math"
   max_new_tokens: int = 64
+  critic: Optional[str] = None
+  critic_lr: Optional[float] = None
   train: dict = dataclasses.field(default_factory=dict)
 
   @classmethod
@@ -131,6 +137,10 @@ class RunConfig:
         os.path.join(self.model, "config.json")):
       raise ValueError(f"unknown model {self.model!r}; valid models: {', '.join(MODELS)} "
                        "or a Hugging Face model folder (with config.json)")
+    if self.critic is not None and self.critic != "policy" and not os.path.isfile(
+        os.path.join(self.critic, "config.json")):
+      raise ValueError(f"--critic {self.critic!r} must be 'policy' or a Hugging Face "
+                       "model folder (with config.json)")
     if self.dataset is None and self.model not in MODELS:
       raise ValueError("--model PATH (a Hugging Face checkpoint) needs --dataset: the "
                        "built-in tasks use their own character tokenizer")
@@ -174,7 +184,16 @@ def train_config_for(run: RunConfig, max_new_tokens: int) -> TrainConfig:
 
 
 def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
-  """The run's optimizer (Adam at ``run.lr``): the one place it is built."""
+  """The run's optimizer (Adam at ``run.lr``): the one place it is built.
+
+  With a separate critic (``run.critic``): Adam at ``run.lr`` for the policy and at
+  ``run.critic_lr`` (default ``run.lr``) for the critic
+  (:func:`jaxrl_llm.models.critic.actor_critic_optimizer`).
+  """
+  if run.critic is not None:
+    from jaxrl_llm.models.critic import actor_critic_optimizer
+    critic_lr = run.lr if run.critic_lr is None else run.critic_lr
+    return actor_critic_optimizer(optax.adam(run.lr), optax.adam(critic_lr))
   return optax.adam(run.lr)
 
 

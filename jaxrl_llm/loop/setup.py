@@ -45,23 +45,54 @@ def make_task(run: RunConfig) -> Any:
                    chat=chat, max_new_tokens=run.max_new_tokens)
 
 
-def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
-  """The run's policy: ``run.model`` loaded from its folder, or the preset."""
+def _load(run: RunConfig, task: Any, *, value_head: bool, path: str | None = None):
+  """``(graphdef, params)`` of ``path`` (default ``run.model``): a folder or a preset."""
+  from jaxrl_llm.models import Transformer, from_pretrained, get_config, split_model
+  from flax import nnx
   tok = task.tokenizer
-  if not is_checkpoint(run.model):
+  path = run.model if path is None else path
+  if not is_checkpoint(path):
+    cfg = get_config(path, tok.vocab_size, value_head=value_head,
+                     max_seq_len=max(task.max_prompt_len + task.max_new_tokens, 8))
+    return split_model(Transformer(cfg, rngs=nnx.Rngs(run.seed)))
+  model = from_pretrained(path, value_head=value_head)
+  if tok.vocab_size > model.config.vocab_size:
+    raise ValueError(f"the tokenizer of {run.model!r} has {tok.vocab_size} tokens, more "
+                     f"than the vocab_size {model.config.vocab_size} of {path!r}.")
+  return split_model(model)
+
+
+def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
+  """The run's policy: ``run.model`` loaded from its folder, or the preset.
+
+  With ``run.critic`` (and a recipe with a value model) the parameters are
+  ``{"policy": ..., "critic": ...}`` (:mod:`jaxrl_llm.models.critic`): the critic is
+  loaded from ``run.critic`` (or the policy's initial weights for ``"policy"``) with a
+  zero-initialised value head; sampling uses the policy part only.
+  """
+  from jaxrl_llm.models import DecodeFns, make_apply_fn, make_decode_fns
+  tok = task.tokenizer
+  separate = run.critic is not None and config.use_value
+  if not separate and not is_checkpoint(run.model):
     return Policy.reference(run.model, tok.vocab_size,
                             task.max_prompt_len + task.max_new_tokens, tok.pad_id,
                             value_head=config.use_value, seed=run.seed,
                             temperature=config.temperature)
-  from jaxrl_llm.models import (from_pretrained, make_apply_fn, make_decode_fns,
-                                split_model)
-  model = from_pretrained(run.model, value_head=config.use_value)
-  if tok.vocab_size > model.config.vocab_size:
-    raise ValueError(f"the tokenizer of {run.model!r} has {tok.vocab_size} tokens, more "
-                     f"than the model's vocab_size {model.config.vocab_size}.")
-  graphdef, params = split_model(model)
-  return Policy(make_apply_fn(graphdef), make_decode_fns(graphdef), params,
-                pad_id=tok.pad_id, temperature=config.temperature)
+  graphdef, params = _load(run, task, value_head=config.use_value and not separate)
+  if not separate:
+    return Policy(make_apply_fn(graphdef), make_decode_fns(graphdef), params,
+                  pad_id=tok.pad_id, temperature=config.temperature)
+  from jaxrl_llm.models.critic import actor_critic_apply, actor_critic_params
+  critic_path = run.model if run.critic == "policy" else run.critic
+  critic_graphdef, critic_params = _load(run, task, value_head=True, path=critic_path)
+  fns = make_decode_fns(graphdef)
+  decode = DecodeFns(
+      init_cache=lambda p, batch, max_len: fns.init_cache(p["policy"], batch, max_len),
+      prefill=lambda p, tokens, mask, cache: fns.prefill(p["policy"], tokens, mask, cache),
+      decode=lambda p, tokens, cache: fns.decode(p["policy"], tokens, cache))
+  return Policy(actor_critic_apply(graphdef, critic_graphdef), decode,
+                actor_critic_params(params, critic_params), pad_id=tok.pad_id,
+                temperature=config.temperature)
 
 
 __all__ = ["is_checkpoint", "make_policy", "make_task"]
