@@ -123,7 +123,7 @@ def _recipe_note(name: str) -> str:
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
   """The ``train`` options, generated from RunConfig and TrainConfig fields."""
-  from jaxrl_llm.loop.config import MODELS, RunConfig
+  from jaxrl_llm.loop.config import RunConfig
   from jaxrl_llm.recipes import RECIPES
   from jaxrl_llm.tasks import TASKS
   from jaxrl_llm.train import TrainConfig
@@ -132,7 +132,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
   run_group = p.add_argument_group("run")
   hints, docs = typing.get_type_hints(RunConfig), attribute_docs(RunConfig)
-  run_choices = {"task": sorted(TASKS), "algo": list(RECIPES), "model": list(MODELS)}
+  # --model also takes a Hugging Face model folder (checked by RunConfig.validate).
+  run_choices = {"task": sorted(TASKS), "algo": list(RECIPES)}
   for f in dataclasses.fields(RunConfig):
     if f.name == "train":
       continue
@@ -209,18 +210,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
   import jax
   from jaxrl_llm.checkpoint import Checkpointer
-  from jaxrl_llm.loop import Policy, RunConfig, evaluate, make_optimizer
-  from jaxrl_llm.tasks import get_task
+  from jaxrl_llm.loop import RunConfig, evaluate, make_optimizer
+  from jaxrl_llm.loop.setup import make_policy, make_task
   from jaxrl_llm.train import init_train_state
   with open(os.path.join(args.out, "config.json")) as f:
     run = RunConfig.from_dict(json.load(f))
-  task = get_task(run.task)
-  tok = task.tokenizer
+  task = make_task(run)
   config = run.train_config(task.max_new_tokens)
-  policy = Policy.reference(run.model, tok.vocab_size,
-                            task.max_prompt_len + task.max_new_tokens, tok.pad_id,
-                            value_head=config.use_value, seed=run.seed,
-                            temperature=config.temperature)
+  policy = make_policy(run, task, config)
   template = init_train_state(policy.init_params, make_optimizer(run), config,
                               rng=jax.random.PRNGKey(run.seed))
   with Checkpointer(os.path.join(args.out, "checkpoints")) as ckpt:

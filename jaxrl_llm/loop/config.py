@@ -10,6 +10,7 @@ trainer and the ``eval`` command alike.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import optax
@@ -35,7 +36,9 @@ class RunConfig:
   Attributes:
     task: the built-in task to train on.
     algo: the algorithm recipe (see :mod:`jaxrl_llm.recipes`).
-    model: reference transformer size.
+    model: reference transformer size (a preset), or a local Hugging Face model folder
+      (Llama / Qwen2 / Qwen3: config.json, safetensors, tokenizer.json); a folder needs
+      --dataset.
     steps: train steps (each: one rollout and one train step).
     prompts_per_step: prompts sampled per step.
     group_size: completions sampled per prompt.
@@ -53,6 +56,11 @@ class RunConfig:
     resume: continue the run in ``out``.
     overwrite: replace the run in ``out``.
     progress: print a progress line.
+    dataset: a JSONL file of {"prompt": ..., "answer": ...} lines to train on instead of
+      the built-in --task.
+    reward: the reward of --dataset completions (a name in jaxrl_llm.tasks.REWARDS:
+      math, boxed, exact).
+    max_new_tokens: tokens sampled per completion on --dataset.
     train: TrainConfig fields set on top of the recipe's (e.g. ``{"kl_coef": 0.01,
       "policy_loss": "gspo"}``).
   """
@@ -75,6 +83,9 @@ class RunConfig:
   resume: bool = False
   overwrite: bool = False
   progress: bool = True
+  dataset: Optional[str] = None
+  reward: str = "math"
+  max_new_tokens: int = 64
   train: dict = dataclasses.field(default_factory=dict)
 
   @classmethod
@@ -116,8 +127,22 @@ class RunConfig:
     if self.task not in tasks:
       raise ValueError(f"unknown task {self.task!r}; valid tasks: {', '.join(tasks)}")
     recipe = get_recipe(self.algo)
-    if self.model not in MODELS:
-      raise ValueError(f"unknown model {self.model!r}; valid models: {', '.join(MODELS)}")
+    if self.model not in MODELS and not os.path.isfile(
+        os.path.join(self.model, "config.json")):
+      raise ValueError(f"unknown model {self.model!r}; valid models: {', '.join(MODELS)} "
+                       "or a Hugging Face model folder (with config.json)")
+    if self.dataset is None and self.model not in MODELS:
+      raise ValueError("--model PATH (a Hugging Face checkpoint) needs --dataset: the "
+                       "built-in tasks use their own character tokenizer")
+    if self.dataset is not None:
+      from jaxrl_llm.tasks import REWARDS
+      if not os.path.isfile(self.dataset):
+        raise ValueError(f"--dataset {self.dataset!r} is not a file")
+      if self.reward not in REWARDS:
+        raise ValueError(f"unknown reward {self.reward!r}; valid rewards: "
+                         f"{', '.join(sorted(REWARDS))}")
+      if self.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
     if recipe.group and self.group_size < 2:
       raise ValueError(f"--algo {self.algo} is a group estimator and needs --group-size "
                        f">= 2 (got {self.group_size}): with one sample per prompt the "
