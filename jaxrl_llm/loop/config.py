@@ -173,9 +173,19 @@ class RunConfig:
     return TrainConfig(**fields)
 
   def identity(self) -> dict:
-    """The fields that must match for a run folder to be resumed."""
-    return {k: val for k, val in dataclasses.asdict(self).items()
-            if k not in RESUMABLE_FIELDS}
+    """The fields that must match for a run folder to be resumed.
+
+    TrainConfig settings appear as ``train.<field>`` so a mismatch names the field.
+
+    Examples:
+      >>> sorted(k for k in RunConfig(train={"kl_coef": 0.1}).identity()
+      ...        if k.startswith("train"))
+      ['train.kl_coef']
+    """
+    out = {k: val for k, val in dataclasses.asdict(self).items()
+           if k not in RESUMABLE_FIELDS and k != "train"}
+    out.update({f"train.{k}": val for k, val in self.train.items()})
+    return out
 
 
 def train_config_for(run: RunConfig, max_new_tokens: int) -> TrainConfig:
