@@ -14,6 +14,7 @@ the ambient mesh has a ``sequence`` axis > 1 (:func:`shard_train_step` and
 from jaxrl_llm.parallel.mesh import MESH_AXES, make_mesh, mesh_axis_sizes
 from jaxrl_llm.parallel.multihost import (gather_to_host, initialize_multihost,
                                           resolve_multihost_args)
+from jaxrl_llm.parallel.multihost import resolve_timeouts, shutdown_multihost
 from jaxrl_llm.parallel.pmap import (make_pmap_train_step, replicate, split_batch,
                                      unreplicate)
 from jaxrl_llm.parallel.ring import ring_attention, ring_dot_product_attention
@@ -36,4 +37,5 @@ __all__ = [
     "sequence_parallel_gae", "sequence_parallel_token_logprobs",
     "ring_attention", "ring_dot_product_attention",
     "initialize_multihost", "resolve_multihost_args", "gather_to_host",
+    "resolve_timeouts", "shutdown_multihost",
 ]
