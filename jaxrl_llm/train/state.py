@@ -144,14 +144,10 @@ class TrainConfig:
       if not isinstance(val, int) or isinstance(val, bool) or val < 1:
         raise ValueError(f"`{name}` must be an int >= 1, got {val!r}.")
     spec = get_policy_loss(self.policy_loss)
-    v.check_choice("loss_agg_mode", self.loss_agg_mode, AGGREGATION_MODES)
-    v.check_choice("kl_mode", self.kl_mode, KL_MODES)
-    v.check_choice("kl_kind", self.kl_kind, KL_KINDS)
-    v.check_choice("reward_kl_kind", self.reward_kl_kind, KL_KINDS)
-    v.check_choice("gae_method", self.gae_method, ("scan", "associative"))
-    v.check_choice("advantage_estimator", self.advantage_estimator,
-                   advantage_estimators())
-    v.check_choice("adaptive_clip_metric", self.adaptive_clip_metric, ("kl", "clipfrac"))
+    for f in dataclasses.fields(self):
+      choices = field_choices(f.name)
+      if choices is not None:
+        v.check_choice(f.name, getattr(self, f.name), choices)
     if self.clip_schedule is not None and self.adaptive_clip:
       raise ValueError("`clip_schedule` and `adaptive_clip` are exclusive: pick one.")
     if self.adaptive_kl and self.kl_mode == "none":
@@ -234,6 +230,23 @@ def _check_range(name: str, x, *, low=None, high=None, inclusive=False) -> None:
     hi = f"<= {high}" if high is not None else ""
     raise ValueError(f"`{name}` must be {' and '.join(p for p in (lo, hi) if p)}, "
                      f"got {x!r}.")
+
+
+def field_choices(name: str) -> Optional[tuple]:
+  """The allowed values of the :class:`TrainConfig` field ``name`` (None: any value).
+
+  Examples:
+    >>> field_choices("kl_mode"), field_choices("lam")
+    (('none', 'loss', 'reward'), None)
+  """
+  if name == "policy_loss":
+    return tuple(POLICY_LOSS_REGISTRY)
+  if name == "advantage_estimator":
+    return advantage_estimators()
+  return {"loss_agg_mode": tuple(AGGREGATION_MODES), "kl_mode": KL_MODES,
+          "kl_kind": KL_KINDS, "reward_kl_kind": KL_KINDS,
+          "gae_method": ("scan", "associative"),
+          "adaptive_clip_metric": ("kl", "clipfrac")}.get(name)
 
 
 def advantage_estimators() -> tuple:

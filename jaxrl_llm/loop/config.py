@@ -1,0 +1,162 @@
+"""The run configuration: what defines a training run (written to ``config.json``).
+
+A run is a recipe (``algo``), a task, a model size and a budget; its train step is
+``TrainConfig(**{**recipe fields, **run.train})``: the train-step fields are declared
+once, in :class:`~jaxrl_llm.train.TrainConfig`, and ``run.train`` holds only the
+ones the user set. The optimizer is built here, in :func:`make_optimizer`, for the
+trainer and the ``eval`` command alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import optax
+
+from jaxrl_llm.recipes import RECIPES, get_recipe
+from jaxrl_llm.train import TrainConfig
+
+MODELS = ("tiny", "small")
+# Fields that may differ between a run and its resumption.
+RESUMABLE_FIELDS = ("steps", "out", "resume", "overwrite", "eval_every", "save_every",
+                    "progress", "mesh_data", "mesh_fsdp", "mesh_tensor")
+
+
+def _task_names() -> list:
+  from jaxrl_llm.tasks import TASKS
+  return sorted(TASKS)
+
+
+@dataclasses.dataclass
+class RunConfig:
+  """Everything that defines a run (written to ``config.json``).
+
+  Attributes:
+    task: the built-in task to train on.
+    algo: the algorithm recipe (see :mod:`jaxrl_llm.recipes`).
+    model: reference transformer size.
+    steps: train steps (each: one rollout and one train step).
+    prompts_per_step: prompts sampled per step.
+    group_size: completions sampled per prompt.
+    lr: Adam learning rate.
+    seed: seed of the model initialisation, the prompts and the sampling.
+    clip_end: anneal the clip epsilon linearly from ``clip_low`` to this value over
+      the run (None: constant).
+    eval_every: steps between greedy evaluations on the held-out split.
+    eval_size: held-out prompts per evaluation.
+    save_every: steps between checkpoints.
+    mesh_data: data-parallel mesh axis size (-1: all remaining devices).
+    mesh_fsdp: FSDP mesh axis size (parameters and optimizer state sharded).
+    mesh_tensor: tensor-parallel mesh axis size (heads / mlp / vocab sharded).
+    out: the run folder.
+    resume: continue the run in ``out``.
+    overwrite: replace the run in ``out``.
+    progress: print a progress line.
+    train: TrainConfig fields set on top of the recipe's (e.g. ``{"kl_coef": 0.01,
+      "policy_loss": "gspo"}``).
+  """
+  task: str = "reverse"
+  algo: str = "grpo"
+  model: str = "tiny"
+  steps: int = 400
+  prompts_per_step: int = 32
+  group_size: int = 8
+  lr: float = 1e-3
+  seed: int = 0
+  clip_end: Optional[float] = None
+  eval_every: int = 25
+  eval_size: int = 256
+  save_every: int = 50
+  mesh_data: int = 1
+  mesh_fsdp: int = 1
+  mesh_tensor: int = 1
+  out: str = "runs/default"
+  resume: bool = False
+  overwrite: bool = False
+  progress: bool = True
+  train: dict = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def from_dict(cls, fields: dict) -> "RunConfig":
+    """A RunConfig from ``config.json`` or flat keyword arguments.
+
+    Keys that are TrainConfig fields go into ``train`` (so the flat form of earlier
+    versions, e.g. ``{"kl_coef": 0.01}``, still loads); ``clip`` is read as
+    ``clip_low`` and ``hybrid_n`` as the hybrid estimator (earlier names).
+
+    Examples:
+      >>> RunConfig.from_dict({"algo": "ppo", "kl_coef": 0.01}).train
+      {'kl_coef': 0.01}
+    """
+    own = {f.name for f in dataclasses.fields(cls)}
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    run: dict = {}
+    train = dict(fields.get("train") or {})
+    for key, val in fields.items():
+      if key == "train":
+        continue
+      if key in own:
+        run[key] = val
+      elif key == "clip":
+        train["clip_low"] = val
+      elif key == "hybrid_n":
+        if val is not None:
+          train.update(hybrid_n=val, advantage_estimator="hybrid")
+      elif key in train_fields:
+        train[key] = val
+      else:
+        raise ValueError(f"unknown run setting {key!r} (not a RunConfig or TrainConfig "
+                         "field).")
+    return cls(**run, train=train)
+
+  def validate(self) -> None:
+    """Raises ``ValueError`` with a one-line message for a bad setting."""
+    tasks = _task_names()
+    if self.task not in tasks:
+      raise ValueError(f"unknown task {self.task!r}; valid tasks: {', '.join(tasks)}")
+    recipe = get_recipe(self.algo)
+    if self.model not in MODELS:
+      raise ValueError(f"unknown model {self.model!r}; valid models: {', '.join(MODELS)}")
+    if recipe.group and self.group_size < 2:
+      raise ValueError(f"--algo {self.algo} is a group estimator and needs --group-size "
+                       f">= 2 (got {self.group_size}): with one sample per prompt the "
+                       f"group baseline is the sample itself.")
+    for name in ("steps", "prompts_per_step", "group_size", "eval_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if self.resume and self.overwrite:
+      raise ValueError("--resume and --overwrite are exclusive")
+    self.train_config(1)       # TrainConfig's own checks (ranges, choices, names)
+
+  def train_config(self, max_new_tokens: int) -> TrainConfig:
+    """The :class:`TrainConfig` of the run: the recipe's fields, then ``train``."""
+    fields = {**get_recipe(self.algo).train_fields(max_new_tokens), **self.train}
+    if self.clip_end is not None:
+      start = TrainConfig(**fields).clip_range()[0]
+      fields["clip_schedule"] = optax.linear_schedule(start, self.clip_end, self.steps)
+    return TrainConfig(**fields)
+
+  def identity(self) -> dict:
+    """The fields that must match for a run folder to be resumed."""
+    return {k: val for k, val in dataclasses.asdict(self).items()
+            if k not in RESUMABLE_FIELDS}
+
+
+def train_config_for(run: RunConfig, max_new_tokens: int) -> TrainConfig:
+  """The :class:`TrainConfig` of a run (``run.train_config``)."""
+  return run.train_config(max_new_tokens)
+
+
+def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
+  """The run's optimizer (Adam at ``run.lr``): the one place it is built."""
+  return optax.adam(run.lr)
+
+
+def algos() -> tuple:
+  """Names of the registered recipes (``--algo`` choices)."""
+  return tuple(RECIPES)
+
+
+__all__ = ["RunConfig", "MODELS", "RESUMABLE_FIELDS", "train_config_for",
+           "make_optimizer", "algos"]
