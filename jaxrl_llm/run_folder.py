@@ -77,9 +77,11 @@ def io_error(action: str, path: str, exc: OSError) -> RunFolderIOError:
   """A one-line :class:`RunFolderIOError` for ``exc`` raised while ``action`` on ``path``.
 
   Examples:
-    >>> str(io_error("writing", "runs/a/metrics.jsonl",
-    ...              OSError(28, "No space left on device")))
-    'cannot write runs/a/metrics.jsonl: no space left on device (ENOSPC); free some space or choose another --out'
+    >>> err = io_error("writing", "runs/a/metrics.jsonl",
+    ...                OSError(28, "No space left on device"))
+    >>> print(str(err).replace("; ", ";\n"))
+    cannot write runs/a/metrics.jsonl: no space left on device (ENOSPC);
+    free some space or choose another --out
   """
   code = exc.errno
   name = errno.errorcode.get(code, "") if code is not None else ""
