@@ -79,7 +79,7 @@ def io_error(action: str, path: str, exc: OSError) -> RunFolderIOError:
   Examples:
     >>> err = io_error("writing", "runs/a/metrics.jsonl",
     ...                OSError(28, "No space left on device"))
-    >>> print(str(err).replace("; ", ";\n"))
+    >>> print(str(err).replace("; ", ";\\n"))
     cannot write runs/a/metrics.jsonl: no space left on device (ENOSPC);
     free some space or choose another --out
   """
