@@ -19,6 +19,7 @@ from jaxrl_llm.losses import (
     AGGREGATION_MODES, KL_KINDS, aggregate, aggregate_parts, cispo_policy_loss,
     entropy_from_logits, gmpo_policy_loss, gspo_policy_loss, kl_penalty,
     ppo_policy_loss, reinforce_policy_loss, sapo_policy_loss, value_loss)
+from jaxrl_llm.losses import rollout_correction_weights
 from jaxrl_llm.control import (
     AdaptiveClipState, AdaptiveKLState, adaptive_clip_init, adaptive_clip_update,
     adaptive_kl_init, adaptive_kl_update)
@@ -46,6 +47,7 @@ __all__ = [
     "gmpo_policy_loss", "reinforce_policy_loss", "value_loss", "kl_penalty",
     "entropy_from_logits", "aggregate", "aggregate_parts", "AGGREGATION_MODES",
     "KL_KINDS",
+    "rollout_correction_weights",
     # controllers
     "adaptive_kl_init", "adaptive_kl_update", "adaptive_clip_init",
     "adaptive_clip_update", "AdaptiveKLState", "AdaptiveClipState",

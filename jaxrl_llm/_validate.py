@@ -64,6 +64,15 @@ def out_dtype(*xs):
   return jnp.float32
 
 
+def is_concrete_number(x) -> bool:
+  """True for a Python or NumPy real scalar (not bool): a value we can check now.
+
+  Traced values (and JAX arrays) are not checked: data cannot raise under ``jax.jit``.
+  """
+  import numbers  # local imports keep the module's import block untouched for merges
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def check_range(name: str, value, *, low=None, high=None, low_open: bool = False,
                 high_open: bool = False) -> None:
   """Checks that a concrete number lies in its documented range.

@@ -114,7 +114,9 @@ def masked_std(x, mask=None, axis=None, keepdims=False, *, ddof=1):
 def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, ddof=1):
   r"""Whiten valid elements with statistics over all of them.
 
-  .. math:: \hat x_i = (x_i - \mu)\,/\sqrt{\mathrm{var} + \epsilon}\;(+\mu \text{ if not shift\_mean})
+  .. math::
+    \hat x_i = (x_i - \mu)\,/\sqrt{\mathrm{var} + \epsilon}
+    \;(+\mu \text{ if not shift\_mean})
 
   Defaults reproduce verl ``masked_whiten`` (ddof=1, eps=1e-8 inside the sqrt).
   OpenRLHF's global whitening is ``ddof=0``. Outputs at masked positions are 0; the

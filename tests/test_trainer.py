@@ -20,6 +20,7 @@ def _rows(out):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ALGOS)
 def test_three_steps_of_every_algo_give_finite_metrics(algo, tmp_path):
   summary = train(RunConfig(algo=algo, out=str(tmp_path), **SMALL))
@@ -35,6 +36,7 @@ def test_three_steps_of_every_algo_give_finite_metrics(algo, tmp_path):
     assert np.isfinite(rows[-1]["vf_loss"])
 
 
+@pytest.mark.slow
 def test_kill_and_resume_matches_uninterrupted(tmp_path):
   cfg = dict(SMALL, steps=4, algo="ppo", save_every=10)
   train(RunConfig(out=str(tmp_path / "a"), **cfg))
@@ -55,6 +57,7 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path):
       assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused_with_clear_messages(tmp_path):
   with pytest.raises(ValueError, match="valid tasks: .*reverse"):
     RunConfig(task="chess").validate()
@@ -71,6 +74,7 @@ def test_bad_input_is_refused_with_clear_messages(tmp_path):
     train(RunConfig(out=out, **dict(SMALL, steps=1)))
 
 
+@pytest.mark.slow
 def test_cli_train_eval_plot_as_subprocess(tmp_path):
   out = str(tmp_path / "cli_run")
   # Two forced CPU devices and --data 2: the CLI trains on a data-parallel mesh.
@@ -156,6 +160,7 @@ def test_cli_arguments_become_the_run_config():
   assert cfg.hparam_values()["tau_pos"] == 2.0 and cfg.advantage_estimator == "hybrid"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["gspo", "cispo"])
 def test_cli_trains_with_other_policy_losses_without_nan(loss, tmp_path):
   from jaxrl_llm.cli import main

@@ -54,6 +54,7 @@ from flax import nnx
 
 from jaxrl_llm import _validate as v
 from jaxrl_llm.attention import ATTENTION_IMPLEMENTATIONS, dot_product_attention
+from jaxrl_llm.rollout.protocol import DecodeFns  # the protocol lives with the sampler
 
 PRESETS = ("tiny", "small")
 
@@ -654,23 +655,6 @@ def make_apply_fn(graphdef) -> Callable:
     return hidden, values, model.lm_head_weight()
 
   return apply
-
-
-class DecodeFns(NamedTuple):
-  """Pure decoding functions of a model; the protocol the sampler consumes.
-
-  Attributes:
-    init_cache: ``init_cache(params, batch, max_len) -> cache`` (any pytree).
-    prefill: ``prefill(params, tokens [B, P] int, mask [B, P], cache) ->
-      (logits [B, V] float32, cache)``; ``logits`` are the next-token logits after each
-      row's last real prompt token.
-    decode: ``decode(params, tokens [B] int, cache) -> (logits [B, V] float32, cache)``
-      appends one real token per row and returns the logits that follow it.
-  """
-
-  init_cache: Callable
-  prefill: Callable
-  decode: Callable
 
 
 def _last_real_index(mask):

@@ -24,7 +24,8 @@ KL_KINDS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
 
 # Float fields of TrainConfig that live in TrainState.hparams as traced scalars.
 TRACED_HPARAMS = ("clip_low", "clip_high", "dual_clip", "vf_coef", "vf_clip",
-                  "entropy_coef", "kl_coef", "gamma", "lam", "hybrid_mix", "temperature")
+                  "entropy_coef", "kl_coef", "gamma", "lam", "hybrid_mix", "temperature",
+                  "lam_value")
 ADVANTAGE_ESTIMATORS = ("gae", "hybrid")  # built-in in-step estimators
 
 
@@ -63,7 +64,8 @@ class TrainConfig:
     whiten_advantages: whiten advantages over the batch's response tokens.
     gae_method: ``scan`` or ``associative`` recurrence for in-step advantages.
     advantage_estimator: in-step estimator when the batch has no ``advantages``
-      (``gae``, or ``hybrid``: n-step returns mixed with GAE).
+      (``gae``; ``hybrid``: n-step returns mixed with GAE; ``decoupled_gae`` /
+      ``vapo_gae``: separate critic lambda ``lam_value``).
     hybrid_n: the n of the hybrid estimator's n-step returns.
     kl_mode: where the KL to the reference goes: ``none``, ``loss`` or ``reward``.
     kl_kind: KL estimator in the loss (k1, k2, k3, abs, k1+, k3+).
@@ -95,6 +97,8 @@ class TrainConfig:
     lam: GAE lambda.
     hybrid_mix: weight of the n-step returns in the hybrid estimator.
     temperature: sampling temperature the log-probs are computed at.
+    lam_value: the critic's GAE lambda of the ``decoupled_gae`` / ``vapo_gae``
+      estimators (None: 1.0, VC-PPO's Monte-Carlo value targets).
     loss_hparams: overrides of the policy loss's own hyperparameters (e.g.
       ``{"tau_pos": 2.0}`` for SAPO); traced like the fields above.
   """
@@ -136,6 +140,7 @@ class TrainConfig:
   lam: float = 0.95
   hybrid_mix: float = 0.5
   temperature: float = 1.0
+  lam_value: Optional[float] = None
   loss_hparams: Optional[Mapping[str, float]] = None
 
   def __post_init__(self):
@@ -161,6 +166,7 @@ class TrainConfig:
     _check_range("gamma", self.gamma, low=0.0, high=1.0, inclusive=True)
     _check_range("lam", self.lam, low=0.0, high=1.0, inclusive=True)
     _check_range("hybrid_mix", self.hybrid_mix, low=0.0, high=1.0, inclusive=True)
+    _check_range("lam_value", self.lam_value, low=0.0, high=1.0, inclusive=True)
     _check_range("temperature", self.temperature, low=0.0)
     _check_range("kl_target", self.kl_target, low=0.0)
     _check_range("kl_horizon", self.kl_horizon, low=0.0)
@@ -301,8 +307,11 @@ def init_train_state(params: Any, optimizer: optax.GradientTransformation,
       hparams=config.hparams(),
       kl_ctrl=adaptive_kl_init(max(config.kl_coef, 1e-8), target=config.kl_target,
                                horizon=config.kl_horizon),
-      clip_ctrl=adaptive_clip_init(config.clip_range()[0], eps_min=config.clip_min,
-                                   eps_max=config.clip_max,
+      # The controller's epsilon lives in [clip_min, clip_max] (adaptive_clip_init
+      # rejects a start outside it); a loss's own clip_low (GSPO 3e-4) may not.
+      clip_ctrl=adaptive_clip_init(min(max(config.clip_range()[0], config.clip_min),
+                                       config.clip_max),
+                                   eps_min=config.clip_min, eps_max=config.clip_max,
                                    metric=config.adaptive_clip_metric, **clip_kwargs),
       rng=jnp.asarray(rng, jnp.uint32),
   )
