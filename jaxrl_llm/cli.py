@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import typing
+from typing import Any, Optional, Sequence
 
 PLOT_KEYS = (("reward", "train reward"), ("eval_accuracy", "eval accuracy (greedy)"),
              ("kl_ref", "KL to reference"), ("pg_clipfrac", "clip fraction"),
@@ -169,7 +170,7 @@ def _train_epilog() -> str:
   return "\n".join(lines)
 
 
-def run_config_from_args(args: argparse.Namespace):
+def run_config_from_args(args: argparse.Namespace) -> Any:
   """The :class:`~jaxrl_llm.trainer.RunConfig` of parsed ``train`` arguments."""
   from jaxrl_llm.loop.config import RunConfig
   values = vars(args)
@@ -241,7 +242,7 @@ def _resume_config(args: argparse.Namespace, argv: list):
   return dataclasses.replace(saved, **changes)
 
 
-def cmd_train(args) -> int:
+def cmd_train(args: argparse.Namespace) -> int:
   import jax
 
   from jaxrl_llm import run_folder as rf
@@ -289,7 +290,7 @@ def _fail(command: str, message: str) -> int:
   return 2
 
 
-def cmd_eval(args) -> int:
+def cmd_eval(args: argparse.Namespace) -> int:
   from jaxrl_llm import run_folder as rf
   cfg = os.path.join(args.out, rf.CONFIG_FILE)
   ckpt_dir = os.path.join(args.out, "checkpoints")
@@ -342,7 +343,7 @@ def load_history(run_dir: str) -> list[dict]:
   return rows
 
 
-def plot_runs(runs: list, labels, output: str) -> None:
+def plot_runs(runs: Sequence[str], labels: Optional[Sequence[str]], output: str) -> None:
   """Draws the learning curves of ``runs`` into ``output`` (needs matplotlib)."""
   import matplotlib
   matplotlib.use("Agg")
@@ -365,7 +366,7 @@ def plot_runs(runs: list, labels, output: str) -> None:
   plt.close(fig)
 
 
-def cmd_plot(args) -> int:
+def cmd_plot(args: argparse.Namespace) -> int:
   from jaxrl_llm import run_folder as rf
   if args.labels and len(args.labels) != len(args.runs):
     return _fail("plot", f"--labels gives {len(args.labels)} labels for "
@@ -436,15 +437,15 @@ def _early_note(argv: list) -> None:
         "the model (the first step then compiles) ...", file=sys.stderr, flush=True)
 
 
-def main(argv=None) -> int:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  _early_note(argv)
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  words = list(sys.argv[1:] if argv is None else argv)
+  _early_note(words)
   parser = build_parser()
-  args = parser.parse_args(argv)
+  args = parser.parse_args(words)
   if args.command is None:
-    argv = ["train"] + argv
-    args = parser.parse_args(argv)
-  args.argv = argv[1:]
+    words = ["train"] + words
+    args = parser.parse_args(words)
+  args.argv = words[1:]
   return args.func(args)
 
 

@@ -428,7 +428,7 @@ class KVCache(NamedTuple):
   k: tuple
   v: tuple
   valid: jax.Array
-  index: jax.Array
+  index: jax.Array  # type: ignore[assignment]  # shadows tuple.index
   positions: jax.Array
 
 
@@ -469,7 +469,7 @@ class Transformer(nnx.Module):
     ((2, 4, 64), (2, 4), (2, 4, 32))
   """
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs = None):
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs | None = None):
     if rngs is None:
       rngs = nnx.Rngs(0)
     c = config

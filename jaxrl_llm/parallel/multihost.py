@@ -117,7 +117,7 @@ def resolve_timeouts(initialization_timeout: Optional[float] = None,
     (300, 10, 5.0)
     >>> resolve_timeouts(environ={"JAXRL_HEARTBEAT_TIMEOUT": "30"})["peer_timeout_seconds"]
     15.0
-  """
+  """  # noqa: E501 (a doctest output line)
   environ = os.environ if environ is None else environ
   given = {"initialization_timeout": (initialization_timeout, INIT_TIMEOUT_ENV,
                                       DEFAULT_INIT_TIMEOUT),

@@ -80,7 +80,7 @@ def make_rules(rules=None) -> dict:
   merged = dict(DEFAULT_RULES)
   if rules is not None:
     merged.update(dict(rules.items() if isinstance(rules, Mapping) else rules))
-  out = {}
+  out: dict[str, tuple] = {}
   for name, axes in merged.items():
     if axes is None:
       out[name] = ()
@@ -140,8 +140,8 @@ def logical_to_spec(names, shape, mesh, rules=None, *, where="array") -> Partiti
   if len(names) != len(shape):
     raise ValueError(f"{where}: {len(names)} logical axis names {names} for an array of "
                      f"shape {shape} (rank {len(shape)}).")
-  used = {}
-  parts = []
+  used: dict = {}
+  parts: list = []
   for dim, (name, size) in enumerate(zip(names, shape)):
     if name is None:
       parts.append(None)

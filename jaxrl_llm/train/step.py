@@ -117,7 +117,7 @@ def validate_batch(batch: dict, config: TrainConfig) -> None:
                      f"num_minibatches * num_microbatches = {per_update}.")
 
 
-def default_positions(attention_mask):
+def default_positions(attention_mask: jax.Array) -> jax.Array:
   """Positions that skip padding: ``max(cumsum(mask) - 1, 0)``."""
   return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
 
@@ -169,7 +169,8 @@ def as_model_output(out: Any) -> ModelOutput:
 
 
 def policy_forward(apply_fn: Callable, params: Any, batch: dict, *,
-                   chunk_size: Optional[int] = None, temperature: Any = 1.0):
+                   chunk_size: Optional[int] = None,
+                   temperature: Any = 1.0) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
   """Token log-probs, entropies and values of ``batch['tokens']`` under ``params``.
 
   Returns ``(logp, entropy, values)``, each ``[B, L]`` aligned with the tokens (entry t
