@@ -123,7 +123,7 @@ def _recipe_note(name: str) -> str:
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
   """The ``train`` options, generated from RunConfig and TrainConfig fields."""
-  from jaxrl_llm.loop.config import MODELS, RunConfig
+  from jaxrl_llm.loop.config import RunConfig
   from jaxrl_llm.recipes import RECIPES
   from jaxrl_llm.tasks import TASKS
   from jaxrl_llm.train import TrainConfig
@@ -132,7 +132,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
   run_group = p.add_argument_group("run")
   hints, docs = typing.get_type_hints(RunConfig), attribute_docs(RunConfig)
-  run_choices = {"task": sorted(TASKS), "algo": list(RECIPES), "model": list(MODELS)}
+  # --model also takes a Hugging Face model folder (checked by RunConfig.validate).
+  run_choices = {"task": sorted(TASKS), "algo": list(RECIPES)}
   for f in dataclasses.fields(RunConfig):
     if f.name == "train":
       continue
@@ -211,13 +212,13 @@ def _resume_config(args: argparse.Namespace, argv: list):
   saved config raises ``ValueError`` naming it."""
   from jaxrl_llm import run_folder as rf
   from jaxrl_llm.loop.config import RESUMABLE_FIELDS, RunConfig
-  from jaxrl_llm.tasks import get_task
+  from jaxrl_llm.loop.setup import make_task
   saved = RunConfig.from_dict(rf.read_json(os.path.join(args.out, rf.CONFIG_FILE)))
   given = run_config_from_args(args)
   explicit = _explicit_train_dests(argv)
   changes: dict = {"resume": True, "overwrite": False, "out": args.out}
   conflicts = []
-  saved_train = saved.train_config(get_task(saved.task).max_new_tokens)
+  saved_train = saved.train_config(make_task(saved).max_new_tokens)
   for dest in sorted(explicit):
     if dest.startswith(TRAIN_PREFIX):
       name = dest[len(TRAIN_PREFIX):]
@@ -307,20 +308,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
   import jax
 
   from jaxrl_llm.checkpoint import Checkpointer, CheckpointError
-  from jaxrl_llm.loop import Policy, RunConfig, evaluate, make_optimizer
-  from jaxrl_llm.tasks import get_task
+  from jaxrl_llm.loop import RunConfig, evaluate, make_optimizer
+  from jaxrl_llm.loop.setup import make_policy, make_task
   from jaxrl_llm.train import init_train_state
   try:
     run = RunConfig.from_dict(rf.read_json(cfg))
   except (ValueError, OSError) as e:
     return _fail("eval", str(e))
-  task = get_task(run.task)
-  tok = task.tokenizer
+  task = make_task(run)
   config = run.train_config(task.max_new_tokens)
-  policy = Policy.reference(run.model, tok.vocab_size,
-                            task.max_prompt_len + task.max_new_tokens, tok.pad_id,
-                            value_head=config.use_value, seed=run.seed,
-                            temperature=config.temperature)
+  policy = make_policy(run, task, config)
   template = init_train_state(policy.init_params, make_optimizer(run), config,
                               rng=jax.random.PRNGKey(run.seed))
   try:

@@ -30,9 +30,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import _validate as v
+
+Coef = float | jax.Array  # a coefficient: a Python number, or a (traced) scalar array
 
 CLIP_METRICS = ("kl", "clipfrac")
 _DEFAULT_CLIP_TARGET = {"kl": 0.02, "clipfrac": 0.15}
@@ -56,7 +59,8 @@ class AdaptiveKLState(NamedTuple):
   horizon: jnp.ndarray
 
 
-def adaptive_kl_init(init_coef=0.001, *, target=0.1, horizon=10000):
+def adaptive_kl_init(init_coef: Coef = 0.001, *, target: Coef = 0.1,
+                     horizon: Coef = 10000) -> AdaptiveKLState:
   r"""Initial state of the adaptive KL controller (Ziegler et al. 2019).
 
   Defaults are verl's (``kl_coef=0.001, target_kl=0.1, horizon=10000``); OpenRLHF
@@ -85,7 +89,8 @@ def adaptive_kl_init(init_coef=0.001, *, target=0.1, horizon=10000):
                          horizon=v.as_f32(horizon))
 
 
-def adaptive_kl_update(state, current_kl, n_steps):
+def adaptive_kl_update(state: AdaptiveKLState, current_kl: Coef,
+                       n_steps: Coef) -> AdaptiveKLState:
   r"""One adaptive-KL step (verl/OpenRLHF ``AdaptiveKLController.update``).
 
   .. math::
@@ -137,8 +142,9 @@ class AdaptiveClipState(NamedTuple):
   rate: jnp.ndarray
 
 
-def adaptive_clip_init(init_eps=0.2, *, target=None, eps_min=0.05, eps_max=0.3,
-                       rate=0.1, metric="kl"):
+def adaptive_clip_init(init_eps: Coef = 0.2, *, target: Coef | None = None,
+                       eps_min: Coef = 0.05, eps_max: Coef = 0.3, rate: Coef = 0.1,
+                       metric: str = "kl") -> AdaptiveClipState:
   r"""Initial state of the adaptive clip-range controller.
 
   ``metric`` says what you will feed to :func:`adaptive_clip_update` and only picks
@@ -176,15 +182,15 @@ def adaptive_clip_init(init_eps=0.2, *, target=None, eps_min=0.05, eps_max=0.3,
       and eps_max < eps_min):
     raise ValueError(f"`eps_max` ({eps_max!r}) must be >= `eps_min` ({eps_min!r}).")
   v.check_range("init_eps", init_eps,
-                       low=eps_min if v.is_concrete_number(eps_min) else None,
-                       high=eps_max if v.is_concrete_number(eps_max) else None)
-  eps_min, eps_max = v.as_f32(eps_min), v.as_f32(eps_max)
-  return AdaptiveClipState(eps=jnp.clip(v.as_f32(init_eps), eps_min, eps_max),
-                           target=v.as_f32(target), eps_min=eps_min, eps_max=eps_max,
+                low=eps_min if v.is_concrete_number(eps_min) else None,
+                high=eps_max if v.is_concrete_number(eps_max) else None)
+  lo, hi = v.as_f32(eps_min), v.as_f32(eps_max)
+  return AdaptiveClipState(eps=jnp.clip(v.as_f32(init_eps), lo, hi),
+                           target=v.as_f32(target), eps_min=lo, eps_max=hi,
                            rate=v.as_f32(rate))
 
 
-def adaptive_clip_update(state, observed):
+def adaptive_clip_update(state: AdaptiveClipState, observed: Coef) -> AdaptiveClipState:
   r"""Moves the clip range :math:`\epsilon` to keep a trust-region metric at target.
 
   Multiplicative (log-space) update with a bounded step:

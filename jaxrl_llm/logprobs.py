@@ -25,6 +25,8 @@ from jax import lax
 
 from jaxrl_llm import _validate as v
 
+ArrayLike = jax.typing.ArrayLike
+
 # Default number of tokens (batch rows x sequence positions) per chunk.
 _DEFAULT_TOKENS_PER_CHUNK = 1024
 
@@ -72,7 +74,9 @@ def _shift_and_normalizer(z):
   return shifted, jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
 
 
-def token_logprobs(logits, targets, mask=None, *, return_entropy=False):
+def token_logprobs(logits: ArrayLike, targets: ArrayLike, mask: ArrayLike | None = None,
+                   *, return_entropy: bool = False
+                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Log-probability of each target token under ``softmax(logits)``.
 
   .. math::
@@ -228,8 +232,11 @@ def default_chunk_size(batch: int, time: int) -> int:
   return max(1, min(time, max(1, _DEFAULT_TOKENS_PER_CHUNK // max(batch, 1))))
 
 
-def token_logprobs_from_hidden(hidden, lm_head, targets, *, mask=None, chunk_size=None,
-                               return_entropy=False, temperature=1.0):
+def token_logprobs_from_hidden(hidden: ArrayLike, lm_head: ArrayLike, targets: ArrayLike,
+                               *, mask: ArrayLike | None = None,
+                               chunk_size: int | None = None, return_entropy: bool = False,
+                               temperature: float | ArrayLike = 1.0
+                               ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Target-token log-probs from hidden states and LM head, never forming [B, T, V] logits.
 
   .. math::

@@ -73,6 +73,10 @@ import jax.numpy as jnp
 from jaxrl_llm import _validate as v
 from jaxrl_llm.masked import masked_mean
 
+ArrayLike = jax.typing.ArrayLike
+Coef = float | jax.Array  # a coefficient: a Python number, or a (traced) scalar array
+LossAndMetrics = tuple[jax.Array, dict[str, jax.Array]]
+
 AGGREGATION_MODES = (
     "token-mean",
     "token-sum",
@@ -198,8 +202,10 @@ def _finish(loss, valid, dtype):
 # ----------------------------------------------------------------------- policy losses
 
 
-def ppo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None,
-                    dual_clip=None, log_ratio_clamp=20.0):
+def ppo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
+                    mask: ArrayLike, *, clip_low: Coef = 0.2, clip_high: Coef | None = None,
+                    dual_clip: Coef | None = None,
+                    log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
   r"""PPO clipped surrogate per token, with clip-higher (DAPO) and dual clip.
 
   With :math:`\kappa = \mathrm{clip}(\log\pi - \log\pi_{old}, -c_\kappa, c_\kappa)` and
@@ -269,8 +275,10 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high
   return _finish(loss, valid, dtype), metrics
 
 
-def gspo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=3e-4, clip_high=4e-4,
-                     dual_clip=None, log_ratio_clamp=10.0):
+def gspo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
+                     mask: ArrayLike, *, clip_low: Coef = 3e-4,
+                     clip_high: Coef | None = 4e-4, dual_clip: Coef | None = None,
+                     log_ratio_clamp: Coef | None = 10.0) -> LossAndMetrics:
   r"""GSPO (sequence-level ratio) in its per-token ("GSPO-token") form, as in verl.
 
   .. math::
@@ -345,8 +353,10 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=3e-4, clip_hi
   return _finish(loss, valid, dtype), metrics
 
 
-def cispo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=None, clip_high=5.0,
-                      mode="trl", log_ratio_clamp=20.0):
+def cispo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
+                      mask: ArrayLike, *, clip_low: Coef | None = None,
+                      clip_high: Coef | None = 5.0, mode: str = "trl",
+                      log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
   r"""CISPO: REINFORCE with a clipped, stop-gradient importance weight (MiniMax-M1).
 
   .. math::
@@ -420,8 +430,9 @@ def cispo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=None, clip_h
   return _finish(loss, valid, dtype), metrics
 
 
-def sapo_policy_loss(logp, old_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1.05,
-                     log_ratio_clamp=20.0):
+def sapo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
+                     mask: ArrayLike, *, tau_pos: Coef = 1.0, tau_neg: Coef = 1.05,
+                     log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
   r"""SAPO: a smooth sigmoid gate in place of the hard PPO clip (verl, TRL).
 
   .. math::
@@ -473,8 +484,9 @@ def sapo_policy_loss(logp, old_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1
   return _finish(loss, valid, dtype), metrics
 
 
-def gmpo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.4, clip_high=0.4,
-                     log_ratio_clamp=20.0):
+def gmpo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
+                     mask: ArrayLike, *, clip_low: Coef = 0.4, clip_high: Coef | None = 0.4,
+                     log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
   r"""GMPO: geometric-mean policy optimisation (verl ``geo_mean``).
 
   Token log-ratios are clipped in log space, on the side that matters for the sign of
@@ -550,8 +562,9 @@ def gmpo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.4, clip_hig
   return _finish(loss, valid, dtype), metrics
 
 
-def reinforce_policy_loss(logp, advantages, mask, *, old_logp=None, is_clip=None,
-                          log_ratio_clamp=20.0):
+def reinforce_policy_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, *,
+                          old_logp: ArrayLike | None = None, is_clip: Coef | None = None,
+                          log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
   r"""REINFORCE / GPG policy-gradient loss, optionally importance-weighted.
 
   .. math::
@@ -610,8 +623,9 @@ def reinforce_policy_loss(logp, advantages, mask, *, old_logp=None, is_clip=None
 # ------------------------------------------------------------------- rollout correction
 
 
-def rollout_correction_weights(log_ratio, mask, *, level="token", threshold=2.0,
-                               lower=None):
+def rollout_correction_weights(log_ratio: ArrayLike, mask: ArrayLike, *,
+                               level: str = "token", threshold: Coef = 2.0,
+                               lower: Coef | None = None) -> LossAndMetrics:
   r"""Importance weights that correct for a rollout/trainer mismatch (verl's semantics).
 
   ``log_ratio`` is :math:`\log\pi_{train} - \log\pi_{rollout}` per token (the trainer's
@@ -723,7 +737,8 @@ def rollout_correction_weights(log_ratio, mask, *, level="token", threshold=2.0,
 # -------------------------------------------------------------------------- value loss
 
 
-def value_loss(values, old_values, returns, mask, *, clip=0.5):
+def value_loss(values: ArrayLike, old_values: ArrayLike | None, returns: ArrayLike,
+               mask: ArrayLike, *, clip: Coef | None = 0.5) -> LossAndMetrics:
   r"""Clipped value loss per token (PPO critic).
 
   .. math::
@@ -800,7 +815,8 @@ def _kl_base(x, kind):
   return jnp.expm1(y) - y
 
 
-def kl_penalty(logp, ref_logp, kind="k1", *, clamp=None, mask=None):
+def kl_penalty(logp: ArrayLike, ref_logp: ArrayLike, kind: str = "k1", *,
+               clamp: Coef | None = None, mask: ArrayLike | None = None) -> jax.Array:
   r"""Per-token KL estimators between the policy and a reference policy.
 
   With :math:`x = \log\pi - \log\pi_{ref}` (samples from :math:`\pi`):
@@ -869,7 +885,7 @@ def kl_penalty(logp, ref_logp, kind="k1", *, clamp=None, mask=None):
   return _finish(kl, valid, dtype)
 
 
-def entropy_from_logits(logits):
+def entropy_from_logits(logits: ArrayLike) -> jax.Array:
   r"""Entropy of the categorical distribution over the last axis, in float32.
 
   .. math:: H(z) = \log\sum_j e^{z_j} - \sum_j \mathrm{softmax}(z)_j\, z_j
@@ -910,7 +926,8 @@ def entropy_from_logits(logits):
 # ------------------------------------------------------------------------- aggregation
 
 
-def aggregate_parts(per_token, mask, mode="token-mean", *, norm_length=None):
+def aggregate_parts(per_token: ArrayLike, mask: ArrayLike, mode: str = "token-mean", *,
+                    norm_length: Coef | None = None) -> tuple[jax.Array, jax.Array]:
   r"""Numerator and denominator of :func:`aggregate`, exact across microbatches.
 
   Returns ``(total, denom)`` (float32 scalars) with
@@ -980,7 +997,8 @@ def aggregate_parts(per_token, mask, mode="token-mean", *, norm_length=None):
   return jnp.sum(row_sum) / v.as_f32(norm_length), rows
 
 
-def aggregate(per_token, mask, mode="token-mean", *, norm_length=None):
+def aggregate(per_token: ArrayLike, mask: ArrayLike, mode: str = "token-mean", *,
+              norm_length: Coef | None = None) -> jax.Array:
   r"""Reduces a per-token loss to a scalar (verl's ``agg_loss`` modes).
 
   .. math::

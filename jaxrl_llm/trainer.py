@@ -45,8 +45,8 @@ from jaxrl_llm.loop.config import (MODELS, RESUMABLE_FIELDS, RunConfig, algos,
 from jaxrl_llm.loop.evaluation import evaluate
 from jaxrl_llm.loop.policy import Policy
 from jaxrl_llm.loop.progress import report_progress
+from jaxrl_llm.loop.setup import make_policy, make_task
 from jaxrl_llm.recipes import RECIPES
-from jaxrl_llm.tasks import get_task
 from jaxrl_llm.train import TrainConfig, make_train_step
 
 ALGOS = tuple(RECIPES)
@@ -124,14 +124,10 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
   run.validate()
   run.check_devices(jax.device_count())
   _check_run_folder(run)
-  task = get_task(run.task)
-  tok = task.tokenizer
+  task = make_task(run)
   config = run.train_config(task.max_new_tokens)
   if policy is None:
-    policy = Policy.reference(run.model, tok.vocab_size,
-                              task.max_prompt_len + task.max_new_tokens, tok.pad_id,
-                              value_head=config.use_value, seed=run.seed,
-                              temperature=config.temperature)
+    policy = make_policy(run, task, config)
   step_fn = make_train_step(policy.apply, make_optimizer(run), config)
   # A frozen copy: the train step donates (and so invalidates) the state's buffers.
   ref_params = jax.tree_util.tree_map(jnp.copy, policy.init_params)
@@ -263,7 +259,8 @@ def summarize(history: list[dict], wall_s: float, run: RunConfig) -> dict:
   evals = [r for r in history if "eval_accuracy" in r]
   steps = [r for r in history if "reward" in r]
   summary = {
-      "algo": run.algo, "task": run.task, "steps": steps[-1]["step"] if steps else 0,
+      "algo": run.algo, "task": run.task if run.dataset is None else run.dataset,
+      "steps": steps[-1]["step"] if steps else 0,
       "wall_s": round(wall_s, 1),
       "eval_accuracy_start": evals[0]["eval_accuracy"] if evals else math.nan,
       "eval_accuracy_end": evals[-1]["eval_accuracy"] if evals else math.nan,

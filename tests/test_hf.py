@@ -18,8 +18,8 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 transformers = pytest.importorskip("transformers")
 
-from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
-from jaxrl_llm.tasks.jsonl import JsonlTask
+from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer  # noqa: E402
+from jaxrl_llm.tasks.jsonl import JsonlTask  # noqa: E402
 
 # ------------------------------------------------------------------------- tokenizers
 
@@ -205,7 +205,6 @@ from jaxrl_llm.models import (  # noqa: E402
   split_model,
 )
 from jaxrl_llm.rollout import sample  # noqa: E402
-
 
 
 @pytest.fixture(autouse=True)
@@ -396,7 +395,8 @@ import json, sys
 import numpy as np, jax, jax.numpy as jnp
 from jaxrl_llm.models import from_pretrained
 from jaxrl_llm.parallel import make_mesh
-path, tokens, mask = sys.argv[1], np.array(json.loads(sys.argv[2])), np.array(json.loads(sys.argv[3]))
+path = sys.argv[1]
+tokens, mask = np.array(json.loads(sys.argv[2])), np.array(json.loads(sys.argv[3]))
 assert jax.device_count() >= 8, jax.device_count()
 mesh = make_mesh(data=1, fsdp=4, tensor=2, devices=jax.devices()[:8])
 one = from_pretrained(path)
@@ -572,3 +572,54 @@ def test_readme_example_runs(tmp_path):
   assert saved_tok.apply_chat_template(conv) == tok.apply_chat_template(conv)
   assert (transformers.AutoTokenizer.from_pretrained(out).apply_chat_template(
       conv, tokenize=False, add_generation_prompt=True) == tok.apply_chat_template(conv))
+
+
+def _tiny_hf_folder(tmp_path):
+  """A tiny random Qwen3 with a byte-level BPE tokenizer and a chat template."""
+  model_dir = make_tokenizer_dir(tmp_path / "model")
+  cfg = _hf_configs()["qwen3"]
+  cfg.vocab_size = HFTokenizer.from_pretrained(model_dir).vocab_size
+  torch.manual_seed(0)
+  transformers.Qwen3ForCausalLM(cfg).save_pretrained(model_dir)
+  data = tmp_path / "train.jsonl"
+  data.write_text("".join(json.dumps({"prompt": f"what is {i} + {i}?", "answer": 2 * i})
+                          + "\n" for i in range(20)))
+  return model_dir, str(data)
+
+
+@pytest.mark.parametrize("algo, extra", [
+    ("ppo", []), ("grpo", []),
+    ("ppo", ["--critic", "policy", "--critic-lr", "1e-4"]),   # a separate critic
+])
+def test_cli_train_on_local_checkpoint_and_jsonl(tmp_path, algo, extra):
+  from jaxrl_llm import cli
+  model_dir, data = _tiny_hf_folder(tmp_path)
+  out = str(tmp_path / "run")
+  rc = cli.main(["train", "--model", model_dir, "--dataset", data, "--reward", "math",
+                 "--algo", algo, "--steps", "2", "--prompts-per-step", "2",
+                 "--group-size", "2", "--max-new-tokens", "4", "--eval-size", "3",
+                 "--eval-every", "2", "--save-every", "2", "--out", out, "--no-progress",
+                 *extra])
+  assert rc == 0
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  assert all(np.isfinite(r["loss"]) and r["skipped"] == 0 for r in rows[1:])
+  assert "eval_reward" in rows[-1]
+  if extra:
+    assert all(np.isfinite(r["vf_loss"]) for r in rows[1:])
+  # The eval command restores the run (model and task rebuilt from config.json).
+  assert cli.main(["eval", "--out", out, "--eval-size", "2"]) == 0
+
+
+def test_cli_rejects_checkpoint_without_dataset(tmp_path, capsys):
+  from jaxrl_llm import cli
+  model_dir, data = _tiny_hf_folder(tmp_path)
+  rc = cli.main(["train", "--model", str(tmp_path / "nope"), "--dataset", data,
+                 "--out", str(tmp_path / "r")])
+  assert rc == 2 and "unknown model" in capsys.readouterr().err
+  rc = cli.main(["train", "--model", model_dir, "--dataset", data, "--reward", "nope",
+                 "--out", str(tmp_path / "r")])
+  assert rc == 2 and "unknown reward 'nope'" in capsys.readouterr().err
+  rc = cli.main(["train", "--model", model_dir, "--out", str(tmp_path / "r")])
+  assert rc == 2 and "needs --dataset" in capsys.readouterr().err

@@ -10,6 +10,7 @@ trainer and the ``eval`` command alike.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import optax
@@ -36,7 +37,9 @@ class RunConfig:
   Attributes:
     task: the built-in task to train on.
     algo: the algorithm recipe (see :mod:`jaxrl_llm.recipes`).
-    model: reference transformer size.
+    model: reference transformer size (a preset), or a local Hugging Face model folder
+      (Llama / Qwen2 / Qwen3: config.json, safetensors, tokenizer.json); a folder needs
+      --dataset.
     steps: train steps (each: one rollout and one train step).
     prompts_per_step: prompts sampled per step.
     group_size: completions sampled per prompt.
@@ -56,6 +59,15 @@ class RunConfig:
     progress: print a progress line.
     max_consecutive_skips: stop the run (non-zero exit) after this many train steps
       in a row were skipped for non-finite values.
+    dataset: a JSONL file of {"prompt": ..., "answer": ...} lines to train on instead of
+      the built-in --task.
+    reward: the reward of --dataset completions (a name in jaxrl_llm.tasks.REWARDS:
+      math, boxed, exact).
+    max_new_tokens: tokens sampled per completion on --dataset.
+    critic: a separate critic (its own parameters and Adam optimizer) for recipes with
+      a value model: a Hugging Face model folder it is initialised from, or "policy"
+      (a copy of the policy's initial weights); None: the policy's value head.
+    critic_lr: the separate critic's learning rate (default: --lr).
     train: TrainConfig fields set on top of the recipe's (e.g. ``{"kl_coef": 0.01,
       "policy_loss": "gspo"}``).
   """
@@ -79,6 +91,11 @@ class RunConfig:
   overwrite: bool = False
   progress: bool = True
   max_consecutive_skips: int = 20
+  dataset: Optional[str] = None
+  reward: str = "math"
+  max_new_tokens: int = 64
+  critic: Optional[str] = None
+  critic_lr: Optional[float] = None
   train: dict = dataclasses.field(default_factory=dict)
 
   @classmethod
@@ -120,8 +137,26 @@ class RunConfig:
     if self.task not in tasks:
       raise ValueError(f"unknown task {self.task!r}; valid tasks: {', '.join(tasks)}")
     recipe = get_recipe(self.algo)
-    if self.model not in MODELS:
-      raise ValueError(f"unknown model {self.model!r}; valid models: {', '.join(MODELS)}")
+    if self.model not in MODELS and not os.path.isfile(
+        os.path.join(self.model, "config.json")):
+      raise ValueError(f"unknown model {self.model!r}; valid models: {', '.join(MODELS)} "
+                       "or a Hugging Face model folder (with config.json)")
+    if self.critic is not None and self.critic != "policy" and not os.path.isfile(
+        os.path.join(self.critic, "config.json")):
+      raise ValueError(f"--critic {self.critic!r} must be 'policy' or a Hugging Face "
+                       "model folder (with config.json)")
+    if self.dataset is None and self.model not in MODELS:
+      raise ValueError("--model PATH (a Hugging Face checkpoint) needs --dataset: the "
+                       "built-in tasks use their own character tokenizer")
+    if self.dataset is not None:
+      from jaxrl_llm.tasks import REWARDS
+      if not os.path.isfile(self.dataset):
+        raise ValueError(f"--dataset {self.dataset!r} is not a file")
+      if self.reward not in REWARDS:
+        raise ValueError(f"unknown reward {self.reward!r}; valid rewards: "
+                         f"{', '.join(sorted(REWARDS))}")
+      if self.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
     if recipe.group and self.group_size < 2:
       raise ValueError(f"--algo {self.algo} is a group estimator and needs --group-size "
                        f">= 2 (got {self.group_size}): with one sample per prompt the "
@@ -194,9 +229,19 @@ class RunConfig:
     return TrainConfig(**fields)
 
   def identity(self) -> dict:
-    """The fields that must match for a run folder to be resumed."""
-    return {k: val for k, val in dataclasses.asdict(self).items()
-            if k not in RESUMABLE_FIELDS}
+    """The fields that must match for a run folder to be resumed.
+
+    TrainConfig settings appear as ``train.<field>`` so a mismatch names the field.
+
+    Examples:
+      >>> sorted(k for k in RunConfig(train={"kl_coef": 0.1}).identity()
+      ...        if k.startswith("train"))
+      ['train.kl_coef']
+    """
+    out = {k: val for k, val in dataclasses.asdict(self).items()
+           if k not in RESUMABLE_FIELDS and k != "train"}
+    out.update({f"train.{k}": val for k, val in self.train.items()})
+    return out
 
 
 def train_config_for(run: RunConfig, max_new_tokens: int) -> TrainConfig:
@@ -205,7 +250,16 @@ def train_config_for(run: RunConfig, max_new_tokens: int) -> TrainConfig:
 
 
 def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
-  """The run's optimizer (Adam at ``run.lr``): the one place it is built."""
+  """The run's optimizer (Adam at ``run.lr``): the one place it is built.
+
+  With a separate critic (``run.critic``): Adam at ``run.lr`` for the policy and at
+  ``run.critic_lr`` (default ``run.lr``) for the critic
+  (:func:`jaxrl_llm.models.critic.actor_critic_optimizer`).
+  """
+  if run.critic is not None:
+    from jaxrl_llm.models.critic import actor_critic_optimizer
+    critic_lr = run.lr if run.critic_lr is None else run.critic_lr
+    return actor_critic_optimizer(optax.adam(run.lr), optax.adam(critic_lr))
   return optax.adam(run.lr)
 
 

@@ -374,9 +374,9 @@ def shard_batch(batch, mesh, rules=None):
   Examples:
     >>> import numpy as np
     >>> from jaxrl_llm.parallel.mesh import make_mesh
-    >>> out = shard_batch({"tokens": np.zeros((4, 6), np.int32)}, make_mesh())
+    >>> out = shard_batch({"tokens": np.zeros((8, 6), np.int32)}, make_mesh())
     >>> out["tokens"].shape
-    (4, 6)
+    (8, 6)
   """
   rules = make_rules(rules)
 
@@ -586,8 +586,8 @@ def shard_train_step(step_fn: Callable, state, mesh, *, rules=None, batch=None,
     >>> apply_fn = shard_apply_fn(make_apply_fn(graphdef), mesh)
     >>> step, state = shard_train_step(make_train_step(apply_fn, opt, config),
     ...                                init_train_state(params, opt, config), mesh)
-    >>> tokens = np.ones((2, 8), np.int32)
-    >>> zeros, ones = np.zeros((2, 8), np.float32), np.ones((2, 8), np.float32)
+    >>> tokens = np.ones((8, 8), np.int32)     # 8 rows: split over 1, 2, 4 or 8 devices
+    >>> zeros, ones = np.zeros((8, 8), np.float32), np.ones((8, 8), np.float32)
     >>> batch = shard_batch(dict(tokens=tokens, attention_mask=ones, loss_mask=ones,
     ...     old_logp=zeros, old_values=zeros, rewards=ones), mesh)
     >>> state, metrics = step(state, batch)
