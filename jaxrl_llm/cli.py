@@ -188,40 +188,143 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
   return RunConfig(**run, train=train)
 
 
+def _flag(name: str) -> str:
+  return "--" + name.replace("_", "-")
+
+
+def _flags_in_message(message: str) -> str:
+  """``ValueError`` text with backticked config field names as the flags that set them."""
+  return re.sub(r"`(\w+)`", lambda m: _flag(m.group(1)), message)
+
+
+def _explicit_train_dests(argv: list) -> set:
+  """The ``train`` options given on the command line (not left at their default)."""
+  p = argparse.ArgumentParser(add_help=False)
+  add_train_args(p)
+  for action in p._actions:
+    action.default = argparse.SUPPRESS
+  return set(vars(p.parse_known_args(argv)[0]))
+
+
+def _resume_config(args: argparse.Namespace, argv: list):
+  """The run to continue on ``--resume``: the saved config, changed only by the
+  resumable options given on the command line. A given option that contradicts the
+  saved config raises ``ValueError`` naming it."""
+  from jaxrl_llm import run_folder as rf
+  from jaxrl_llm.loop.config import RESUMABLE_FIELDS, RunConfig
+  from jaxrl_llm.loop.setup import make_task
+  saved = RunConfig.from_dict(rf.read_json(os.path.join(args.out, rf.CONFIG_FILE)))
+  given = run_config_from_args(args)
+  explicit = _explicit_train_dests(argv)
+  changes: dict = {"resume": True, "overwrite": False, "out": args.out}
+  conflicts = []
+  saved_train = saved.train_config(make_task(saved).max_new_tokens)
+  for dest in sorted(explicit):
+    if dest.startswith(TRAIN_PREFIX):
+      name = dest[len(TRAIN_PREFIX):]
+      value, before = given.train.get(name), getattr(saved_train, name)
+    elif dest.startswith(LOSS_PREFIX):
+      name = dest[len(LOSS_PREFIX):]
+      value = (given.train.get("loss_hparams") or {}).get(name)
+      before = (saved.train.get("loss_hparams") or {}).get(name)
+    else:
+      name, value, before = dest, getattr(given, dest), getattr(saved, dest)
+      if name in RESUMABLE_FIELDS:
+        changes[name] = value
+        continue
+    if value != before:
+      conflicts.append(f"{_flag(name)} {value} (the saved run has {before})")
+  if conflicts:
+    allowed = ", ".join(_flag(f) for f in RESUMABLE_FIELDS
+                        if f not in ("out", "resume", "overwrite"))
+    raise ValueError(f"--resume continues the run saved in {args.out}; "
+                     f"{'; '.join(conflicts)} contradicts it. Only {allowed} may change "
+                     "on --resume (or pass --overwrite, or choose another --out).")
+  return dataclasses.replace(saved, **changes)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-  from jaxrl_llm.trainer import RunFolderError, format_summary, run_training
+  import jax
+
+  from jaxrl_llm import run_folder as rf
+  from jaxrl_llm.checkpoint import CheckpointError
+  from jaxrl_llm.trainer import (RunFolderError, SkippedUpdatesError, format_summary,
+                                 run_training)
+  argv = getattr(args, "argv", [])
   try:
-    run = run_config_from_args(args)
+    if args.resume and not args.overwrite and os.path.exists(
+        os.path.join(args.out, rf.CONFIG_FILE)):
+      run = _resume_config(args, argv)
+    else:
+      run = run_config_from_args(args)
+      if args.resume:
+        print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
     run.validate()
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
+    run.check_devices(jax.device_count())
+  except (ValueError, OSError) as e:
+    print(f"error: {_flags_in_message(str(e))}", file=sys.stderr)
     return 2
   try:
     summary = run_training(run)
   except RunFolderError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except (rf.RunFolderIOError, CheckpointError, SkippedUpdatesError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  except rf.RunInterrupted as e:
+    return e.exit_code
   except KeyboardInterrupt:
     return 130
+  png = os.path.join(run.out, "curves.png")
+  try:
+    plot_runs([run.out], None, png)
+    summary["plot"] = png
+  except ImportError:
+    summary["plot"] = "not drawn (matplotlib is not installed: pip install matplotlib)"
   print(format_summary(summary))
   return 0
 
 
+def _fail(command: str, message: str) -> int:
+  print(f"error: {command}: {message}", file=sys.stderr)
+  return 2
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
+  from jaxrl_llm import run_folder as rf
+  cfg = os.path.join(args.out, rf.CONFIG_FILE)
+  ckpt_dir = os.path.join(args.out, "checkpoints")
+  if not os.path.isdir(args.out):
+    return _fail("eval", f"{args.out} does not exist; pass the run folder of a "
+                 "training run with --out")
+  if not os.path.exists(cfg):
+    return _fail("eval", f"{args.out} is not a run folder ({cfg} is missing)")
+  if not os.path.isdir(ckpt_dir) or not any(n.isdigit() for n in os.listdir(ckpt_dir)):
+    return _fail("eval", f"{args.out} has no checkpoint yet ({ckpt_dir} is empty or "
+                 "missing): the run saved none before it stopped")
+  if args.eval_size < 1:
+    return _fail("eval", f"--eval-size must be >= 1 (got {args.eval_size})")
   import jax
-  from jaxrl_llm.checkpoint import Checkpointer
+
+  from jaxrl_llm.checkpoint import Checkpointer, CheckpointError
   from jaxrl_llm.loop import RunConfig, evaluate, make_optimizer
   from jaxrl_llm.loop.setup import make_policy, make_task
   from jaxrl_llm.train import init_train_state
-  with open(os.path.join(args.out, "config.json")) as f:
-    run = RunConfig.from_dict(json.load(f))
+  try:
+    run = RunConfig.from_dict(rf.read_json(cfg))
+  except (ValueError, OSError) as e:
+    return _fail("eval", str(e))
   task = make_task(run)
   config = run.train_config(task.max_new_tokens)
   policy = make_policy(run, task, config)
   template = init_train_state(policy.init_params, make_optimizer(run), config,
                               rng=jax.random.PRNGKey(run.seed))
-  with Checkpointer(os.path.join(args.out, "checkpoints")) as ckpt:
-    state, extra = ckpt.restore(template)
+  try:
+    with Checkpointer(ckpt_dir) as ckpt:
+      state, extra = ckpt.restore(template)
+  except CheckpointError as e:
+    return _fail("eval", str(e))
   result = {"step": extra.get("step"),
             **evaluate(policy, state.params, task, task.eval_problems(args.eval_size))}
   print(json.dumps(result))
@@ -229,21 +332,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def load_history(run_dir: str) -> list[dict]:
-  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """The rows of a run's ``metrics.jsonl`` (a torn last line is dropped, with a note)."""
+  from jaxrl_llm import run_folder as rf
+  rows, note = rf.read_metrics(os.path.join(run_dir, rf.METRICS_FILE))
+  if note is not None:
+    print(f"note: {note}", file=sys.stderr)
+  return rows
 
 
-def cmd_plot(args: argparse.Namespace) -> int:
+def plot_runs(runs: Sequence[str], labels: Optional[Sequence[str]], output: str) -> None:
+  """Draws the learning curves of ``runs`` into ``output`` (needs matplotlib)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  histories = [load_history(run_dir) for run_dir in runs]
   fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-  for run_dir in args.runs:
-    rows = load_history(run_dir)
-    label = args.labels[args.runs.index(run_dir)] if args.labels else os.path.basename(
-        os.path.normpath(run_dir))
+  for i, (run_dir, rows) in enumerate(zip(runs, histories)):
+    label = labels[i] if labels else os.path.basename(os.path.normpath(run_dir))
     for ax, (key, title) in zip(axes.flat, PLOT_KEYS):
-      pts = [(r["step"], r[key]) for r in rows if key in r]
+      pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
       if pts:
         xs, ys = zip(*pts)
         ax.plot(xs, ys, label=label, marker="o" if key.startswith("eval") else None,
@@ -252,7 +359,37 @@ def cmd_plot(args: argparse.Namespace) -> int:
       ax.set_xlabel("step")
   axes.flat[0].legend()
   fig.tight_layout()
-  fig.savefig(args.output, dpi=110)
+  fig.savefig(output, dpi=110)
+  plt.close(fig)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+  from jaxrl_llm import run_folder as rf
+  if args.labels and len(args.labels) != len(args.runs):
+    return _fail("plot", f"--labels gives {len(args.labels)} labels for "
+                 f"{len(args.runs)} run folders; give one per run")
+  for run_dir in args.runs:
+    path = os.path.join(run_dir, rf.METRICS_FILE)
+    if not os.path.isdir(run_dir):
+      return _fail("plot", f"run folder {run_dir} does not exist")
+    if not os.path.exists(path):
+      return _fail("plot", f"{run_dir} has no {rf.METRICS_FILE} (not a run folder, or "
+                   "its run has not started)")
+    try:
+      rows, _ = rf.read_metrics(path)
+    except OSError as e:
+      return _fail("plot", str(e))
+    if not rows:
+      return _fail("plot", f"{path} holds no rows yet")
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    return _fail("plot", "drawing needs matplotlib, which is not installed: pip install "
+                 "matplotlib (or pip install -e '.[plot]')")
+  try:
+    plot_runs(args.runs, args.labels, args.output)
+  except OSError as e:
+    return _fail("plot", f"cannot write {args.output}: {e.strerror or e}")
   print(args.output)
   return 0
 
@@ -280,11 +417,32 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _early_note(argv: list) -> None:
+  """One line before the slow imports: what is starting and where outputs go."""
+  if any(a in ("-h", "--help") for a in argv) or "--no-progress" in argv:
+    return
+  if argv and argv[0] in ("eval", "plot"):
+    return
+  p = argparse.ArgumentParser(add_help=False)
+  p.add_argument("--out", default="runs/default")
+  p.add_argument("--algo", default="grpo")
+  p.add_argument("--task", default="reverse")
+  p.add_argument("--resume", action="store_true")
+  known = p.parse_known_args(argv[1:] if argv and argv[0] == "train" else argv)[0]
+  what = "resuming" if known.resume else f"{known.algo} on {known.task}"
+  print(f"jaxrl-llm train: {what}, writing to {known.out}; importing JAX and building "
+        "the model (the first step then compiles) ...", file=sys.stderr, flush=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+  words = list(sys.argv[1:] if argv is None else argv)
+  _early_note(words)
   parser = build_parser()
-  args = parser.parse_args(argv)
+  args = parser.parse_args(words)
   if args.command is None:
-    args = parser.parse_args(["train"] + list(argv or sys.argv[1:]))
+    words = ["train"] + words
+    args = parser.parse_args(words)
+  args.argv = words[1:]
   return args.func(args)
 
 

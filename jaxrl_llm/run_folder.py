@@ -77,10 +77,12 @@ def io_error(action: str, path: str, exc: OSError) -> RunFolderIOError:
   """A one-line :class:`RunFolderIOError` for ``exc`` raised while ``action`` on ``path``.
 
   Examples:
-    >>> str(io_error("writing", "runs/a/metrics.jsonl",
-    ...              OSError(28, "No space left on device")))
-    'cannot write runs/a/metrics.jsonl: no space left on device (ENOSPC); free some space or choose another --out'
-  """  # noqa: E501 (a doctest output line)
+    >>> err = io_error("writing", "runs/a/metrics.jsonl",
+    ...                OSError(28, "No space left on device"))
+    >>> print(str(err).replace("; ", ";\\n"))
+    cannot write runs/a/metrics.jsonl: no space left on device (ENOSPC);
+    free some space or choose another --out
+  """
   code = exc.errno
   name = errno.errorcode.get(code, "") if code is not None else ""
   reason = (exc.strerror or str(exc) or type(exc).__name__).strip()

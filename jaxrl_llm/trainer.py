@@ -11,12 +11,21 @@ this module is the loop itself (``train`` is the earlier name of ``run_training`
 
 Run folder layout: ``config.json`` (the run config), ``metrics.jsonl`` (one JSON object
 per step, eval results included on eval steps), ``checkpoints/<step>/`` (orbax).
+
+Faults (see :mod:`jaxrl_llm.run_folder` and :mod:`jaxrl_llm.checkpoint`): nothing is
+written before the run is built (a failed start leaves no ``config.json``); the folder
+is probed for writability and free space first; metrics rows are appended and fsynced
+one per step (a resume drops the rows after its checkpoint by an atomic rewrite, never
+in place); a resume restores the newest checkpoint that verifies; SIGTERM (and a first
+Ctrl-C) finishes the current step, checkpoints it and raises
+:class:`~jaxrl_llm.run_folder.RunInterrupted`; ``max_consecutive_skips`` skipped
+updates in a row (non-finite loss, gradients or state) stop the run with
+:class:`SkippedUpdatesError` instead of checkpointing a run that no longer learns.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -28,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm import run_folder as rf
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.loop.batch import build_batch, sequence_advantages
 from jaxrl_llm.loop.config import (MODELS, RESUMABLE_FIELDS, RunConfig, algos,
@@ -47,6 +57,16 @@ class RunFolderError(ValueError):
   """The run folder holds another run (or one not meant to be resumed)."""
 
 
+class SkippedUpdatesError(RuntimeError):
+  """Too many consecutive train steps were skipped (non-finite values): the run stops."""
+
+
+def _say(message: str) -> None:
+  """A one-line note on stderr (resume, fallback, checkpoint on a signal)."""
+  sys.stderr.write(message + "\n")
+  sys.stderr.flush()
+
+
 # ------------------------------------------------------------ run folder, placement
 
 
@@ -61,33 +81,32 @@ def _compile_step(run: RunConfig, step_fn, state):
   return jitted, state, lambda batch: shard_batch(batch, mesh)
 
 
-def _prepare_run_folder(run: RunConfig) -> None:
-  """Creates / validates the run folder and writes ``config.json``."""
-  cfg_path = os.path.join(run.out, "config.json")
+def _check_run_folder(run: RunConfig) -> None:
+  """Refuses a folder that holds another run; writes nothing."""
+  cfg_path = os.path.join(run.out, rf.CONFIG_FILE)
   if os.path.exists(cfg_path) and not run.overwrite:
-    with open(cfg_path) as f:
-      saved_identity = RunConfig.from_dict(json.load(f)).identity()
+    saved_identity = RunConfig.from_dict(rf.read_json(cfg_path)).identity()
     if saved_identity != run.identity():
       diff = sorted(k for k in set(saved_identity) | set(run.identity())
                     if saved_identity.get(k) != run.identity().get(k))
       raise RunFolderError(f"{run.out} holds a run with a different config (fields "
-                       f"{diff}); pass --overwrite to replace it or choose another --out.")
+                           f"{diff}); resume it with the saved config (--resume alone), "
+                           "choose another --out, or pass --overwrite to replace it.")
     if not run.resume:
-      raise RunFolderError(f"{run.out} already holds a run; pass --resume to continue it or "
-                       f"--overwrite to replace it.")
-  elif run.overwrite and os.path.exists(run.out):
+      raise RunFolderError(f"{run.out} already holds a run; pass --resume to continue it "
+                           "or --overwrite to replace it.")
+  rf.probe_run_folder(run.out)
+
+
+def _write_run_folder(run: RunConfig) -> None:
+  """Creates the run folder and writes ``config.json`` (atomically): the run starts."""
+  if run.overwrite and os.path.exists(run.out):
     shutil.rmtree(run.out)
-  os.makedirs(run.out, exist_ok=True)
-  with open(cfg_path, "w") as f:
-    json.dump(dataclasses.asdict(run), f, indent=2)
-
-
-def _load_metrics(path, upto):
-  rows = []
-  if os.path.exists(path):
-    with open(path) as f:
-      rows = [json.loads(line) for line in f if line.strip()]
-  return [r for r in rows if r["step"] <= upto]
+  try:
+    os.makedirs(run.out, exist_ok=True)
+  except OSError as e:
+    raise rf.io_error("writing", run.out, e) from None
+  rf.write_json(os.path.join(run.out, rf.CONFIG_FILE), dataclasses.asdict(run))
 
 
 # ----------------------------------------------------------------------------- loop
@@ -103,7 +122,8 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
   step and re-raises.
   """
   run.validate()
-  _prepare_run_folder(run)
+  run.check_devices(jax.device_count())
+  _check_run_folder(run)
   task = make_task(run)
   config = run.train_config(task.max_new_tokens)
   if policy is None:
@@ -114,63 +134,111 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
   state = step_fn.init(policy.init_params, rng=jax.random.PRNGKey(run.seed))
   step_fn, state, place = _compile_step(run, step_fn, state)
   eval_problems = task.eval_problems(run.eval_size)
-  metrics_path = os.path.join(run.out, "metrics.jsonl")
-  ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), max_to_keep=2)
+  _write_run_folder(run)                      # everything built: the run starts here
+  metrics_path = os.path.join(run.out, rf.METRICS_FILE)
+  ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), max_to_keep=2, log=_say)
 
   start, history, state = _resume(run, ckpt, metrics_path, state)
+  metrics = rf.MetricsWriter(metrics_path)
   if start == 0:
     history = [{"step": 0, **evaluate(policy, state.params, task, eval_problems)}]
-    _append(metrics_path, history[-1])
+    metrics.append(history[-1])
 
+  if run.progress:
+    _say(f"{run.algo} on {run.task} ({run.model} model): steps {start + 1}-{run.steps}, "
+         f"writing to {run.out} (the first step compiles; it takes longest)")
   base_key = jax.random.PRNGKey(run.seed)
   t0, step = time.time(), start
-  try:
-    for step in range(start + 1, run.steps + 1):
-      rng_np = np.random.default_rng([run.seed, step])
-      key = jax.random.fold_in(base_key, step)
-      t_step = time.time()
-      batch, stats = build_batch(run, task, policy, state.params, ref_params, rng_np, key,
-                                 config)
-      state, m = step_fn(state, place(batch))
-      row = {"step": step, **stats, **{k: float(val) for k, val in m.items()},
-             "time_s": time.time() - t_step}
-      if step % run.eval_every == 0 or step == run.steps:
-        row.update(evaluate(policy, state.params, task, eval_problems))
-      history.append(row)
-      _append(metrics_path, row)
-      if step % run.save_every == 0 or step == run.steps:
-        ckpt.save(step, state, extra={"step": step})
-      report_progress(run, step, row, t0, start)
-      if on_step is not None:
-        on_step(row)
-  except KeyboardInterrupt:
-    _save_on_interrupt(run, ckpt, state)
-    raise
+  t_warm, warm_step = t0, start
+  skips = applied = 0
+  with rf.GracefulStop(announce=True) as stop:
+    try:
+      for step in range(start + 1, run.steps + 1):
+        rng_np = np.random.default_rng([run.seed, step])
+        key = jax.random.fold_in(base_key, step)
+        t_step = time.time()
+        batch, stats = build_batch(run, task, policy, state.params, ref_params, rng_np,
+                                   key, config)
+        state, m = step_fn(state, place(batch))
+        row = {"step": step, **stats, **{k: float(val) for k, val in m.items()},
+               "time_s": time.time() - t_step}
+        if step % run.eval_every == 0 or step == run.steps:
+          row.update(evaluate(policy, state.params, task, eval_problems))
+        history.append(row)
+        metrics.append(row)
+        skips = skips + 1 if row.get("skipped", 0) else 0
+        applied += 0 if row.get("skipped", 0) else 1
+        if skips >= run.max_consecutive_skips:
+          raise SkippedUpdatesError(
+              f"stopped at step {step}: the last {skips} updates were all skipped "
+              "(non-finite loss, gradients or state; see 'skipped' in "
+              f"{metrics_path}); lower --lr or check the rewards. The last good "
+              f"checkpoint is in {ckpt.directory} (step {ckpt.latest_step()}).")
+        if step % run.save_every == 0 or step == run.steps:
+          ckpt.save(step, state, extra={"step": step})
+        if step == start + 1:
+          t_warm, warm_step = time.time(), step
+        report_progress(run, step, row, t_warm, warm_step)
+        if on_step is not None:
+          on_step(row)
+        if stop.requested and step < run.steps:
+          _save_now(run, ckpt, state, step, stop.signame)
+          raise rf.RunInterrupted(stop.signum or 0, f"stopped by {stop.signame} at step {step}")
+    except rf.RunInterrupted:
+      metrics.close()
+      ckpt.close()
+      raise
+    except KeyboardInterrupt:
+      metrics.close()
+      _save_on_interrupt(run, ckpt, state)
+      raise
+    except BaseException:
+      metrics.close()
+      ckpt.close()
+      raise
+  metrics.close()
+  kept = ckpt.all_steps()
   ckpt.close()
   if run.progress and sys.stderr.isatty():
     sys.stderr.write("\n")
-  return summarize(history, time.time() - t0, run)
+  if step > start and applied == 0:
+    raise SkippedUpdatesError(
+        f"every update of steps {start + 1}-{step} was skipped (non-finite loss, "
+        f"gradients or state; see 'skipped' in {metrics_path}): nothing was learned.")
+  summary = summarize(history, time.time() - t0, run)
+  summary["metrics_file"] = metrics_path
+  summary["checkpoints"] = f"{ckpt.directory} (steps {', '.join(map(str, kept))})"
+  return summary
 
 
 train = run_training   # the earlier name (kept: ``from jaxrl_llm.trainer import train``)
 
 
 def _resume(run: RunConfig, ckpt: Checkpointer, metrics_path: str, state):
-  """``(start step, kept metrics rows, state)``: the latest checkpoint when resuming."""
-  start, history = 0, []
-  if run.resume and ckpt.latest_step() is not None:
+  """``(start step, kept metrics rows, state)``: the newest checkpoint that verifies.
+
+  The metrics rows after that step (computed again by this run) and a torn last line
+  are dropped by an atomic rewrite; the rows up to it are kept.
+  """
+  start, keep_upto = 0, -1
+  if run.resume and ckpt.all_steps():
     state, extra = ckpt.restore(state)
-    start = int(extra["step"])
-    history = _load_metrics(metrics_path, start)
-  with open(metrics_path, "w") as f:
-    for row in history:
-      f.write(json.dumps(row) + "\n")
+    start = keep_upto = int(extra["step"])
+    _say(f"resuming from step {start} ({ckpt.directory}/{ckpt.restored_step})")
+  elif run.resume:
+    _say(f"no checkpoint in {ckpt.directory}: starting from step 0")
+  history, note = rf.prepare_metrics(metrics_path, keep_upto=keep_upto)
+  if note is not None and keep_upto >= 0:
+    _say(note)
   return start, history, state
 
 
-def _append(path: str, row: dict) -> None:
-  with open(path, "a") as f:
-    f.write(json.dumps(row) + "\n")
+def _save_now(run: RunConfig, ckpt: Checkpointer, state, step: int, why: str) -> None:
+  """Checkpoints the completed ``step`` (on a signal) and says where."""
+  if step not in ckpt.all_steps():
+    ckpt.save(step, state, extra={"step": step}, force=True)
+  _say(f"{why}: checkpoint saved at step {step} in {ckpt.directory}; continue with "
+       f"--resume --out {run.out}")
 
 
 def _save_on_interrupt(run: RunConfig, ckpt: Checkpointer, state) -> None:
@@ -184,8 +252,7 @@ def _save_on_interrupt(run: RunConfig, ckpt: Checkpointer, state) -> None:
   except Exception:  # noqa: BLE001 - deleted buffers raise a runtime error
     note = f"kept the checkpoint of step {ckpt.latest_step()}"
   ckpt.close()
-  if run.progress:
-    sys.stderr.write(f"\ninterrupted: {note} in {run.out}\n")
+  _say(f"\ninterrupted: {note} in {run.out}")
 
 
 def summarize(history: list[dict], wall_s: float, run: RunConfig) -> dict:
@@ -215,7 +282,8 @@ def format_summary(summary: dict) -> str:
   return "\n".join(lines)
 
 
-__all__ = ["run_training", "train", "RunConfig", "RunFolderError", "Policy", "evaluate",
+__all__ = ["run_training", "train", "RunConfig", "RunFolderError", "SkippedUpdatesError",
+           "Policy", "evaluate",
            "build_batch", "sequence_advantages", "train_config_for", "make_optimizer",
            "summarize", "format_summary", "ALGOS", "GROUP_ALGOS", "MODELS", "algos",
            "RESUMABLE_FIELDS", "TrainConfig"]

@@ -21,7 +21,8 @@ from jaxrl_llm.train import TrainConfig
 MODELS = ("tiny", "small")
 # Fields that may differ between a run and its resumption.
 RESUMABLE_FIELDS = ("steps", "out", "resume", "overwrite", "eval_every", "save_every",
-                    "progress", "mesh_data", "mesh_fsdp", "mesh_tensor")
+                    "progress", "mesh_data", "mesh_fsdp", "mesh_tensor",
+                    "max_consecutive_skips")
 
 
 def _task_names() -> list:
@@ -56,6 +57,8 @@ class RunConfig:
     resume: continue the run in ``out``.
     overwrite: replace the run in ``out``.
     progress: print a progress line.
+    max_consecutive_skips: stop the run (non-zero exit) after this many train steps
+      in a row were skipped for non-finite values.
     dataset: a JSONL file of {"prompt": ..., "answer": ...} lines to train on instead of
       the built-in --task.
     reward: the reward of --dataset completions (a name in jaxrl_llm.tasks.REWARDS:
@@ -87,6 +90,7 @@ class RunConfig:
   resume: bool = False
   overwrite: bool = False
   progress: bool = True
+  max_consecutive_skips: int = 20
   dataset: Optional[str] = None
   reward: str = "math"
   max_new_tokens: int = 64
@@ -157,12 +161,64 @@ class RunConfig:
       raise ValueError(f"--algo {self.algo} is a group estimator and needs --group-size "
                        f">= 2 (got {self.group_size}): with one sample per prompt the "
                        f"group baseline is the sample itself.")
-    for name in ("steps", "prompts_per_step", "group_size", "eval_size"):
+    for name in ("steps", "prompts_per_step", "group_size", "eval_size", "eval_every",
+                 "save_every", "max_consecutive_skips"):
       if getattr(self, name) < 1:
-        raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got "
+                         f"{getattr(self, name)})")
+    for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
+      size = getattr(self, name)
+      if size == 0 or size < -1:
+        raise ValueError(f"--{name[5:]} must be >= 1 or -1 (all remaining devices), "
+                         f"got {size}")
+    if [self.mesh_data, self.mesh_fsdp, self.mesh_tensor].count(-1) > 1:
+      raise ValueError("only one of --data, --fsdp, --tensor may be -1")
     if self.resume and self.overwrite:
       raise ValueError("--resume and --overwrite are exclusive")
-    self.train_config(1)       # TrainConfig's own checks (ranges, choices, names)
+    config = self.train_config(1)   # TrainConfig's own checks (ranges, choices, names)
+    batch = self.prompts_per_step * self.group_size
+    chunks = config.num_minibatches * config.num_microbatches
+    if batch % chunks:
+      raise ValueError(
+          f"the batch of --prompts-per-step {self.prompts_per_step} x --group-size "
+          f"{self.group_size} = {batch} sequences does not split into "
+          f"--num-minibatches {config.num_minibatches} x --num-microbatches "
+          f"{config.num_microbatches} = {chunks} equal parts; choose sizes whose "
+          "product divides it")
+
+  def check_devices(self, device_count: int) -> None:
+    """Raises ``ValueError`` unless the mesh flags fit ``device_count`` devices and the
+    batch splits evenly over the data-parallel devices.
+
+    Examples:
+      >>> RunConfig(mesh_fsdp=4).check_devices(4)
+      >>> try:
+      ...   RunConfig(mesh_fsdp=3).check_devices(8)
+      ... except ValueError as e:
+      ...   print(str(e)[:58])
+      --data 1 x --fsdp 3 x --tensor 1 needs 3 devices; this hos
+    """
+    sizes = {"data": self.mesh_data, "fsdp": self.mesh_fsdp, "tensor": self.mesh_tensor}
+    if list(sizes.values()) == [1, 1, 1]:
+      return
+    shown = " x ".join(f"--{k} {v}" for k, v in sizes.items())
+    known = 1
+    for v in sizes.values():
+      known *= v if v != -1 else 1
+    bad = (device_count % known) if -1 in sizes.values() else (known != device_count)
+    if bad:
+      need = (f"a device count divisible by {known}" if -1 in sizes.values()
+              else f"{known} devices")
+      raise ValueError(f"{shown} needs {need}; this host has {device_count} devices "
+                       f"(use sizes whose product is {device_count}, or -1 on one axis "
+                       "for the rest)")
+    rows = (self.mesh_data if self.mesh_data != -1 else device_count // known) * (
+        self.mesh_fsdp if self.mesh_fsdp != -1 else device_count // known)
+    batch = self.prompts_per_step * self.group_size
+    if batch % rows:
+      raise ValueError(f"the batch of {batch} sequences (--prompts-per-step x "
+                       f"--group-size) does not split over the {rows} data-parallel "
+                       "devices (--data x --fsdp); make it a multiple")
 
   def train_config(self, max_new_tokens: int) -> TrainConfig:
     """The :class:`TrainConfig` of the run: the recipe's fields, then ``train``."""

@@ -112,8 +112,9 @@ def resolve_timeouts(initialization_timeout: Optional[float] = None,
       heartbeat_timeout_seconds``; the message names the argument.
 
   Examples:
-    >>> resolve_timeouts(heartbeat_timeout_seconds=10)
-    {'initialization_timeout': 300, 'heartbeat_timeout_seconds': 10, 'shutdown_timeout_seconds': 300, 'peer_timeout_seconds': 5.0}
+    >>> t = resolve_timeouts(heartbeat_timeout_seconds=10)
+    >>> t["initialization_timeout"], t["heartbeat_timeout_seconds"], t["peer_timeout_seconds"]
+    (300, 10, 5.0)
     >>> resolve_timeouts(environ={"JAXRL_HEARTBEAT_TIMEOUT": "30"})["peer_timeout_seconds"]
     15.0
   """  # noqa: E501 (a doctest output line)
