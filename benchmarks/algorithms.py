@@ -3,10 +3,10 @@ r"""PPO vs GRPO vs RLOO on the default task (reverse), plus a 2048-token update 
 Run: ``python -m benchmarks.algorithms [--quick] [--seeds 3] [--json out.json]``.
 
 Part 1 (full RL runs). Each algorithm trains the tiny reference transformer with
-:func:`jaxrl_llm.trainer.train` under the same compute budget: ``prompts_per_step x
+:func:`jaxrl_llm.trainer.run_training` under the same compute budget: ``prompts_per_step x
 group_size`` sampled completions per step, the same number of steps, the same
 optimizer. PPO uses a value head, GAE and whitened advantages with the KL in the
-reward (:func:`jaxrl_llm.trainer.train_config_for`); GRPO and RLOO use their group
+reward (the ``ppo`` recipe of :mod:`jaxrl_llm.recipes`); GRPO and RLOO use their group
 baselines with the KL in the loss. Over ``--seeds`` seeds we report min / median / max
 of:
 
@@ -72,7 +72,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -84,7 +83,7 @@ from jaxrl_llm.models.transformer import (Transformer, get_config, make_apply_fn
                                           make_decode_fns, split_model)
 from jaxrl_llm.rollout.sampler import sample  # noqa: E402
 from jaxrl_llm.tasks import get_task  # noqa: E402
-from jaxrl_llm.train import init_train_state, make_train_step  # noqa: E402
+from jaxrl_llm.train import POLICY_LOSS_REGISTRY, make_train_step  # noqa: E402
 
 ALGOS = ("ppo", "grpo", "rloo")
 ARTICLE = {  # figures claimed by the article (theirs, not measured here)
@@ -116,9 +115,10 @@ def normalised_adv_var(run, task, batch, scores):
   mask = np.asarray(batch["loss_mask"], np.float32)
   s = np.asarray(scores, np.float32)
   if run.algo == "ppo":
+    config = run.train_config(task.max_new_tokens)
     adv = np.asarray(_ppo_raw_advantages(
         batch["rewards"], batch["old_values"], batch["old_logp"], batch["ref_logp"], mask,
-        run.kl_coef, run.gamma, run.lam))
+        config.kl_coef, config.gamma, config.lam))
   elif run.algo == "grpo":
     g = s.reshape(-1, run.group_size)
     adv = (g - g.mean(axis=1, keepdims=True)).reshape(-1)[:, None] * mask
@@ -144,10 +144,10 @@ class _Recorder:
     self.first_batch = None
     self._orig = T.build_batch
 
-  def __call__(self, run, task, policy, params, ref_params, rng_np, key):
+  def __call__(self, run, task, policy, params, ref_params, rng_np, key, *args):
     rng_copy = copy.deepcopy(rng_np)
     t0 = time.perf_counter()
-    batch, stats = self._orig(run, task, policy, params, ref_params, rng_np, key)
+    batch, stats = self._orig(run, task, policy, params, ref_params, rng_np, key, *args)
     t1 = time.perf_counter()
     if self.first_batch is None:
       self.first_batch = {k: np.array(val) for k, val in batch.items()}
@@ -180,27 +180,28 @@ def _update_samples_per_s(run, batch, repeats):
   """Samples/s of the jitted train step alone on ``batch`` (no donation)."""
   task = get_task(run.task)
   tok = task.tokenizer
-  policy = T.Policy(run, tok.vocab_size, task.max_prompt_len + task.max_new_tokens,
-                    tok.pad_id)
-  config = T.train_config_for(run, task.max_new_tokens)
-  optimizer = optax.adam(run.lr)
-  step = jax.jit(make_train_step(policy.apply, optimizer, config))
-  state = init_train_state(policy.init_params, optimizer, config,
-                           rng=jax.random.PRNGKey(run.seed))
+  config = run.train_config(task.max_new_tokens)
+  policy = T.Policy.reference(run.model, tok.vocab_size,
+                              task.max_prompt_len + task.max_new_tokens, tok.pad_id,
+                              value_head=config.use_value, seed=run.seed,
+                              temperature=config.temperature)
+  step_fn = make_train_step(policy.apply, T.make_optimizer(run), config)
+  step = jax.jit(step_fn)
+  state = step_fn.init(policy.init_params, rng=jax.random.PRNGKey(run.seed))
   batch = {k: jnp.asarray(val) for k, val in batch.items()}
   sec = timeit(step, state, batch, repeats=repeats)
   return batch["tokens"].shape[0] / sec
 
 
-def run_one(algo, seed, size, out_dir, target, update_repeats):
-  run = T.RunConfig(algo=algo, seed=seed, steps=size["steps"],
+def run_one(algo, seed, size, out_dir, target, update_repeats, train=None):
+  run = T.RunConfig(algo=algo, seed=seed, steps=size["steps"], train=dict(train or {}),
                     prompts_per_step=size["prompts"], group_size=size["group"],
                     eval_every=size["eval_every"], eval_size=size["eval_size"],
                     save_every=10 ** 9, out=os.path.join(out_dir, f"{algo}_{seed}"),
                     overwrite=True, progress=False)
   t0 = time.perf_counter()
   with _Recorder() as rec:
-    summary = T.train(run)
+    summary = T.run_training(run)
   total_s = time.perf_counter() - t0
   with open(os.path.join(run.out, "metrics.jsonl")) as f:
     hist = [json.loads(line) for line in f if line.strip()]
@@ -307,11 +308,11 @@ def long_generation(model, batch, prompt_len, new_tokens, repeats, vocab=64):
     value = algo == "ppo"
     cfg = get_config(model, vocab, value_head=value, max_seq_len=max_len)
     graphdef, params = split_model(Transformer(cfg, rngs=nnx.Rngs(0)))
-    run = T.RunConfig(algo=algo, model=model)
-    config = T.train_config_for(run, new_tokens)
-    optimizer = optax.adam(1e-4)
-    step = jax.jit(make_train_step(make_apply_fn(graphdef), optimizer, config))
-    state = init_train_state(params, optimizer, config, rng=jax.random.PRNGKey(0))
+    run = T.RunConfig(algo=algo, model=model, lr=1e-4)
+    config = run.train_config(new_tokens)
+    step_fn = make_train_step(make_apply_fn(graphdef), T.make_optimizer(run), config)
+    step = jax.jit(step_fn)
+    state = step_fn.init(params, rng=jax.random.PRNGKey(0))
     data = _synthetic_batch(rng, batch, prompt_len, new_tokens, vocab, value)
     sec = timeit(step, state, data, repeats=repeats)
     row = {"setting": f"{model}, B={batch}, prompt {prompt_len} + {new_tokens} tokens",
@@ -319,8 +320,9 @@ def long_generation(model, batch, prompt_len, new_tokens, repeats, vocab=64):
            "update_tokens_s": batch * max_len / sec}
     if algo == "ppo":
       # The rollout is the same for both (the value head costs nothing while sampling).
+      fns = make_decode_fns(graphdef)
       sampler = jax.jit(lambda p, t, m, k: sample(
-          make_decode_fns(graphdef), p, t, m, k, max_new_tokens=new_tokens,
+          fns, p, t, m, k, max_new_tokens=new_tokens,  # noqa: B023 (used in this iteration)
           temperature=1.0, eos_id=None, pad_id=0).completion)
       prompts = jnp.asarray(rng.integers(1, vocab, (batch, prompt_len)), jnp.int32)
       pmask = jnp.ones((batch, prompt_len), jnp.float32)
@@ -423,7 +425,11 @@ def main(argv=None):
   p.add_argument("--long-tokens", type=int, default=None, help="response length (2048)")
   p.add_argument("--long-batch", type=int, default=None, help="long-gen batch (4)")
   p.add_argument("--skip-long", action="store_true")
-  p.add_argument("--algos", default=",".join(ALGOS))
+  p.add_argument("--algos", default=",".join(ALGOS),
+                 help=f"comma-separated recipes, of {ALGOS} (the adv_var_norm metric is "
+                      "defined for these)")
+  p.add_argument("--policy-loss", default=None, choices=sorted(POLICY_LOSS_REGISTRY),
+                 help="policy loss for every run (default: each recipe's)")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
   size = dict(QUICK if args.quick else FULL)
@@ -443,7 +449,8 @@ def main(argv=None):
   with tempfile.TemporaryDirectory(prefix="jaxrl_llm_bench_") as tmp:
     for algo in algos:
       for seed in range(seeds):
-        r = run_one(algo, seed, size, tmp, args.target, 0 if args.quick else 10)
+        train = {} if args.policy_loss is None else {"policy_loss": args.policy_loss}
+        r = run_one(algo, seed, size, tmp, args.target, 0 if args.quick else 10, train)
         results.append(r)
         print(f"  {algo} seed {seed}: iter {r['iter_samples_s']:.0f} samples/s, "
               f"update {r['update_samples_s']:.0f} samples/s, adv_var_norm "

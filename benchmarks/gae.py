@@ -1,29 +1,36 @@
-"""GAE throughput: jaxrl_llm (scan, associative) vs a PyTorch per-token loop vs rlax.
+"""GAE throughput: jaxrl_llm (scan, associative) vs rlax vs a PyTorch per-token loop.
 
-Run: ``python benchmarks/gae.py [--quick] [--json out.json]``.
+Run: ``python benchmarks/gae.py [--quick] [--rounds N] [--json out.json]``.
 
-All four compute the same advantages (gamma=1, lam=0.95, full mask) in one process on
+All compute the same advantages (gamma=1, lam=0.95, full mask, f32) in one process on
 the same inputs and are checked to agree before timing. The PyTorch loop is the pattern
 of verl/TRL/OpenRLHF (a Python ``for t in reversed(range(T))`` with a few [B]-vector ops
 per step). rlax's ``truncated_generalized_advantage_estimation`` handles one trajectory,
 so it is batched with ``jax.vmap`` as rlax users do. The copy baseline moves the same
 number of bytes as GAE must (read rewards, values, mask; write advantages, returns) with
 ``numpy.copyto``: ``copy/ours`` is the fraction of memory bandwidth GAE reaches.
+
+Timing on a shared machine: the JAX candidates and the copy are timed *interleaved*
+(one call of each per round, ``--rounds`` rounds), so load spikes from other processes
+hit all of them alike; the tables report the median over rounds, and each ratio is the
+median of the per-round ratios. The torch loop (seconds per call) is timed on its own.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import os
+import statistics
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import machine, markdown_table, timeit, write_json  # noqa: E402
-import jaxrl_llm as rl  # noqa: E402
+import jaxrl_llm as rl
+from benchmarks._common import machine, markdown_table, timeit, write_json
 
 GAMMA, LAM = 1.0, 0.95
 
@@ -56,7 +63,20 @@ def make_rlax_gae():
   return jax.jit(jax.vmap(one))
 
 
-def bench(batch, time_steps, repeats, torch_repeats):
+def interleaved(fns: dict, rounds: int) -> dict:
+  """Per-candidate lists of wall times (s), one call of each candidate per round."""
+  for fn, args in fns.values():
+    jax.block_until_ready(fn(*args))
+  times = {k: [] for k in fns}
+  for _ in range(rounds):
+    for k, (fn, args) in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[k].append(time.perf_counter() - t0)
+  return times
+
+
+def bench(batch, time_steps, rounds, torch_repeats):
   rng = np.random.default_rng(0)
   r = (rng.normal(size=(batch, time_steps)) * 0.01).astype(np.float32)
   r[:, -1] += 1.0
@@ -69,14 +89,21 @@ def bench(batch, time_steps, repeats, torch_repeats):
   ours_assoc = jax.jit(lambda r, v, m: rl.gae(r, v, m, gamma=GAMMA, lam=LAM,
                                               method="associative"))
   rlax_fn = make_rlax_gae()
-  ref = np.asarray(ours_scan(rj, vj, mj)[0])
-  np.testing.assert_allclose(np.asarray(ours_assoc(rj, vj, mj)[0]), ref, atol=1e-4, rtol=1e-5)
-  np.testing.assert_allclose(np.asarray(rlax_fn(rj, vj, bj)[0]), ref, atol=1e-4, rtol=1e-5)
+  ref = np.asarray(rlax_fn(rj, vj, bj)[0])
+  for f in (ours_scan, ours_assoc):
+    np.testing.assert_allclose(np.asarray(f(rj, vj, mj)[0]), ref, atol=1e-4, rtol=1e-5)
 
-  row = {"B": batch, "T": time_steps}
-  row["ours_scan_ms"] = 1e3 * timeit(ours_scan, rj, vj, mj, repeats=repeats)
-  row["ours_assoc_ms"] = 1e3 * timeit(ours_assoc, rj, vj, mj, repeats=repeats)
-  row["rlax_vmap_ms"] = 1e3 * timeit(rlax_fn, rj, vj, bj, repeats=repeats)
+  n = int(2.5 * batch * time_steps)  # 3 arrays read + 2 written = a copy of 2.5 arrays
+  src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
+  times = interleaved({
+      "ours_scan": (ours_scan, (rj, vj, mj)),
+      "ours_assoc": (ours_assoc, (rj, vj, mj)),
+      "rlax_vmap": (rlax_fn, (rj, vj, bj)),
+      "copy": (lambda: np.copyto(dst, src), ()),
+  }, rounds)
+  row = {"B": batch, "T": time_steps, "rounds": rounds}
+  for k, ts in times.items():
+    row[f"{k}_ms"] = 1e3 * statistics.median(ts)
   try:
     import torch
     torch.set_num_threads(os.cpu_count() or 1)
@@ -86,28 +113,31 @@ def bench(batch, time_steps, repeats, torch_repeats):
                                         repeats=torch_repeats)
   except ImportError:
     row["torch_loop_ms"] = float("nan")
-  # Same traffic as GAE: 3 arrays read + 2 written = a copy of 2.5 arrays.
-  n = int(2.5 * batch * time_steps)
-  src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
-  row["copy_ms"] = 1e3 * timeit(lambda: np.copyto(dst, src), repeats=max(repeats, 20))
-  best = min(row["ours_scan_ms"], row["ours_assoc_ms"])
-  row["best_ours"] = "scan" if best == row["ours_scan_ms"] else "associative"
-  row["torch/ours"] = row["torch_loop_ms"] / best
-  row["rlax/ours"] = row["rlax_vmap_ms"] / best
-  row["copy/ours"] = row["copy_ms"] / best
+
+  def ratio(num, den):
+    return statistics.median(a / b for a, b in zip(times[num], times[den]))
+
+  best = "ours_scan" if row["ours_scan_ms"] <= row["ours_assoc_ms"] else "ours_assoc"
+  row["best_ours"] = best.removeprefix("ours_")
+  row["rlax/scan"] = ratio("rlax_vmap", "ours_scan")
+  row["rlax/assoc"] = ratio("rlax_vmap", "ours_assoc")
+  row["torch/ours"] = row["torch_loop_ms"] / row[f"{best}_ms"]
+  row["copy/ours"] = ratio("copy", best)
   return row
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
+  p.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
   sizes = [(8, 256), (4, 1024)] if args.quick else [(64, 2048), (16, 32768), (256, 4096)]
-  repeats, torch_repeats = (3, 1) if args.quick else (10, 3)
-  rows = [bench(b, t, repeats, torch_repeats) for b, t in sizes]
+  rounds = args.rounds or (3 if args.quick else 31)
+  torch_repeats = 1 if args.quick else 3
+  rows = [bench(b, t, rounds, torch_repeats) for b, t in sizes]
   cols = ["B", "T", "ours_scan_ms", "ours_assoc_ms", "rlax_vmap_ms", "torch_loop_ms",
-          "copy_ms", "best_ours", "torch/ours", "rlax/ours", "copy/ours"]
+          "copy_ms", "best_ours", "rlax/scan", "rlax/assoc", "torch/ours", "copy/ours"]
   print(f"# GAE benchmark ({machine()})")
   print(markdown_table(rows, cols))
   write_json(args.json, {"benchmark": "gae", "machine": machine(), "rows": rows})

@@ -14,10 +14,12 @@ from jaxrl_llm.advantages import (
     grpo_advantages, hybrid_advantages, lambda_returns, nstep_returns,
     reinforce_pp_advantages, remax_advantages, reverse_linear_recurrence,
     rloo_advantages, self_critical_advantages)
+from jaxrl_llm.advantages import decoupled_gae, length_adaptive_lambda
 from jaxrl_llm.losses import (
     AGGREGATION_MODES, KL_KINDS, aggregate, aggregate_parts, cispo_policy_loss,
     entropy_from_logits, gmpo_policy_loss, gspo_policy_loss, kl_penalty,
     ppo_policy_loss, reinforce_policy_loss, sapo_policy_loss, value_loss)
+from jaxrl_llm.losses import rollout_correction_weights
 from jaxrl_llm.control import (
     AdaptiveClipState, AdaptiveKLState, adaptive_clip_init, adaptive_clip_update,
     adaptive_kl_init, adaptive_kl_update)
@@ -39,11 +41,13 @@ __all__ = [
     "reverse_linear_recurrence", "self_critical_advantages", "group_advantages",
     "grpo_advantages", "rloo_advantages", "dr_grpo_advantages",
     "reinforce_pp_advantages", "remax_advantages", "broadcast_to_tokens",
+    "decoupled_gae", "length_adaptive_lambda",
     # losses and aggregation
     "ppo_policy_loss", "gspo_policy_loss", "cispo_policy_loss", "sapo_policy_loss",
     "gmpo_policy_loss", "reinforce_policy_loss", "value_loss", "kl_penalty",
     "entropy_from_logits", "aggregate", "aggregate_parts", "AGGREGATION_MODES",
     "KL_KINDS",
+    "rollout_correction_weights",
     # controllers
     "adaptive_kl_init", "adaptive_kl_update", "adaptive_clip_init",
     "adaptive_clip_update", "AdaptiveKLState", "AdaptiveClipState",

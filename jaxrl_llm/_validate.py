@@ -62,3 +62,42 @@ def out_dtype(*xs):
     if x is not None and jnp.issubdtype(jnp.result_type(x), jnp.floating):
       return jnp.result_type(x)
   return jnp.float32
+
+
+def is_concrete_number(x) -> bool:
+  """True for a Python or NumPy real scalar (not bool): a value we can check now.
+
+  Traced values (and JAX arrays) are not checked: data cannot raise under ``jax.jit``.
+  """
+  import numbers  # local imports keep the module's import block untouched for merges
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_range(name: str, value, *, low=None, high=None, low_open: bool = False,
+                high_open: bool = False) -> None:
+  """Checks that a concrete number lies in its documented range.
+
+  Only Python (and NumPy scalar) numbers are checked: arrays and traced values cannot be
+  inspected at trace time and pass unchecked. NaN is out of every range. Bounds are
+  inclusive unless ``low_open`` / ``high_open``.
+  """
+  import math
+  import numbers
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    return
+  x = float(value)
+  ok = not math.isnan(x)
+  if low is not None:
+    ok = ok and (x > low if low_open else x >= low)
+  if high is not None:
+    ok = ok and (x < high if high_open else x <= high)
+  if not ok:
+    lo = "" if low is None else ("(" if low_open else "[") + f"{low}"
+    hi = "" if high is None else f"{high}" + (")" if high_open else "]")
+    if low is None:
+      bound = f"<{'' if high_open else '='} {high}"
+    elif high is None:
+      bound = f">{'' if low_open else '='} {low}"
+    else:
+      bound = f"in {lo}, {hi}"
+    raise ValueError(f"`{name}` must be {bound}, got {value!r}.")

@@ -10,101 +10,321 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
+import re
 import sys
+import typing
+from typing import Any, Optional, Sequence
 
 PLOT_KEYS = (("reward", "train reward"), ("eval_accuracy", "eval accuracy (greedy)"),
              ("kl_ref", "KL to reference"), ("pg_clipfrac", "clip fraction"),
              ("entropy", "entropy"), ("adv_raw_var", "advantage variance"))
 
 
-def _add_train_args(p: argparse.ArgumentParser):
-  from jaxrl_llm.trainer import RunConfig
-  d = RunConfig()
-  p.add_argument("--task", default=d.task, help="built-in task (default: %(default)s)")
-  p.add_argument("--algo", default=d.algo,
-                 help="ppo | grpo | dr_grpo | rloo | self_critical | reinforce_pp "
-                      "(default: %(default)s)")
-  p.add_argument("--model", default=d.model, help="tiny | small (default: %(default)s)")
-  p.add_argument("--steps", type=int, default=d.steps)
-  p.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step)
-  p.add_argument("--group-size", type=int, default=d.group_size)
-  p.add_argument("--lr", type=float, default=d.lr)
-  p.add_argument("--seed", type=int, default=d.seed)
-  p.add_argument("--temperature", type=float, default=d.temperature)
-  p.add_argument("--kl-coef", type=float, default=d.kl_coef)
-  p.add_argument("--clip", type=float, default=d.clip, help="PPO clip epsilon")
-  p.add_argument("--clip-end", type=float, default=None,
-                 help="anneal the clip epsilon linearly from --clip to this value")
-  p.add_argument("--adaptive-clip", action="store_true",
-                 help="adapt the clip epsilon to keep the approx KL at target")
-  p.add_argument("--num-epochs", type=int, default=d.num_epochs)
-  p.add_argument("--num-minibatches", type=int, default=d.num_minibatches)
-  p.add_argument("--gamma", type=float, default=d.gamma)
-  p.add_argument("--lam", type=float, default=d.lam)
-  p.add_argument("--hybrid-n", type=int, default=None,
-                 help="PPO: mix n-step returns into GAE (hybrid advantages)")
-  p.add_argument("--hybrid-mix", type=float, default=d.hybrid_mix)
-  p.add_argument("--entropy-coef", type=float, default=d.entropy_coef)
-  p.add_argument("--eval-every", type=int, default=d.eval_every)
-  p.add_argument("--eval-size", type=int, default=d.eval_size)
-  p.add_argument("--save-every", type=int, default=d.save_every)
-  p.add_argument("--data", dest="mesh_data", type=int, default=d.mesh_data,
-                 help="data-parallel mesh axis size (-1: all remaining devices)")
-  p.add_argument("--fsdp", dest="mesh_fsdp", type=int, default=d.mesh_fsdp,
-                 help="FSDP mesh axis size (parameters and optimizer state sharded)")
-  p.add_argument("--tensor", dest="mesh_tensor", type=int, default=d.mesh_tensor,
-                 help="tensor-parallel mesh axis size (heads / mlp / vocab sharded)")
-  p.add_argument("--out", default=d.out, help="run folder (default: %(default)s)")
-  p.add_argument("--resume", action="store_true", help="continue the run in --out")
-  p.add_argument("--overwrite", action="store_true", help="replace the run in --out")
-  p.add_argument("--no-progress", dest="progress", action="store_false")
+# Earlier flag names kept as aliases.
+ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("--tensor",),
+           "clip_low": ("--clip",)}
+# TrainConfig fields that are not command-line values (set through other flags).
+NOT_FLAGS = ("clip_schedule", "loss_hparams")
+# Command-line behaviour beyond the field's own docstring.
+NOTES = {"hybrid_n": " Giving it alone selects --advantage-estimator hybrid."}
+TRAIN_PREFIX = "train__"
+LOSS_PREFIX = "loss__"
 
 
-def _run_config(args):
-  from jaxrl_llm.trainer import RunConfig
-  fields = {f.name for f in dataclasses.fields(RunConfig)}
-  return RunConfig(**{k: val for k, val in vars(args).items() if k in fields})
+def attribute_docs(cls: type) -> dict:
+  """``{field: help}`` from the ``Attributes:`` section of a class docstring.
 
-
-def cmd_train(args) -> int:
-  from jaxrl_llm.trainer import RunFolderError, format_summary, train
-  run = _run_config(args)
+  Examples:
+    >>> class C:
+    ...   '''Doc.
+    ...
+    ...   Attributes:
+    ...     a: the a,
+    ...       continued.
+    ...     b: the b.
+    ...   '''
+    >>> attribute_docs(C)
+    {'a': 'the a, continued.', 'b': 'the b.'}
+  """
+  docs: dict = {}
+  lines = (inspect.getdoc(cls) or "").splitlines()
   try:
+    first = next(i for i, line in enumerate(lines) if line.strip() == "Attributes:")
+  except StopIteration:
+    return docs
+  name = None
+  for line in lines[first + 1:]:
+    if not line.strip():
+      continue
+    indent = len(line) - len(line.lstrip())
+    if indent == 0:
+      break
+    match = re.match(r"\s+(\w+): (.*)", line)
+    if match and indent <= 2:
+      name = match.group(1)
+      docs[name] = match.group(2).strip()
+    elif name is not None:
+      docs[name] += " " + line.strip()
+  return {k: re.sub(r"``|:\w+:`~?([^`]*)`", lambda m: m.group(1) or "", val)
+          for k, val in docs.items()}
+
+
+def _optional(tp) -> tuple:
+  """``(base type, is_optional)`` of a field annotation."""
+  args = [a for a in typing.get_args(tp) if a is not type(None)]
+  if typing.get_origin(tp) is typing.Union and len(args) == 1:
+    return args[0], True
+  return tp, False
+
+
+def _parse(base, optional: bool):
+  def parse(text: str):
+    if optional and text.lower() == "none":
+      return None
+    return base(text)
+  parse.__name__ = base.__name__
+  return parse
+
+
+def _add_field(group, cls, f, hints, docs, *, dest, default, shown, choices=None):
+  """One option for dataclass field ``f`` (its docstring entry is the help)."""
+  base, optional = _optional(hints[f.name])
+  names = ("--" + f.name.replace("_", "-"),) + ALIASES.get(f.name, ())
+  help_text = docs.get(f.name, "") + NOTES.get(f.name, "")
+  if choices:
+    help_text += f" One of: {', '.join(map(str, choices))}."
+  help_text += f" (default: {shown})"
+  if base is bool:
+    group.add_argument(*names, dest=dest, default=default,
+                       action=argparse.BooleanOptionalAction, help=help_text)
+  elif base in (int, float, str):
+    group.add_argument(*names, dest=dest, default=default, type=_parse(base, optional),
+                       choices=choices, help=help_text,
+                       metavar=(f.name.upper() if choices is None else None))
+
+
+def _recipe_note(name: str) -> str:
+  """``ppo=..., grpo=...`` for the recipes that set TrainConfig field ``name``."""
+  from jaxrl_llm.recipes import RECIPES
+  groups: dict = {}
+  for r in RECIPES.values():
+    if name in r.train:
+      groups.setdefault(str(r.train[name]), []).append(r.name)
+  if not groups:
+    return ""
+  if len(groups) == 1 and len(next(iter(groups.values()))) == len(RECIPES):
+    return f"; every --algo sets {next(iter(groups))}"
+  return "; --algo sets " + "; ".join(f"{val} for {', '.join(names)}"
+                                      for val, names in groups.items())
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+  """The ``train`` options, generated from RunConfig and TrainConfig fields."""
+  from jaxrl_llm.loop.config import RunConfig
+  from jaxrl_llm.recipes import RECIPES
+  from jaxrl_llm.tasks import TASKS
+  from jaxrl_llm.train import TrainConfig
+  from jaxrl_llm.train.registry import POLICY_LOSS_REGISTRY
+  from jaxrl_llm.train.state import field_choices
+
+  run_group = p.add_argument_group("run")
+  hints, docs = typing.get_type_hints(RunConfig), attribute_docs(RunConfig)
+  # --model also takes a Hugging Face model folder (checked by RunConfig.validate).
+  run_choices = {"task": sorted(TASKS), "algo": list(RECIPES)}
+  for f in dataclasses.fields(RunConfig):
+    if f.name == "train":
+      continue
+    _add_field(run_group, RunConfig, f, hints, docs, dest=f.name, default=f.default,
+               shown=f.default, choices=run_choices.get(f.name))
+  step_group = p.add_argument_group(
+      "train step (TrainConfig; unset options take the --algo recipe's value)")
+  hints, docs = typing.get_type_hints(TrainConfig), attribute_docs(TrainConfig)
+  for f in dataclasses.fields(TrainConfig):
+    if f.name in NOT_FLAGS:
+      continue
+    _add_field(step_group, TrainConfig, f, hints, docs, dest=TRAIN_PREFIX + f.name,
+               default=None, shown=f"{f.default}{_recipe_note(f.name)}",
+               choices=field_choices(f.name))
+  loss_group = p.add_argument_group("policy-loss hyperparameters")
+  extras: dict = {}
+  for spec in POLICY_LOSS_REGISTRY.values():
+    for name, default in spec.extra_hparams.items():
+      extras.setdefault(name, []).append(f"{spec.name}: {default}")
+  for name, notes in extras.items():
+    loss_group.add_argument("--" + name.replace("_", "-"), dest=LOSS_PREFIX + name,
+                            type=float, default=None, metavar=name.upper(),
+                            help=f"(default: {'; '.join(notes)})")
+
+
+def _train_epilog() -> str:
+  from jaxrl_llm.recipes import RECIPES
+  from jaxrl_llm.tasks import TASKS
+  from jaxrl_llm.train.registry import POLICY_LOSS_REGISTRY
+  lines = ["algorithms (--algo):"]
+  lines += [f"  {r.name:<14} {r.doc}" for r in RECIPES.values()]
+  lines += ["policy losses (--policy-loss):"]
+  lines += [f"  {spec.name:<14} {spec.doc}" for spec in POLICY_LOSS_REGISTRY.values()]
+  lines += ["tasks (--task): " + ", ".join(sorted(TASKS))]
+  return "\n".join(lines)
+
+
+def run_config_from_args(args: argparse.Namespace) -> Any:
+  """The :class:`~jaxrl_llm.trainer.RunConfig` of parsed ``train`` arguments."""
+  from jaxrl_llm.loop.config import RunConfig
+  values = vars(args)
+  run = {f.name: values[f.name] for f in dataclasses.fields(RunConfig)
+         if f.name in values}
+  train = {k[len(TRAIN_PREFIX):]: val for k, val in values.items()
+           if k.startswith(TRAIN_PREFIX) and val is not None}
+  loss = {k[len(LOSS_PREFIX):]: val for k, val in values.items()
+          if k.startswith(LOSS_PREFIX) and val is not None}
+  if loss:
+    train["loss_hparams"] = loss
+  if "hybrid_n" in train:
+    train.setdefault("advantage_estimator", "hybrid")
+  return RunConfig(**run, train=train)
+
+
+def _flag(name: str) -> str:
+  return "--" + name.replace("_", "-")
+
+
+def _flags_in_message(message: str) -> str:
+  """``ValueError`` text with backticked config field names as the flags that set them."""
+  return re.sub(r"`(\w+)`", lambda m: _flag(m.group(1)), message)
+
+
+def _explicit_train_dests(argv: list) -> set:
+  """The ``train`` options given on the command line (not left at their default)."""
+  p = argparse.ArgumentParser(add_help=False)
+  add_train_args(p)
+  for action in p._actions:
+    action.default = argparse.SUPPRESS
+  return set(vars(p.parse_known_args(argv)[0]))
+
+
+def _resume_config(args: argparse.Namespace, argv: list):
+  """The run to continue on ``--resume``: the saved config, changed only by the
+  resumable options given on the command line. A given option that contradicts the
+  saved config raises ``ValueError`` naming it."""
+  from jaxrl_llm import run_folder as rf
+  from jaxrl_llm.loop.config import RESUMABLE_FIELDS, RunConfig
+  from jaxrl_llm.loop.setup import make_task
+  saved = RunConfig.from_dict(rf.read_json(os.path.join(args.out, rf.CONFIG_FILE)))
+  given = run_config_from_args(args)
+  explicit = _explicit_train_dests(argv)
+  changes: dict = {"resume": True, "overwrite": False, "out": args.out}
+  conflicts = []
+  saved_train = saved.train_config(make_task(saved).max_new_tokens)
+  for dest in sorted(explicit):
+    if dest.startswith(TRAIN_PREFIX):
+      name = dest[len(TRAIN_PREFIX):]
+      value, before = given.train.get(name), getattr(saved_train, name)
+    elif dest.startswith(LOSS_PREFIX):
+      name = dest[len(LOSS_PREFIX):]
+      value = (given.train.get("loss_hparams") or {}).get(name)
+      before = (saved.train.get("loss_hparams") or {}).get(name)
+    else:
+      name, value, before = dest, getattr(given, dest), getattr(saved, dest)
+      if name in RESUMABLE_FIELDS:
+        changes[name] = value
+        continue
+    if value != before:
+      conflicts.append(f"{_flag(name)} {value} (the saved run has {before})")
+  if conflicts:
+    allowed = ", ".join(_flag(f) for f in RESUMABLE_FIELDS
+                        if f not in ("out", "resume", "overwrite"))
+    raise ValueError(f"--resume continues the run saved in {args.out}; "
+                     f"{'; '.join(conflicts)} contradicts it. Only {allowed} may change "
+                     "on --resume (or pass --overwrite, or choose another --out).")
+  return dataclasses.replace(saved, **changes)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+  import jax
+
+  from jaxrl_llm import run_folder as rf
+  from jaxrl_llm.checkpoint import CheckpointError
+  from jaxrl_llm.trainer import (RunFolderError, SkippedUpdatesError, format_summary,
+                                 run_training)
+  argv = getattr(args, "argv", [])
+  try:
+    if args.resume and not args.overwrite and os.path.exists(
+        os.path.join(args.out, rf.CONFIG_FILE)):
+      run = _resume_config(args, argv)
+    else:
+      run = run_config_from_args(args)
+      if args.resume:
+        print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
     run.validate()
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
+    run.check_devices(jax.device_count())
+  except (ValueError, OSError) as e:
+    print(f"error: {_flags_in_message(str(e))}", file=sys.stderr)
     return 2
   try:
-    summary = train(run)
+    summary = run_training(run)
   except RunFolderError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except (rf.RunFolderIOError, CheckpointError, SkippedUpdatesError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  except rf.RunInterrupted as e:
+    return e.exit_code
   except KeyboardInterrupt:
     return 130
+  png = os.path.join(run.out, "curves.png")
+  try:
+    plot_runs([run.out], None, png)
+    summary["plot"] = png
+  except ImportError:
+    summary["plot"] = "not drawn (matplotlib is not installed: pip install matplotlib)"
   print(format_summary(summary))
   return 0
 
 
-def cmd_eval(args) -> int:
+def _fail(command: str, message: str) -> int:
+  print(f"error: {command}: {message}", file=sys.stderr)
+  return 2
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+  from jaxrl_llm import run_folder as rf
+  cfg = os.path.join(args.out, rf.CONFIG_FILE)
+  ckpt_dir = os.path.join(args.out, "checkpoints")
+  if not os.path.isdir(args.out):
+    return _fail("eval", f"{args.out} does not exist; pass the run folder of a "
+                 "training run with --out")
+  if not os.path.exists(cfg):
+    return _fail("eval", f"{args.out} is not a run folder ({cfg} is missing)")
+  if not os.path.isdir(ckpt_dir) or not any(n.isdigit() for n in os.listdir(ckpt_dir)):
+    return _fail("eval", f"{args.out} has no checkpoint yet ({ckpt_dir} is empty or "
+                 "missing): the run saved none before it stopped")
+  if args.eval_size < 1:
+    return _fail("eval", f"--eval-size must be >= 1 (got {args.eval_size})")
   import jax
-  import optax
-  from jaxrl_llm.checkpoint import Checkpointer
-  from jaxrl_llm.tasks import get_task
-  from jaxrl_llm.trainer import (Policy, RunConfig, evaluate, train_config_for)
+
+  from jaxrl_llm.checkpoint import Checkpointer, CheckpointError
+  from jaxrl_llm.loop import RunConfig, evaluate, make_optimizer
+  from jaxrl_llm.loop.setup import make_policy, make_task
   from jaxrl_llm.train import init_train_state
-  with open(os.path.join(args.out, "config.json")) as f:
-    run = RunConfig(**json.load(f))
-  task = get_task(run.task)
-  tok = task.tokenizer
-  policy = Policy(run, tok.vocab_size, task.max_prompt_len + task.max_new_tokens,
-                  tok.pad_id)
-  config = train_config_for(run, task.max_new_tokens)
-  template = init_train_state(policy.init_params, optax.adam(run.lr), config,
+  try:
+    run = RunConfig.from_dict(rf.read_json(cfg))
+  except (ValueError, OSError) as e:
+    return _fail("eval", str(e))
+  task = make_task(run)
+  config = run.train_config(task.max_new_tokens)
+  policy = make_policy(run, task, config)
+  template = init_train_state(policy.init_params, make_optimizer(run), config,
                               rng=jax.random.PRNGKey(run.seed))
-  with Checkpointer(os.path.join(args.out, "checkpoints")) as ckpt:
-    state, extra = ckpt.restore(template)
+  try:
+    with Checkpointer(ckpt_dir) as ckpt:
+      state, extra = ckpt.restore(template)
+  except CheckpointError as e:
+    return _fail("eval", str(e))
   result = {"step": extra.get("step"),
             **evaluate(policy, state.params, task, task.eval_problems(args.eval_size))}
   print(json.dumps(result))
@@ -112,21 +332,25 @@ def cmd_eval(args) -> int:
 
 
 def load_history(run_dir: str) -> list[dict]:
-  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """The rows of a run's ``metrics.jsonl`` (a torn last line is dropped, with a note)."""
+  from jaxrl_llm import run_folder as rf
+  rows, note = rf.read_metrics(os.path.join(run_dir, rf.METRICS_FILE))
+  if note is not None:
+    print(f"note: {note}", file=sys.stderr)
+  return rows
 
 
-def cmd_plot(args) -> int:
+def plot_runs(runs: Sequence[str], labels: Optional[Sequence[str]], output: str) -> None:
+  """Draws the learning curves of ``runs`` into ``output`` (needs matplotlib)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  histories = [load_history(run_dir) for run_dir in runs]
   fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-  for run_dir in args.runs:
-    rows = load_history(run_dir)
-    label = args.labels[args.runs.index(run_dir)] if args.labels else os.path.basename(
-        os.path.normpath(run_dir))
+  for i, (run_dir, rows) in enumerate(zip(runs, histories)):
+    label = labels[i] if labels else os.path.basename(os.path.normpath(run_dir))
     for ax, (key, title) in zip(axes.flat, PLOT_KEYS):
-      pts = [(r["step"], r[key]) for r in rows if key in r]
+      pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
       if pts:
         xs, ys = zip(*pts)
         ax.plot(xs, ys, label=label, marker="o" if key.startswith("eval") else None,
@@ -135,16 +359,51 @@ def cmd_plot(args) -> int:
       ax.set_xlabel("step")
   axes.flat[0].legend()
   fig.tight_layout()
-  fig.savefig(args.output, dpi=110)
+  fig.savefig(output, dpi=110)
+  plt.close(fig)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+  from jaxrl_llm import run_folder as rf
+  if args.labels and len(args.labels) != len(args.runs):
+    return _fail("plot", f"--labels gives {len(args.labels)} labels for "
+                 f"{len(args.runs)} run folders; give one per run")
+  for run_dir in args.runs:
+    path = os.path.join(run_dir, rf.METRICS_FILE)
+    if not os.path.isdir(run_dir):
+      return _fail("plot", f"run folder {run_dir} does not exist")
+    if not os.path.exists(path):
+      return _fail("plot", f"{run_dir} has no {rf.METRICS_FILE} (not a run folder, or "
+                   "its run has not started)")
+    try:
+      rows, _ = rf.read_metrics(path)
+    except OSError as e:
+      return _fail("plot", str(e))
+    if not rows:
+      return _fail("plot", f"{path} holds no rows yet")
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    return _fail("plot", "drawing needs matplotlib, which is not installed: pip install "
+                 "matplotlib (or pip install -e '.[plot]')")
+  try:
+    plot_runs(args.runs, args.labels, args.output)
+  except OSError as e:
+    return _fail("plot", f"cannot write {args.output}: {e.strerror or e}")
   print(args.output)
   return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="jaxrl-llm", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(
+      prog="jaxrl-llm", description="Train, evaluate and plot RL runs on language "
+      "models (train is the default command; see 'jaxrl-llm train --help').")
   sub = parser.add_subparsers(dest="command")
-  p_train = sub.add_parser("train", help="train the built-in policy on a task")
-  _add_train_args(p_train)
+  p_train = sub.add_parser("train", help="train the built-in policy on a task",
+                           description="Train a policy with an algorithm recipe and a "
+                           "policy loss on a built-in task.", epilog=_train_epilog(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_train_args(p_train)
   p_train.set_defaults(func=cmd_train)
   p_eval = sub.add_parser("eval", help="evaluate a run's latest checkpoint")
   p_eval.add_argument("--out", default="runs/default")
@@ -158,11 +417,32 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def main(argv=None) -> int:
+def _early_note(argv: list) -> None:
+  """One line before the slow imports: what is starting and where outputs go."""
+  if any(a in ("-h", "--help") for a in argv) or "--no-progress" in argv:
+    return
+  if argv and argv[0] in ("eval", "plot"):
+    return
+  p = argparse.ArgumentParser(add_help=False)
+  p.add_argument("--out", default="runs/default")
+  p.add_argument("--algo", default="grpo")
+  p.add_argument("--task", default="reverse")
+  p.add_argument("--resume", action="store_true")
+  known = p.parse_known_args(argv[1:] if argv and argv[0] == "train" else argv)[0]
+  what = "resuming" if known.resume else f"{known.algo} on {known.task}"
+  print(f"jaxrl-llm train: {what}, writing to {known.out}; importing JAX and building "
+        "the model (the first step then compiles) ...", file=sys.stderr, flush=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  words = list(sys.argv[1:] if argv is None else argv)
+  _early_note(words)
   parser = build_parser()
-  args = parser.parse_args(argv)
+  args = parser.parse_args(words)
   if args.command is None:
-    args = parser.parse_args(["train"] + list(argv or sys.argv[1:]))
+    words = ["train"] + words
+    args = parser.parse_args(words)
+  args.argv = words[1:]
   return args.func(args)
 
 

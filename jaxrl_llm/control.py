@@ -28,38 +28,51 @@ compiles once:
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import _validate as v
+
+Coef = float | jax.Array  # a coefficient: a Python number, or a (traced) scalar array
 
 CLIP_METRICS = ("kl", "clipfrac")
 _DEFAULT_CLIP_TARGET = {"kl": 0.02, "clipfrac": 0.15}
 
 
-def _check_positive(name, x):
-  if isinstance(x, numbers.Real) and not isinstance(x, bool) and not x > 0:
-    raise ValueError(f"`{name}` must be > 0, got {x!r}.")
+def _check_positive(name: str, x) -> None:
+  """``x > 0`` for a concrete number (traced values pass unchecked)."""
+  v.check_range(name, x, low=0.0, low_open=True)
 
 
 class AdaptiveKLState(NamedTuple):
-  """State of :func:`adaptive_kl_update` (float32 scalars)."""
+  """State of :func:`adaptive_kl_update` (float32 scalars, a pytree).
+
+  Examples:
+    >>> s = adaptive_kl_init(0.05, target=6.0)
+    >>> isinstance(s, AdaptiveKLState), [round(float(x), 4) for x in s]
+    (True, [0.05, 6.0, 10000.0])
+  """
   coef: jnp.ndarray
   target: jnp.ndarray
   horizon: jnp.ndarray
 
 
-def adaptive_kl_init(init_coef=0.001, *, target=0.1, horizon=10000):
+def adaptive_kl_init(init_coef: Coef = 0.001, *, target: Coef = 0.1,
+                     horizon: Coef = 10000) -> AdaptiveKLState:
   r"""Initial state of the adaptive KL controller (Ziegler et al. 2019).
 
   Defaults are verl's (``kl_coef=0.001, target_kl=0.1, horizon=10000``); OpenRLHF
   starts at ``init_coef=0.01``.
 
+  Python numbers are range-checked (``ValueError`` naming the argument); traced values
+  are not.
+
   Args:
-    init_coef: initial KL coefficient :math:`\beta_0`.
-    target: target KL per update.
+    init_coef: initial KL coefficient :math:`\beta_0` (>= 0; 0 stays 0, since the
+      update is multiplicative).
+    target: target KL per update (> 0).
     horizon: number of samples over which the coefficient adapts (> 0).
 
   Returns:
@@ -69,13 +82,15 @@ def adaptive_kl_init(init_coef=0.001, *, target=0.1, horizon=10000):
     >>> adaptive_kl_init(0.05, target=6.0).coef
     Array(0.05, dtype=float32)
   """
+  v.check_range("init_coef", init_coef, low=0.0)
   _check_positive("target", target)
   _check_positive("horizon", horizon)
   return AdaptiveKLState(coef=v.as_f32(init_coef), target=v.as_f32(target),
                          horizon=v.as_f32(horizon))
 
 
-def adaptive_kl_update(state, current_kl, n_steps):
+def adaptive_kl_update(state: AdaptiveKLState, current_kl: Coef,
+                       n_steps: Coef) -> AdaptiveKLState:
   r"""One adaptive-KL step (verl/OpenRLHF ``AdaptiveKLController.update``).
 
   .. math::
@@ -89,7 +104,8 @@ def adaptive_kl_update(state, current_kl, n_steps):
   Args:
     state: an :class:`AdaptiveKLState`.
     current_kl: observed KL (scalar, traced).
-    n_steps: number of samples since the last update (scalar, traced).
+    n_steps: number of samples since the last update (scalar, traced; a Python number
+      must be >= 0). Under ``pmap``/``shard_map`` pass the global count (``psum``).
 
   Returns:
     The new :class:`AdaptiveKLState`.
@@ -101,6 +117,7 @@ def adaptive_kl_update(state, current_kl, n_steps):
   """
   v.check_rank("current_kl", current_kl, 0)
   v.check_rank("n_steps", n_steps, 0)
+  v.check_range("n_steps", n_steps, low=0.0)
   kl = v.as_f32(current_kl)
   error = jnp.clip(kl / state.target - 1.0, -0.2, 0.2)
   coef = state.coef * (1.0 + error * v.as_f32(n_steps) / state.horizon)
@@ -109,7 +126,15 @@ def adaptive_kl_update(state, current_kl, n_steps):
 
 
 class AdaptiveClipState(NamedTuple):
-  """State of :func:`adaptive_clip_update` (float32 scalars)."""
+  """State of :func:`adaptive_clip_update` (float32 scalars, a pytree).
+
+  Examples:
+    >>> s = adaptive_clip_init(0.2)
+    >>> s._fields
+    ('eps', 'target', 'eps_min', 'eps_max', 'rate')
+    >>> [round(float(x), 4) for x in s]
+    [0.2, 0.02, 0.05, 0.3, 0.1]
+  """
   eps: jnp.ndarray
   target: jnp.ndarray
   eps_min: jnp.ndarray
@@ -117,8 +142,9 @@ class AdaptiveClipState(NamedTuple):
   rate: jnp.ndarray
 
 
-def adaptive_clip_init(init_eps=0.2, *, target=None, eps_min=0.05, eps_max=0.3,
-                       rate=0.1, metric="kl"):
+def adaptive_clip_init(init_eps: Coef = 0.2, *, target: Coef | None = None,
+                       eps_min: Coef = 0.05, eps_max: Coef = 0.3, rate: Coef = 0.1,
+                       metric: str = "kl") -> AdaptiveClipState:
   r"""Initial state of the adaptive clip-range controller.
 
   ``metric`` says what you will feed to :func:`adaptive_clip_update` and only picks
@@ -127,7 +153,8 @@ def adaptive_clip_init(init_eps=0.2, *, target=None, eps_min=0.05, eps_max=0.3,
   lie in (0, 1)). It is not stored in the state (the update rule is the same).
 
   Args:
-    init_eps: initial :math:`\epsilon` (clipped into ``[eps_min, eps_max]``).
+    init_eps: initial :math:`\epsilon`, in ``[eps_min, eps_max]`` (a Python number
+      outside raises ``ValueError``; a traced value is clipped into the range).
     target: target value of the observed metric (> 0); None = the metric's default.
     eps_min: lower bound of :math:`\epsilon` (0.05, the article's late value).
     eps_max: upper bound of :math:`\epsilon`.
@@ -149,18 +176,21 @@ def adaptive_clip_init(init_eps=0.2, *, target=None, eps_min=0.05, eps_max=0.3,
   _check_positive("target", target)
   _check_positive("rate", rate)
   _check_positive("eps_min", eps_min)
-  if metric == "clipfrac" and isinstance(target, numbers.Real) and not target < 1:
+  if metric == "clipfrac" and v.is_concrete_number(target) and not target < 1:
     raise ValueError(f"`target` must be in (0, 1) for metric='clipfrac', got {target!r}.")
-  if (isinstance(eps_min, numbers.Real) and isinstance(eps_max, numbers.Real)
+  if (v.is_concrete_number(eps_min) and v.is_concrete_number(eps_max)
       and eps_max < eps_min):
     raise ValueError(f"`eps_max` ({eps_max!r}) must be >= `eps_min` ({eps_min!r}).")
-  eps_min, eps_max = v.as_f32(eps_min), v.as_f32(eps_max)
-  return AdaptiveClipState(eps=jnp.clip(v.as_f32(init_eps), eps_min, eps_max),
-                           target=v.as_f32(target), eps_min=eps_min, eps_max=eps_max,
+  v.check_range("init_eps", init_eps,
+                low=eps_min if v.is_concrete_number(eps_min) else None,
+                high=eps_max if v.is_concrete_number(eps_max) else None)
+  lo, hi = v.as_f32(eps_min), v.as_f32(eps_max)
+  return AdaptiveClipState(eps=jnp.clip(v.as_f32(init_eps), lo, hi),
+                           target=v.as_f32(target), eps_min=lo, eps_max=hi,
                            rate=v.as_f32(rate))
 
 
-def adaptive_clip_update(state, observed):
+def adaptive_clip_update(state: AdaptiveClipState, observed: Coef) -> AdaptiveClipState:
   r"""Moves the clip range :math:`\epsilon` to keep a trust-region metric at target.
 
   Multiplicative (log-space) update with a bounded step:

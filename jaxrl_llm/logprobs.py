@@ -25,6 +25,8 @@ from jax import lax
 
 from jaxrl_llm import _validate as v
 
+ArrayLike = jax.typing.ArrayLike
+
 # Default number of tokens (batch rows x sequence positions) per chunk.
 _DEFAULT_TOKENS_PER_CHUNK = 1024
 
@@ -55,6 +57,8 @@ def _check_temperature(temperature):
   if jnp.ndim(temperature) != 0:
     raise ValueError(
         f"`temperature` must be a scalar, got shape {v.shape_of(temperature)}.")
+  # A concrete temperature <= 0 would give inf/NaN log-probs; traced values can't raise.
+  v.check_range("temperature", temperature, low=0.0, low_open=True)
 
 
 def _shift_and_normalizer(z):
@@ -70,7 +74,9 @@ def _shift_and_normalizer(z):
   return shifted, jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
 
 
-def token_logprobs(logits, targets, mask=None, *, return_entropy=False):
+def token_logprobs(logits: ArrayLike, targets: ArrayLike, mask: ArrayLike | None = None,
+                   *, return_entropy: bool = False
+                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Log-probability of each target token under ``softmax(logits)``.
 
   .. math::
@@ -218,12 +224,19 @@ def default_chunk_size(batch: int, time: int) -> int:
   """Sequence positions per chunk when ``chunk_size=None``: about 1024 tokens per step.
 
   Returns ``min(T, max(1, 1024 // B))``.
+
+  Examples:
+    >>> default_chunk_size(8, 4096), default_chunk_size(1, 100), default_chunk_size(4096, 8)
+    (128, 100, 1)
   """
   return max(1, min(time, max(1, _DEFAULT_TOKENS_PER_CHUNK // max(batch, 1))))
 
 
-def token_logprobs_from_hidden(hidden, lm_head, targets, *, mask=None, chunk_size=None,
-                               return_entropy=False, temperature=1.0):
+def token_logprobs_from_hidden(hidden: ArrayLike, lm_head: ArrayLike, targets: ArrayLike,
+                               *, mask: ArrayLike | None = None,
+                               chunk_size: int | None = None, return_entropy: bool = False,
+                               temperature: float | ArrayLike = 1.0
+                               ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Target-token log-probs from hidden states and LM head, never forming [B, T, V] logits.
 
   .. math::
@@ -263,7 +276,9 @@ def token_logprobs_from_hidden(hidden, lm_head, targets, *, mask=None, chunk_siz
   Masking: outputs at masked positions are 0, their hidden states are zeroed before the
   matmul (NaN or garbage there never reaches a valid output or a gradient) and their
   targets may hold any value (e.g. -100). Targets at valid positions outside ``[0, V)``
-  are clipped into range (a data fault, not an error). ``temperature`` must be > 0.
+  are clipped into range (a data fault, not an error). ``temperature`` must be > 0:
+  a Python number <= 0 raises ``ValueError``; a traced one is not checked (0 gives
+  non-finite log-probs).
 
   Args:
     hidden: ``[B, T, D]`` float hidden states aligned with ``targets`` (for a causal
@@ -277,13 +292,14 @@ def token_logprobs_from_hidden(hidden, lm_head, targets, *, mask=None, chunk_siz
       clamped to ``T``. Need not divide ``T``.
     return_entropy: also return the per-token entropy of ``softmax(z)``.
     temperature: traced scalar :math:`\tau > 0`; changing it does not recompile.
+      A Python number <= 0 raises ``ValueError``.
 
   Returns:
     ``logp`` ``[B, T]`` float32, or ``(logp, entropy)`` when ``return_entropy``.
 
   Raises:
-    ValueError: at trace time, on wrong ranks, dtypes or mismatched shapes, naming the
-      argument.
+    ValueError: at trace time, on wrong ranks, dtypes or mismatched shapes, or a
+      Python ``temperature <= 0``, naming the argument.
 
   Examples:
     >>> import jax, jax.numpy as jnp

@@ -22,6 +22,30 @@ Every policy loss returns ``(per_token_loss, metrics)``:
   - ``ratio_mean``: mean importance ratio the loss used (per token, or the sequence
     ratio broadcast over its tokens for GSPO/GMPO).
 
+All policy losses share one signature, ``fn(logp, old_logp, advantages, mask, *,
+<hyperparameters>) -> (per_token_loss, metrics)``, except
+:func:`reinforce_policy_loss` (``fn(logp, advantages, mask, *, old_logp=None, ...)``,
+since its ``old_logp`` is optional). The clip options are named alike wherever the
+math allows (None = off; Python numbers are range-checked, traced values are not):
+
+============  ===================  ==================  ==============  ===================
+loss          ``clip_low``         ``clip_high``       ``dual_clip``   other
+============  ===================  ==================  ==============  ===================
+PPO           0.2 (ratio)          None = clip_low     None (verl 3)   DAPO 0.2 / 0.28
+GSPO          3e-4 (seq. ratio)    4e-4                None (tunix)    verl's GSPO example
+CISPO         None (verl mode)     5.0                 --              ``mode`` trl / verl
+SAPO          --                   --                  --              ``tau_pos`` 1.0,
+                                                                       ``tau_neg`` 1.05
+GMPO          0.4 (log-ratio)      0.4 (log-ratio)     --              GMPO paper
+REINFORCE     --                   --                  --              ``is_clip`` None
+============  ===================  ==================  ==============  ===================
+
+``dual_clip`` must be > 1 and the epsilons >= 0. CISPO's ``clip_high`` is an absolute
+cap on the weight in ``mode="trl"`` (TRL: 5.0) and relative to 1 in ``mode="verl"``;
+REINFORCE's ``is_clip`` is an absolute cap (truncated IS). For the rollout/trainer
+mismatch use :func:`rollout_correction_weights` and multiply the per-token loss by
+its weights.
+
 Reduce a per-token loss with :func:`aggregate` (or :func:`aggregate_parts` for
 microbatches and devices). Coefficients (``clip_low``, ``clip_high``, ``dual_clip``,
 temperatures, ``clamp``) are ordinary traced arguments, so a schedule or a sweep does
@@ -43,13 +67,15 @@ not recompile ("dynamic clipping": epsilon annealed from 0.2 early to 0.05 late)
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import _validate as v
 from jaxrl_llm.masked import masked_mean
+
+ArrayLike = jax.typing.ArrayLike
+Coef = float | jax.Array  # a coefficient: a Python number, or a (traced) scalar array
+LossAndMetrics = tuple[jax.Array, dict[str, jax.Array]]
 
 AGGREGATION_MODES = (
     "token-mean",
@@ -64,24 +90,29 @@ _KL_ALIASES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2",
 KL_KINDS = tuple(_KL_ALIASES) + tuple(k + "+" for k in _KL_ALIASES)
 
 _CISPO_MODES = ("trl", "verl")
+_ROLLOUT_LEVELS = ("token", "sequence")
+_IS_LOG_BOUND = 20.0  # verl's SAFETY_BOUND on log importance ratios
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
-def _is_number(x) -> bool:
-  """True for a concrete Python/NumPy scalar (checked at trace time)."""
-  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+def _check_positive(name: str, x) -> None:
+  """``x > 0`` for a concrete number (traced values and None pass)."""
+  v.check_range(name, x, low=0.0, low_open=True)
 
 
-def _check_number(name: str, x, *, low=None, low_inclusive=False) -> None:
-  """Range check for coefficients given as Python numbers (traced ones pass)."""
-  if x is None or not _is_number(x) or low is None:
-    return
-  ok = x >= low if low_inclusive else x > low
-  if not ok:
-    op = ">=" if low_inclusive else ">"
-    raise ValueError(f"`{name}` must be {op} {low}, got {x!r}.")
+def _check_nonnegative(name: str, x) -> None:
+  """``x >= 0`` for a concrete number (traced values and None pass)."""
+  v.check_range(name, x, low=0.0)
+
+
+def _check_ratio_clips(clip_low, clip_high, dual_clip, log_ratio_clamp) -> None:
+  """The range checks shared by the ratio-clipping losses (concrete numbers only)."""
+  _check_nonnegative("clip_low", clip_low)
+  _check_nonnegative("clip_high", clip_high)
+  v.check_range("dual_clip", dual_clip, low=1.0, low_open=True)
+  _check_positive("log_ratio_clamp", log_ratio_clamp)
 
 
 def _check_token_inputs(logp, mask, others=()):
@@ -145,6 +176,25 @@ def _policy_metrics(kappa, ratio, mask, clipfrac=None, clipfrac_lower=None):
   return jax.lax.stop_gradient(metrics)
 
 
+def _clipped_surrogate(adv, ratio, clip_low, clip_high, dual_clip):
+  """PPO's pessimistic clipped surrogate with optional dual clip (used by PPO and GSPO).
+
+  Returns ``(loss, clipped, lower_active)``: ``clipped`` marks :math:`L_2 > L_1`,
+  ``lower_active`` the dual clip binding (None without dual clip).
+  """
+  if clip_high is None:
+    clip_high = clip_low
+  loss1 = -adv * ratio
+  loss2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+  clipped_loss = jnp.maximum(loss1, loss2)
+  if dual_clip is None:
+    return clipped_loss, loss2 > loss1, None
+  loss3 = -adv * dual_clip
+  negative = adv < 0
+  loss = jnp.where(negative, jnp.minimum(clipped_loss, loss3), clipped_loss)
+  return loss, loss2 > loss1, (clipped_loss > loss3) & negative
+
+
 def _finish(loss, valid, dtype):
   return jnp.where(valid, loss, 0.0).astype(dtype)
 
@@ -152,8 +202,10 @@ def _finish(loss, valid, dtype):
 # ----------------------------------------------------------------------- policy losses
 
 
-def ppo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None,
-                    dual_clip=None, log_ratio_clamp=20.0):
+def ppo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
+                    mask: ArrayLike, *, clip_low: Coef = 0.2, clip_high: Coef | None = None,
+                    dual_clip: Coef | None = None,
+                    log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
   r"""PPO clipped surrogate per token, with clip-higher (DAPO) and dual clip.
 
   With :math:`\kappa = \mathrm{clip}(\log\pi - \log\pi_{old}, -c_\kappa, c_\kappa)` and
@@ -209,33 +261,24 @@ def ppo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high
     (0.4, 0.2)
   """
   _check_token_inputs(logp, mask, [("old_logp", old_logp)])
-  _check_number("dual_clip", dual_clip, low=1.0)
+  _check_ratio_clips(clip_low, clip_high, dual_clip, log_ratio_clamp)
   dtype = v.out_dtype(logp)
   valid = v.as_f32(mask) > 0
   _, kappa = _log_ratio(logp, old_logp, valid, log_ratio_clamp)
   adv = _token_advantages(advantages, logp, valid)
-  if clip_high is None:
-    clip_high = clip_low
 
   ratio = jnp.exp(kappa)
-  loss1 = -adv * ratio
-  loss2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-  clipped_loss = jnp.maximum(loss1, loss2)
-  lower_active = None
-  if dual_clip is None:
-    loss = clipped_loss
-  else:
-    loss3 = -adv * dual_clip
-    negative = adv < 0
-    loss = jnp.where(negative, jnp.minimum(clipped_loss, loss3), clipped_loss)
-    lower_active = (clipped_loss > loss3) & negative
-  metrics = _policy_metrics(kappa, ratio, mask, clipfrac=loss2 > loss1,
+  loss, clipped, lower_active = _clipped_surrogate(adv, ratio, clip_low, clip_high,
+                                                   dual_clip)
+  metrics = _policy_metrics(kappa, ratio, mask, clipfrac=clipped,
                             clipfrac_lower=lower_active)
   return _finish(loss, valid, dtype), metrics
 
 
-def gspo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=3e-4, clip_high=4e-4,
-                     log_ratio_clamp=10.0):
+def gspo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
+                     mask: ArrayLike, *, clip_low: Coef = 3e-4,
+                     clip_high: Coef | None = 4e-4, dual_clip: Coef | None = None,
+                     log_ratio_clamp: Coef | None = 10.0) -> LossAndMetrics:
   r"""GSPO (sequence-level ratio) in its per-token ("GSPO-token") form, as in verl.
 
   .. math::
@@ -244,8 +287,11 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=3e-4, clip_hi
      \qquad \log s_{it} = \mathrm{sg}(\log s_i) + \log\pi_{it} - \mathrm{sg}(\log\pi_{it})
 
      s_{it} = \exp(\min(\log s_{it}, c)),\qquad
-     L_{it} = \max(-A_{it}\,s_{it},\ -A_{it}\,\mathrm{clip}(s_{it}, 1-\epsilon_{lo},
+     L^c_{it} = \max(-A_{it}\,s_{it},\ -A_{it}\,\mathrm{clip}(s_{it}, 1-\epsilon_{lo},
      1+\epsilon_{hi}))
+
+     L_{it} = \begin{cases} \min(L^c_{it}, -A_{it}\,c_{dual}) & A_{it} < 0 \text{ and
+     dual clip set}\\ L^c_{it} & \text{otherwise} \end{cases}
 
   The value of :math:`s_{it}` is the sequence ratio :math:`s_i` (geometric mean of the
   token ratios); its gradient is that of :math:`s_i \log\pi_{it}`, so with a
@@ -253,21 +299,27 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=3e-4, clip_hi
   Only an upper clamp is applied to the log-ratio (verl: 10). verl forces the
   aggregation to ``seq-mean-token-mean`` for GSPO whatever ``loss_agg_mode`` says:
   use ``aggregate(loss, mask, "seq-mean-token-mean")`` to reproduce it. Recommended
-  epsilons are tiny (3e-4 / 4e-4) because the ratio is a length-normalised mean.
+  epsilons are tiny (3e-4 / 4e-4, verl's GSPO example) because the ratio is a
+  length-normalised mean. The dual clip is PPO's (see :func:`ppo_policy_loss`) applied
+  to the sequence ratio, as tunix's ``grpo_loss_fn`` does with ``epsilon_c`` for
+  ``loss_algo="gspo-token"``; verl and TRL have no dual clip for GSPO, hence off
+  by default.
 
   Args:
     logp: current log-probs, [B, T].
     old_logp: behaviour log-probs, [B, T].
     advantages: [B, T] or [B].
     mask: [B, T].
-    clip_low: :math:`\epsilon_{lo}` (traced).
-    clip_high: :math:`\epsilon_{hi}` (traced).
-    log_ratio_clamp: :math:`c`, upper clamp of :math:`\log s_{it}`; None disables.
+    clip_low: :math:`\epsilon_{lo}` (traced; a Python number must be >= 0).
+    clip_high: :math:`\epsilon_{hi}` (traced, >= 0); None means ``clip_low``.
+    dual_clip: :math:`c_{dual}` for negative advantages (traced; a Python number must
+      be > 1); None disables it.
+    log_ratio_clamp: :math:`c`, upper clamp of :math:`\log s_{it}` (> 0); None disables.
 
   Returns:
     ``(per_token_loss, metrics)``; ``pg_clipfrac`` = mean of :math:`[L_2 > L_1]`,
-    ``ratio_mean`` = mean of :math:`s_i` over valid tokens; ``approx_kl``/``ppo_kl``
-    are token-level.
+    ``pg_clipfrac_lower`` = where the dual clip binds (0 without it), ``ratio_mean`` =
+    mean of :math:`s_i` over valid tokens; ``approx_kl``/``ppo_kl`` are token-level.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -276,8 +328,13 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=3e-4, clip_hi
     ...                            jnp.array([[1.0, 1.0, 1.0]]))
     >>> [round(float(x), 5) for x in loss[0]]   # -clip(e^0.1, ., 1 + 4e-4)
     [-1.0004, -1.0004, -1.0004]
+    >>> loss, m = gspo_policy_loss(jnp.full((1, 2), 2.0), jnp.zeros((1, 2)),
+    ...                            jnp.array([-1.0]), jnp.ones((1, 2)), dual_clip=3.0)
+    >>> [round(float(x), 4) for x in loss[0]], float(m["pg_clipfrac_lower"])  # e^2 > 3
+    ([3.0, 3.0], 1.0)
   """
   _check_token_inputs(logp, mask, [("old_logp", old_logp)])
+  _check_ratio_clips(clip_low, clip_high, dual_clip, log_ratio_clamp)
   dtype = v.out_dtype(logp)
   valid = v.as_f32(mask) > 0
   lp, kappa = _log_ratio(logp, old_logp, valid, None)
@@ -289,15 +346,17 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=3e-4, clip_hi
   if log_ratio_clamp is not None:
     log_token_ratio = jnp.minimum(log_token_ratio, log_ratio_clamp)
   ratio = jnp.exp(log_token_ratio)
-  loss1 = -adv * ratio
-  loss2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-  loss = jnp.maximum(loss1, loss2)
-  metrics = _policy_metrics(kappa, ratio, mask, clipfrac=loss2 > loss1)
+  loss, clipped, lower_active = _clipped_surrogate(adv, ratio, clip_low, clip_high,
+                                                   dual_clip)
+  metrics = _policy_metrics(kappa, ratio, mask, clipfrac=clipped,
+                            clipfrac_lower=lower_active)
   return _finish(loss, valid, dtype), metrics
 
 
-def cispo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=None, clip_high=5.0,
-                      mode="trl", log_ratio_clamp=20.0):
+def cispo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
+                      mask: ArrayLike, *, clip_low: Coef | None = None,
+                      clip_high: Coef | None = 5.0, mode: str = "trl",
+                      log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
   r"""CISPO: REINFORCE with a clipped, stop-gradient importance weight (MiniMax-M1).
 
   .. math::
@@ -313,18 +372,22 @@ def cispo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=None, clip_h
   default ``clip_high=5.0`` caps the weight at 6.0, and ``clip_low=None`` means no
   lower bound (the MiniMax-M1 paper's choice; verl emulates it with a large
   ``clip_ratio_low``). Every token keeps a gradient (the weight is a constant), unlike
-  PPO, which zeroes the gradient of clipped tokens.
+  PPO, which zeroes the gradient of clipped tokens. There is no dual clip: the weight
+  is already a bounded constant and the loss is not a ratio surrogate, so PPO's cap
+  :math:`-Ac` has nothing to act on.
 
   Args:
     logp: current log-probs, [B, T].
     old_logp: behaviour log-probs, [B, T].
     advantages: [B, T] or [B].
     mask: [B, T].
-    clip_low: lower relative bound (verl mode only), traced; None = no lower bound.
-    clip_high: absolute cap (trl) or relative upper bound (verl), traced.
+    clip_low: lower relative bound (verl mode only), traced; None = no lower bound. A
+      Python number must be >= 0.
+    clip_high: absolute cap (trl; a Python number must be > 0) or relative upper bound
+      (verl; >= 0; None means ``clip_low``, symmetric as in PPO), traced.
     mode: ``"trl"`` or ``"verl"`` (static).
     log_ratio_clamp: clip of the log-ratio before ``exp`` (only changes metrics, since
-      the weight is capped anyway); None disables.
+      the weight is capped anyway; > 0); None disables.
 
   Returns:
     ``(per_token_loss, metrics)``; ``pg_clipfrac`` = fraction of tokens whose weight
@@ -341,6 +404,15 @@ def cispo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=None, clip_h
   if mode == "trl" and clip_low is not None:
     raise ValueError("`clip_low` must be None in mode='trl' (TRL's CISPO has no lower "
                      f"bound); got {clip_low!r}. Use mode='verl' for a two-sided clip.")
+  if clip_high is None:
+    if mode == "trl" or clip_low is None:
+      raise ValueError("`clip_high` may be None only in mode='verl' with `clip_low` set "
+                       f"(then it means clip_low); got mode={mode!r}, "
+                       f"clip_low={clip_low!r}.")
+    clip_high = clip_low
+  if mode == "trl":
+    _check_positive("clip_high", clip_high)
+  _check_ratio_clips(clip_low, clip_high, None, log_ratio_clamp)
   _check_token_inputs(logp, mask, [("old_logp", old_logp)])
   dtype = v.out_dtype(logp)
   valid = v.as_f32(mask) > 0
@@ -358,8 +430,9 @@ def cispo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=None, clip_h
   return _finish(loss, valid, dtype), metrics
 
 
-def sapo_policy_loss(logp, old_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1.05,
-                     log_ratio_clamp=20.0):
+def sapo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
+                     mask: ArrayLike, *, tau_pos: Coef = 1.0, tau_neg: Coef = 1.05,
+                     log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
   r"""SAPO: a smooth sigmoid gate in place of the hard PPO clip (verl, TRL).
 
   .. math::
@@ -370,7 +443,10 @@ def sapo_policy_loss(logp, old_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1
 
   At :math:`\rho=1` the gate's slope is 1, so on-policy the gradient equals the plain
   policy gradient :math:`-A\nabla\log\pi`; far from 1 it decays smoothly.
-  verl forces ``seq-mean-token-mean`` aggregation for SAPO.
+  verl forces ``seq-mean-token-mean`` aggregation for SAPO. Defaults are verl's and
+  TRL's (``tau_pos=1.0``, ``tau_neg=1.05``; a larger :math:`\tau` closes the gate
+  faster). The gate replaces the clip, so SAPO takes no ``clip_low``/``clip_high``/
+  ``dual_clip``: the temperatures play their role.
 
   Args:
     logp: current log-probs, [B, T].
@@ -379,7 +455,7 @@ def sapo_policy_loss(logp, old_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1
     mask: [B, T].
     tau_pos: temperature for positive advantages (traced; a Python number must be > 0).
     tau_neg: temperature for non-positive advantages (same).
-    log_ratio_clamp: clip of the log-ratio before ``exp``; None disables.
+    log_ratio_clamp: clip of the log-ratio before ``exp`` (> 0); None disables.
 
   Returns:
     ``(per_token_loss, metrics)``; no hard clip, so ``pg_clipfrac`` is 0.
@@ -391,8 +467,9 @@ def sapo_policy_loss(logp, old_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1
     >>> [round(float(x), 4) for x in loss[0]]   # rho = 1: f = 2 / tau
     [-2.0, 1.9048]
   """
-  _check_number("tau_pos", tau_pos, low=0.0)
-  _check_number("tau_neg", tau_neg, low=0.0)
+  _check_positive("tau_pos", tau_pos)
+  _check_positive("tau_neg", tau_neg)
+  _check_positive("log_ratio_clamp", log_ratio_clamp)
   _check_token_inputs(logp, mask, [("old_logp", old_logp)])
   dtype = v.out_dtype(logp)
   valid = v.as_f32(mask) > 0
@@ -407,8 +484,9 @@ def sapo_policy_loss(logp, old_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1
   return _finish(loss, valid, dtype), metrics
 
 
-def gmpo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.4, clip_high=0.4,
-                     log_ratio_clamp=20.0):
+def gmpo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
+                     mask: ArrayLike, *, clip_low: Coef = 0.4, clip_high: Coef | None = 0.4,
+                     log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
   r"""GMPO: geometric-mean policy optimisation (verl ``geo_mean``).
 
   Token log-ratios are clipped in log space, on the side that matters for the sign of
@@ -433,15 +511,20 @@ def gmpo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.4, clip_hig
   clipped to :math:`\pm` ``log_ratio_clamp`` (20; verl has none, and for :math:`A<0`
   the clip does not bound large ratios, so ``exp`` could overflow), and
   :math:`|o_i|` is :math:`\max(|o_i|,1)` instead of :math:`|o_i| + 10^{-8}`.
+  The clip is in log space, so ``clip_low``/``clip_high`` are not PPO's ratio epsilons
+  (0.4 in log space is a ratio range of about :math:`[0.67, 1.49]`); there is no dual
+  clip (GMPO's sign-aware clip already bounds the ratio on the side that matters).
 
   Args:
     logp: current log-probs, [B, T].
     old_logp: behaviour log-probs, [B, T].
     advantages: [B, T] or [B].
     mask: [B, T].
-    clip_low: :math:`\epsilon_{lo}` in log space (traced; GMPO paper: 0.4).
-    clip_high: :math:`\epsilon_{hi}` in log space (traced; 0.4).
-    log_ratio_clamp: symmetric clip of the raw log-ratio; None disables.
+    clip_low: :math:`\epsilon_{lo}` in log space (traced; GMPO paper: 0.4; a Python
+      number must be >= 0).
+    clip_high: :math:`\epsilon_{hi}` in log space (traced; 0.4; >= 0); None means
+      ``clip_low``.
+    log_ratio_clamp: symmetric clip of the raw log-ratio (> 0); None disables.
 
   Returns:
     ``(per_token_loss, metrics)``. As in verl, ``pg_clipfrac`` is the fraction of
@@ -457,6 +540,9 @@ def gmpo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.4, clip_hig
     [-0.6749, -0.6749, 0.0]
   """
   _check_token_inputs(logp, mask, [("old_logp", old_logp)])
+  _check_ratio_clips(clip_low, clip_high, None, log_ratio_clamp)
+  if clip_high is None:
+    clip_high = clip_low
   dtype = v.out_dtype(logp)
   valid = v.as_f32(mask) > 0
   _, kappa = _log_ratio(logp, old_logp, valid, log_ratio_clamp)
@@ -476,8 +562,9 @@ def gmpo_policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.4, clip_hig
   return _finish(loss, valid, dtype), metrics
 
 
-def reinforce_policy_loss(logp, advantages, mask, *, old_logp=None, is_clip=None,
-                          log_ratio_clamp=20.0):
+def reinforce_policy_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, *,
+                          old_logp: ArrayLike | None = None, is_clip: Coef | None = None,
+                          log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
   r"""REINFORCE / GPG policy-gradient loss, optionally importance-weighted.
 
   .. math::
@@ -496,8 +583,10 @@ def reinforce_policy_loss(logp, advantages, mask, *, old_logp=None, is_clip=None
     advantages: [B, T] or [B].
     mask: [B, T].
     old_logp: behaviour log-probs [B, T] for the importance weight; None = on-policy.
-    is_clip: truncation of the importance weight (traced); needs ``old_logp``.
-    log_ratio_clamp: clip of the log-ratio before ``exp``; None disables.
+    is_clip: truncation of the importance weight, an absolute cap like CISPO's
+      ``clip_high`` in ``mode="trl"`` (traced; a Python number must be > 0); needs
+      ``old_logp``. None: untruncated weight.
+    log_ratio_clamp: clip of the log-ratio before ``exp`` (> 0); None disables.
 
   Returns:
     ``(per_token_loss, metrics)``; ``pg_clipfrac`` = fraction of tokens whose weight was
@@ -513,6 +602,8 @@ def reinforce_policy_loss(logp, advantages, mask, *, old_logp=None, is_clip=None
   if is_clip is not None and old_logp is None:
     raise ValueError("`is_clip` needs `old_logp` (the importance weight is "
                      "exp(logp - old_logp)); got old_logp=None.")
+  _check_positive("is_clip", is_clip)
+  _check_positive("log_ratio_clamp", log_ratio_clamp)
   _check_token_inputs(logp, mask, [("old_logp", old_logp)])
   dtype = v.out_dtype(logp)
   valid = v.as_f32(mask) > 0
@@ -529,10 +620,125 @@ def reinforce_policy_loss(logp, advantages, mask, *, old_logp=None, is_clip=None
   return _finish(loss, valid, dtype), metrics
 
 
+# ------------------------------------------------------------------- rollout correction
+
+
+def rollout_correction_weights(log_ratio: ArrayLike, mask: ArrayLike, *,
+                               level: str = "token", threshold: Coef = 2.0,
+                               lower: Coef | None = None) -> LossAndMetrics:
+  r"""Importance weights that correct for a rollout/trainer mismatch (verl's semantics).
+
+  ``log_ratio`` is :math:`\log\pi_{train} - \log\pi_{rollout}` per token (the trainer's
+  recomputed old log-probs minus the sampler's). With :math:`\ell` the log-ratio of
+  the chosen level, clamped to :math:`[-20, 20]` before ``exp`` (verl's
+  ``SAFETY_BOUND``):
+
+  .. math::
+
+     \ell_{it} = \begin{cases} \log\pi^{train}_{it} - \log\pi^{roll}_{it} &
+       \texttt{level="token"}\\
+       \sum_{t'} m_{it'}(\log\pi^{train}_{it'} - \log\pi^{roll}_{it'}) &
+       \texttt{level="sequence"} \text{ (product of the token ratios)}\end{cases}
+     \qquad \rho_{it} = e^{\mathrm{clip}(\ell_{it}, -20, 20)}
+
+     w_{it} = \begin{cases} \min(\rho_{it}, \tau_{hi}) & \texttt{lower} = \text{None}
+       \text{ (truncated IS, TIS)}\\
+       \rho_{it}\,[\tau_{lo} \le \rho_{it} \le \tau_{hi}] & \text{otherwise (masked IS,
+       IcePop)}\end{cases}
+
+  with :math:`\tau_{hi}` = ``threshold`` and :math:`\tau_{lo}` = ``lower``. Truncation is
+  verl's ``compute_rollout_correction_weights`` (``rollout_is="token"|"sequence"``,
+  ``rollout_is_threshold=2.0``); the masked form is verl's rejection rule
+  (``rollout_rs`` with ``rollout_rs_threshold_lower``) applied to the weights, as
+  IcePop and OpenRLHF's ``icepop`` do (weights inside the band are kept untruncated,
+  those outside are 0). Usual settings: token TIS 2.0 (verl, tunix), sequence TIS 2.0
+  (verl) to 5.0 (SkyRL), IcePop ``lower=0.5, threshold=2.0`` (SkyRL) or ``0.5, 5.0``
+  (verl's ``decoupled_token_icepop``). Multiply the per-token policy loss by the
+  weights; they are exactly 1 on valid tokens where the two log-probs agree (for
+  ``threshold >= 1`` and ``lower <= 1``).
+
+  Weights are stop-gradient (they change the measure, not the objective) and exactly
+  0 where ``mask`` is 0; values at masked positions (NaN, inf) never matter. A
+  NaN log-ratio at a valid position (a data fault) gives weight 0 there (for
+  ``level="sequence"``, on its whole row) and counts as clipped.
+
+  Args:
+    log_ratio: [B, T] float, :math:`\log\pi_{train} - \log\pi_{rollout}`.
+    mask: [B, T], 1 for response tokens.
+    level: ``"token"`` or ``"sequence"`` (static).
+    threshold: :math:`\tau_{hi}` (traced; a Python number must be > 0).
+    lower: :math:`\tau_{lo}` (traced; a Python number must be >= 0 and <= a Python
+      ``threshold``), or None for truncation. None versus a value is static.
+
+  Returns:
+    ``(weights, metrics)``: ``weights`` [B, T] with the dtype of ``log_ratio``;
+    ``metrics`` float32 scalars (stop-gradient), means over valid tokens (a sequence
+    weight counts once per token, as in verl):
+
+    - ``rollout_is_mean``: mean of :math:`w` (the weights the loss gets).
+    - ``rollout_is_max``: max of :math:`\rho` before truncation/masking (verl's
+      ``rollout_is_max``; 0 without valid tokens).
+    - ``rollout_is_clipfrac``: fraction of tokens with :math:`w \ne \rho` (truncated
+      or zeroed).
+    - ``rollout_is_ess``: normalised effective sample size of :math:`w`,
+      :math:`(\sum w)^2 / (N \sum w^2) \in [0, 1]` (1 when all weights are equal;
+      verl's ``1 / mean((w / mean w)^2)``, here on the final weights; 0 when every
+      weight is 0).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> log_ratio = jnp.log(jnp.array([[1.0, 3.0, 0.25, 0.5]]))
+    >>> mask = jnp.array([[1.0, 1.0, 1.0, 0.0]])
+    >>> w, m = rollout_correction_weights(log_ratio, mask)               # token TIS
+    >>> [round(float(x), 4) for x in w[0]]
+    [1.0, 2.0, 0.25, 0.0]
+    >>> w, m = rollout_correction_weights(log_ratio, mask, lower=0.5)    # IcePop
+    >>> [round(float(x), 4) for x in w[0]], round(float(m["rollout_is_clipfrac"]), 4)
+    ([1.0, 0.0, 0.0, 0.0], 0.6667)
+    >>> w, m = rollout_correction_weights(log_ratio, mask, level="sequence")
+    >>> [round(float(x), 4) for x in w[0]]                               # 1 * 3 * 0.25
+    [0.75, 0.75, 0.75, 0.0]
+  """
+  v.check_choice("level", level, _ROLLOUT_LEVELS)
+  v.check_rank("log_ratio", log_ratio, 2)
+  v.check_float("log_ratio", log_ratio)
+  v.check_same_shape(("log_ratio", "mask"), (log_ratio, mask))
+  _check_positive("threshold", threshold)
+  high = threshold if v.is_concrete_number(threshold) else None
+  v.check_range("lower", lower, low=0.0, high=high)
+  dtype = v.out_dtype(log_ratio)
+  valid = v.as_f32(mask) > 0
+  ell = _masked_f32(log_ratio, valid)
+  if level == "sequence":
+    ell = jnp.broadcast_to(jnp.sum(ell, axis=-1, keepdims=True), v.shape_of(log_ratio))
+  ell = jax.lax.stop_gradient(ell)
+  rho = jnp.exp(jnp.clip(ell, -_IS_LOG_BOUND, _IS_LOG_BOUND))
+  rho_ok = jnp.where(jnp.isnan(rho), 0.0, rho)
+  if lower is None:
+    weights = jnp.minimum(rho_ok, threshold)
+  else:
+    weights = jnp.where((rho >= lower) & (rho <= threshold), rho_ok, 0.0)
+  weights = jnp.where(valid, weights, 0.0)
+
+  n = jnp.sum(valid).astype(jnp.float32)
+  total, total_sq = jnp.sum(weights), jnp.sum(jnp.square(weights))
+  metrics = {
+      "rollout_is_mean": masked_mean(weights, mask),
+      "rollout_is_max": jnp.max(jnp.where(valid, rho_ok, 0.0), initial=0.0),
+      "rollout_is_clipfrac": masked_mean(v.as_f32(weights != rho), mask),
+      "rollout_is_ess": jnp.where(total_sq > 0, jnp.square(total)
+                                  / (jnp.maximum(n, 1.0) * jnp.where(total_sq > 0,
+                                                                     total_sq, 1.0)),
+                                  0.0),
+  }
+  return weights.astype(dtype), jax.lax.stop_gradient(metrics)
+
+
 # -------------------------------------------------------------------------- value loss
 
 
-def value_loss(values, old_values, returns, mask, *, clip=0.5):
+def value_loss(values: ArrayLike, old_values: ArrayLike | None, returns: ArrayLike,
+               mask: ArrayLike, *, clip: Coef | None = 0.5) -> LossAndMetrics:
   r"""Clipped value loss per token (PPO critic).
 
   .. math::
@@ -572,7 +778,7 @@ def value_loss(values, old_values, returns, mask, *, clip=0.5):
       raise ValueError("`old_values` is required when `clip` is set; got None.")
     v.check_float("old_values", old_values)
     v.check_same_shape(("values", "old_values"), (values, old_values))
-  _check_number("clip", clip, low=0.0, low_inclusive=True)
+  _check_nonnegative("clip", clip)
   dtype = v.out_dtype(values)
   valid = v.as_f32(mask) > 0
   pred = _masked_f32(values, valid)
@@ -601,12 +807,16 @@ def _kl_base(x, kind):
     return jnp.abs(x)
   if kind == "k2":
     return 0.5 * jnp.square(x)
-  # k3 = exp(-x) + x - 1; -x clipped to [-20, 20] first (verl) so it stays finite.
-  neg = jnp.clip(-x, -20.0, 20.0)
-  return jnp.exp(neg) - neg - 1.0
+  # k3 = exp(-x) + x - 1, with y = -x clipped to [-20, 20] first (verl) so it stays
+  # finite. Written expm1(y) - y: a faithfully rounded expm1 never lies below y (the
+  # true value exceeds y and y is itself a float), so the difference is >= 0 in
+  # float32. The textbook exp(y) - y - 1 rounds to -5.96e-08 near y = 0.
+  y = jnp.clip(-x, -20.0, 20.0)
+  return jnp.expm1(y) - y
 
 
-def kl_penalty(logp, ref_logp, kind="k1", *, clamp=None, mask=None):
+def kl_penalty(logp: ArrayLike, ref_logp: ArrayLike, kind: str = "k1", *,
+               clamp: Coef | None = None, mask: ArrayLike | None = None) -> jax.Array:
   r"""Per-token KL estimators between the policy and a reference policy.
 
   With :math:`x = \log\pi - \log\pi_{ref}` (samples from :math:`\pi`):
@@ -619,6 +829,11 @@ def kl_penalty(logp, ref_logp, kind="k1", *, clamp=None, mask=None):
   (``"low_var_kl"``), and any of them with a ``"+"`` suffix (verl's straight-through
   estimators): the value of the base estimator with the gradient of :math:`k_2`,
   :math:`k_2 - \mathrm{sg}(k_2) + \mathrm{sg}(k_{base})`.
+
+  :math:`k_3` is evaluated as :math:`\mathrm{expm1}(-x) - (-x)`, which is never
+  negative in float32 (``exp(-x) + x - 1`` rounds to -5.96e-08 for some :math:`x`
+  near 0; checked for every float32 :math:`-x` in :math:`[-20, 20]` on CPU), so
+  :math:`k_2`, :math:`k_3`, ``abs`` and their ``+`` forms are always :math:`\ge 0`.
 
   Clamps: for :math:`k_3` the exponent :math:`-x` is always clipped to
   :math:`[-20, 20]` (as verl does) so it stays finite. ``clamp=None`` (default, as TRL)
@@ -633,7 +848,8 @@ def kl_penalty(logp, ref_logp, kind="k1", *, clamp=None, mask=None):
     logp: policy log-probs, any shape (usually [B, T]).
     ref_logp: reference log-probs, same shape.
     kind: estimator name (static), one of :data:`KL_KINDS`.
-    clamp: optional symmetric bound on the estimate (traced).
+    clamp: optional symmetric bound on the estimate (traced; a Python number must be
+      > 0).
     mask: optional 0/1 mask of the same shape; outputs there are 0 and masked inputs
       get zero gradients.
 
@@ -650,6 +866,7 @@ def kl_penalty(logp, ref_logp, kind="k1", *, clamp=None, mask=None):
   v.check_float("logp", logp)
   v.check_float("ref_logp", ref_logp)
   v.check_same_shape(("logp", "ref_logp", "mask"), (logp, ref_logp, mask))
+  _check_positive("clamp", clamp)
   dtype = v.out_dtype(logp)
   straight_through = kind.endswith("+")
   base = _KL_ALIASES[kind.rstrip("+")]
@@ -668,7 +885,7 @@ def kl_penalty(logp, ref_logp, kind="k1", *, clamp=None, mask=None):
   return _finish(kl, valid, dtype)
 
 
-def entropy_from_logits(logits):
+def entropy_from_logits(logits: ArrayLike) -> jax.Array:
   r"""Entropy of the categorical distribution over the last axis, in float32.
 
   .. math:: H(z) = \log\sum_j e^{z_j} - \sum_j \mathrm{softmax}(z)_j\, z_j
@@ -709,7 +926,8 @@ def entropy_from_logits(logits):
 # ------------------------------------------------------------------------- aggregation
 
 
-def aggregate_parts(per_token, mask, mode="token-mean", *, norm_length=None):
+def aggregate_parts(per_token: ArrayLike, mask: ArrayLike, mode: str = "token-mean", *,
+                    norm_length: Coef | None = None) -> tuple[jax.Array, jax.Array]:
   r"""Numerator and denominator of :func:`aggregate`, exact across microbatches.
 
   Returns ``(total, denom)`` (float32 scalars) with
@@ -760,7 +978,7 @@ def aggregate_parts(per_token, mask, mode="token-mean", *, norm_length=None):
   v.check_rank("per_token", per_token, 2)
   v.check_float("per_token", per_token)
   v.check_same_shape(("per_token", "mask"), (per_token, mask))
-  _check_number("norm_length", norm_length, low=0.0)
+  _check_positive("norm_length", norm_length)
   valid = v.as_f32(mask) > 0
   values = _masked_f32(per_token, valid)
   row_sum = jnp.sum(values, axis=-1)
@@ -779,7 +997,8 @@ def aggregate_parts(per_token, mask, mode="token-mean", *, norm_length=None):
   return jnp.sum(row_sum) / v.as_f32(norm_length), rows
 
 
-def aggregate(per_token, mask, mode="token-mean", *, norm_length=None):
+def aggregate(per_token: ArrayLike, mask: ArrayLike, mode: str = "token-mean", *,
+              norm_length: Coef | None = None) -> jax.Array:
   r"""Reduces a per-token loss to a scalar (verl's ``agg_loss`` modes).
 
   .. math::

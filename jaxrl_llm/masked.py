@@ -8,6 +8,10 @@ done in float32 whatever the input dtype. Unlike verl's ``masked_var`` (which ra
 * ``masked_var`` with ``count <= ddof`` is 0.
 * ``masked_whiten`` therefore maps a constant or singleton input to 0 (or to the mean
   when ``shift_mean=False``), never NaN.
+
+Invalid entries are *selected* away (``jnp.where``) before any arithmetic, so NaN or
+inf there changes no result and no gradient. ``ddof`` is an int ``>= 0`` and ``eps``
+``>= 0``: a concrete Python number outside raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ def _prepare(x, mask, x_name="x"):
   return x, mask
 
 
+def _check_ddof(ddof):
+  v.check_range("ddof", ddof, low=0)
+
+
 def masked_sum(x, mask=None, axis=None, keepdims=False):
   r"""Sum of the valid elements: :math:`\sum_i m_i x_i` (float32).
 
@@ -41,7 +49,13 @@ def masked_sum(x, mask=None, axis=None, keepdims=False):
 
 
 def masked_count(mask, axis=None, keepdims=False):
-  """Number of valid elements (float32)."""
+  """Number of valid elements (float32).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> float(masked_count(jnp.array([1, 0, 1])))
+    2.0
+  """
   return jnp.sum(v.as_f32(mask), axis=axis, keepdims=keepdims)
 
 
@@ -69,7 +83,13 @@ def masked_var(x, mask=None, axis=None, keepdims=False, *, ddof=1):
 
   ``ddof=1`` (default) is the unbiased estimator of verl/TRL; ``ddof=0`` the biased one
   of OpenRLHF. When ``N <= ddof`` the result is 0 (not NaN, not an error).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> float(masked_var(jnp.array([1., 2., 3., 99.]), jnp.array([1, 1, 1, 0])))
+    1.0
   """
+  _check_ddof(ddof)
   x, mask = _prepare(x, mask)
   count = jnp.sum(mask, axis=axis, keepdims=True)
   mean = jnp.sum(x * mask, axis=axis, keepdims=True) / jnp.maximum(count, 1.0)
@@ -81,14 +101,22 @@ def masked_var(x, mask=None, axis=None, keepdims=False, *, ddof=1):
 
 
 def masked_std(x, mask=None, axis=None, keepdims=False, *, ddof=1):
-  """Square root of :func:`masked_var` (0 when ``N <= ddof``)."""
+  """Square root of :func:`masked_var` (0 when ``N <= ddof``).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> float(masked_std(jnp.array([1., 3., 99.]), jnp.array([1, 1, 0]), ddof=0))
+    1.0
+  """
   return jnp.sqrt(masked_var(x, mask, axis, keepdims, ddof=ddof))
 
 
 def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, ddof=1):
   r"""Whiten valid elements with statistics over all of them.
 
-  .. math:: \hat x_i = (x_i - \mu)\,/\sqrt{\mathrm{var} + \epsilon}\;(+\mu \text{ if not shift\_mean})
+  .. math::
+    \hat x_i = (x_i - \mu)\,/\sqrt{\mathrm{var} + \epsilon}
+    \;(+\mu \text{ if not shift\_mean})
 
   Defaults reproduce verl ``masked_whiten`` (ddof=1, eps=1e-8 inside the sqrt).
   OpenRLHF's global whitening is ``ddof=0``. Outputs at masked positions are 0; the
@@ -101,6 +129,8 @@ def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, ddof=1):
     >>> [round(float(a), 4) for a in y]
     [-1.0, 0.0, 1.0, 0.0]
   """
+  v.check_range("eps", eps, low=0.0)
+  _check_ddof(ddof)
   dtype = v.out_dtype(x)
   xf, mf = _prepare(x, mask)
   mean = masked_mean(xf, mf)
@@ -118,6 +148,11 @@ def explained_variance(y_pred, y_true, mask=None):
 
   Returns 0 when ``var(y)`` is 0 (undefined), so it is always finite. Biased variances
   (ddof=0) on both sides, as in stable-baselines and verl's critic metrics.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> round(float(explained_variance(jnp.array([1., 2., 2.]), jnp.array([1., 2., 3.]))), 4)
+    0.6667
   """
   v.check_same_shape(("y_pred", "y_true"), (y_pred, y_true))
   var_y = masked_var(y_true, mask, ddof=0)

@@ -44,7 +44,10 @@ import json
 import math
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import threading
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -74,9 +77,11 @@ def io_error(action: str, path: str, exc: OSError) -> RunFolderIOError:
   """A one-line :class:`RunFolderIOError` for ``exc`` raised while ``action`` on ``path``.
 
   Examples:
-    >>> str(io_error("writing", "runs/a/metrics.jsonl",
-    ...              OSError(28, "No space left on device")))
-    'cannot write runs/a/metrics.jsonl: no space left on device (ENOSPC); free some space or choose another --out'
+    >>> err = io_error("writing", "runs/a/metrics.jsonl",
+    ...                OSError(28, "No space left on device"))
+    >>> print(str(err).replace("; ", ";\\n"))
+    cannot write runs/a/metrics.jsonl: no space left on device (ENOSPC);
+    free some space or choose another --out
   """
   code = exc.errno
   name = errno.errorcode.get(code, "") if code is not None else ""
@@ -413,6 +418,75 @@ def probe_run_folder(path: str, *, min_free_bytes: int = 64 << 20) -> None:
         "--out", path=path, err=errno.ENOSPC)
 
 
+class RunInterrupted(KeyboardInterrupt):
+  """A run stopped on a signal after checkpointing; ``exit_code`` is ``128 + signum``.
+
+  A ``KeyboardInterrupt`` subclass, so code that handles Ctrl-C handles it too.
+  """
+
+  def __init__(self, signum: int, message: str = ""):
+    super().__init__(message)
+    self.signum = signum
+    self.exit_code = 128 + int(signum)
+
+
+class GracefulStop:
+  """Turns SIGTERM (and SIGINT) into a request to stop after the current step.
+
+  SLURM, Kubernetes and preemptible TPU/GPU VMs send SIGTERM some seconds before they
+  kill a job. Inside ``with GracefulStop() as stop:`` the first such signal only sets
+  ``stop.signum`` (and prints one line); the loop checks ``stop.requested`` between
+  steps, saves a checkpoint and raises :class:`RunInterrupted`. A second SIGINT
+  raises ``KeyboardInterrupt`` at once (Ctrl-C twice: stop now). Handlers are
+  installed only in the main thread and restored on exit.
+
+  Examples:
+    >>> import os, signal
+    >>> with GracefulStop(announce=False) as stop:
+    ...   os.kill(os.getpid(), signal.SIGTERM)
+    ...   stop.requested, stop.signame
+    (True, 'SIGTERM')
+  """
+
+  def __init__(self, signals: tuple = (signal.SIGTERM, signal.SIGINT), *,
+               announce: bool = True):
+    self.signals = signals
+    self.announce = announce
+    self.signum: Optional[int] = None
+    self._previous: dict = {}
+
+  @property
+  def requested(self) -> bool:
+    return self.signum is not None
+
+  @property
+  def signame(self) -> str:
+    return signal.Signals(self.signum).name if self.signum is not None else ""
+
+  def _handle(self, signum: int, frame: Any) -> None:
+    if self.signum is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    if self.signum is None:
+      self.signum = signum
+      if self.announce:
+        sys.stderr.write(f"\nreceived {signal.Signals(signum).name}: finishing the "
+                         "current step, saving a checkpoint, then exiting (Ctrl-C again "
+                         "to stop at once)\n")
+        sys.stderr.flush()
+
+  def __enter__(self) -> GracefulStop:
+    if threading.current_thread() is threading.main_thread():
+      for sig in self.signals:
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    for sig, previous in self._previous.items():
+      signal.signal(sig, previous)
+    self._previous = {}
+
+
 __all__ = ["METRICS_FILE", "CONFIG_FILE", "RunFolderIOError", "io_error", "to_jsonable",
            "dumps", "atomic_write_text", "write_json", "read_json", "read_metrics",
-           "rewrite_jsonl", "prepare_metrics", "MetricsWriter", "probe_run_folder"]
+           "rewrite_jsonl", "prepare_metrics", "MetricsWriter", "probe_run_folder",
+           "RunInterrupted", "GracefulStop"]

@@ -1,5 +1,10 @@
 """One process of the real multi-process test (see test_multihost.py).
 
+``python -m tests.multihost_worker lose-peer PROCESS_ID PORT VICTIM SCENARIO`` is the
+peer-loss test: 2 processes, process VICTIM kills itself with SIGKILL after 3
+all-gathers; the survivor is idle (``idle``) or inside a collective (``collective``)
+when it happens, and must end with a clear one-line error, not a C++ abort.
+
 ``python -m tests.multihost_worker OUT.npz PROCESS_ID NUM_PROCESSES PORT`` joins a
 ``jax.distributed`` job on 127.0.0.1:PORT with 2 forced CPU devices and gloo CPU
 collectives, runs ``STEPS`` sharded PPO steps per mesh layout (each process feeding
@@ -29,6 +34,7 @@ jax.config.update("jax_disable_most_optimizations", True)
 from jaxrl_llm.parallel import (gather_to_host, host_local_batch,  # noqa: E402
                                 initialize_multihost, make_mesh, shard_apply_fn,
                                 shard_batch, shard_train_step)
+from jaxrl_llm.parallel.multihost import shutdown_multihost  # noqa: E402
 from jaxrl_llm.train import init_train_state, make_train_step  # noqa: E402
 from tests import parallel_setup as S  # noqa: E402
 
@@ -73,9 +79,32 @@ def main(out, process_id, num_processes, port=None):
       arrays[f"{name}/local_rows"] = np.array(local_rows)
   np.savez(out, **arrays)
   if num_processes > 1:
-    jax.distributed.shutdown()
+    shutdown_multihost()
+
+
+def lose_peer(process_id, port, victim, scenario):
+  import signal
+  import time
+
+  from jax.experimental import multihost_utils
+  initialize_multihost(f"127.0.0.1:{port}", 2, process_id, cpu_collectives="gloo",
+                       initialization_timeout=60, heartbeat_timeout_seconds=8,
+                       peer_timeout_seconds=2)
+  for i in range(3):
+    got = multihost_utils.process_allgather(np.array([i, process_id]))
+    print(f"process {process_id} step {i} {np.asarray(got).ravel().tolist()}", flush=True)
+  if process_id == victim:
+    os.kill(os.getpid(), signal.SIGKILL)
+  if scenario == "collective":
+    time.sleep(0.5)
+    multihost_utils.process_allgather(np.array([9, process_id]))   # peer is gone
+  time.sleep(60)                 # idle (e.g. data loading) when the peer dies
+  print(f"process {process_id}: still running after 60 s", flush=True)
 
 
 if __name__ == "__main__":
+  if sys.argv[1] == "lose-peer":
+    lose_peer(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    sys.exit(0)
   main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
        int(sys.argv[4]) if len(sys.argv) > 4 else None)

@@ -4,13 +4,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxrl_llm import advantages as adv_lib
 from jaxrl_llm.advantages import (
-    discounted_returns, dr_grpo_advantages, gae, group_advantages, grpo_advantages,
-    hybrid_advantages, lambda_returns, nstep_returns, reinforce_pp_advantages,
-    remax_advantages, rloo_advantages, self_critical_advantages, broadcast_to_tokens)
+  broadcast_to_tokens,
+  discounted_returns,
+  dr_grpo_advantages,
+  gae,
+  group_advantages,
+  grpo_advantages,
+  hybrid_advantages,
+  lambda_returns,
+  nstep_returns,
+  reinforce_pp_advantages,
+  remax_advantages,
+  rloo_advantages,
+  self_critical_advantages,
+)
 from tests.utils import assert_close, assert_no_recompile, random_mask
 
 # ------------------------------------------------------------------------------------
@@ -241,7 +253,7 @@ def test_gae_all_masked_and_empty_and_bf16():
 
 @pytest.mark.parametrize("method", ["scan", "associative"])
 def test_gae_jit_vmap_grad_and_no_recompile(method):
-  r, v, m, boot = random_inputs(6)
+  r, v, m, _ = random_inputs(6)
   f = lambda r, v, m, g, l: gae(r, v, m, gamma=g, lam=l, method=method)[0]
   assert_close(jax.jit(f)(r, v, m, 0.9, 0.8), f(r, v, m, 0.9, 0.8), atol=1e-6)
   stacked = jax.vmap(f, in_axes=(0, 0, 0, None, None))(r[None].repeat(2, 0),
@@ -310,7 +322,7 @@ def test_discounted_and_lambda_returns():
        lam=st.floats(0, 1))
 def test_hybrid_properties(seed, n, mix, lam):
   r, v, m, boot = random_inputs(seed, B=3, T=12)
-  kw = dict(n=n, gamma=0.95, lam=lam, bootstrap_value=boot)
+  kw = {"n": n, "gamma": 0.95, "lam": lam, "bootstrap_value": boot}
   a1, r1 = hybrid_jit(r, v, m, mix=1.0, **kw)
   assert_close(a1, gae_jit(r, v, m, gamma=0.95, lam=lam, bootstrap_value=boot)[0],
                atol=1e-5)
@@ -447,3 +459,307 @@ def test_reinforce_pp_and_remax():
   b = np.array([0.5, -1, 2, 0], np.float32)
   assert_close(remax_advantages(r, m, b), (np_discounted(r, m, 1.0) - b[:, None]) * m,
                atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------
+# The reverse linear recurrence: both methods, any T, input validation.
+
+
+def np_recurrence(c, d, init):
+  x = np.zeros_like(d, dtype=np.float64)
+  nxt = np.asarray(init, np.float64)
+  for t in reversed(range(d.shape[1])):
+    nxt = d[:, t] + c[:, t] * nxt
+    x[:, t] = nxt
+  return x
+
+
+@pytest.mark.parametrize("method", ["scan", "associative"])
+@pytest.mark.parametrize("T", [1, 7, 8, 9, 63, 64, 65, 200, 1000])
+def test_reverse_linear_recurrence_matches_numpy(method, T):
+  rng = np.random.default_rng(T)
+  c = rng.uniform(0, 1, (3, T)).astype(np.float32)
+  c[:, ::5] = 0.0   # episode ends inside the row
+  d = rng.normal(size=(3, T)).astype(np.float32)
+  init = rng.normal(size=(3,)).astype(np.float32)
+  x = adv_lib.reverse_linear_recurrence(c, d, init, method=method)
+  assert x.shape == (3, T) and x.dtype == jnp.float32
+  assert_close(x, np_recurrence(c, d, init), atol=1e-5)
+
+
+def test_reverse_linear_recurrence_bad_inputs():
+  c = np.ones((2, 5), np.float32)
+  with pytest.raises(ValueError, match="coeffs"):
+    adv_lib.reverse_linear_recurrence(c[0], c[0], np.zeros(2, np.float32))
+  with pytest.raises(ValueError, match="inputs"):
+    adv_lib.reverse_linear_recurrence(c, c[:, :4], np.zeros(2, np.float32))
+  with pytest.raises(ValueError, match="init"):
+    adv_lib.reverse_linear_recurrence(c, c, np.zeros(3, np.float32))
+  with pytest.raises(ValueError, match="coeffs"):
+    adv_lib.reverse_linear_recurrence(c.astype(np.int32), c, np.zeros(2, np.float32))
+  with pytest.raises(ValueError, match="method"):
+    adv_lib.reverse_linear_recurrence(c, c, np.zeros(2, np.float32), method="fft")
+  with pytest.raises(ValueError, match="unroll"):
+    adv_lib.reverse_linear_recurrence(c, c, np.zeros(2, np.float32), unroll=0)
+
+
+@pytest.mark.parametrize("T", [1, 9, 100, 1000])
+def test_gae_scan_equals_associative_any_length(T):
+  r, v, m, boot = random_inputs(T, B=4, T=T)
+  for lam in (0.9, np.full(r.shape, 0.7, np.float32)):
+    a_s, r_s = gae(r, v, m, gamma=0.99, lam=lam, bootstrap_value=boot)
+    a_a, r_a = gae(r, v, m, gamma=0.99, lam=lam, bootstrap_value=boot,
+                   method="associative")
+    assert_close(a_s, a_a, atol=1e-5)
+    assert_close(r_s, r_a, atol=1e-5)
+    if T <= 100:
+      assert_close(a_s, np_gae(r, v, m, 0.99, lam, boot)[0], atol=1e-5)
+
+
+def test_gae_per_row_coefficients_equal_per_token():
+  r, v, m, boot = random_inputs(11)
+  lam_row = np.linspace(0, 1, r.shape[0]).astype(np.float32)
+  gamma_row = np.linspace(0.5, 1, r.shape[0]).astype(np.float32)
+  for method in ("scan", "associative"):
+    a_row, _ = gae(r, v, m, gamma=gamma_row, lam=lam_row, bootstrap_value=boot,
+                   method=method)
+    a_tok, _ = gae(r, v, m, gamma=np.repeat(gamma_row[:, None], r.shape[1], 1),
+                   lam=np.repeat(lam_row[:, None], r.shape[1], 1), bootstrap_value=boot,
+                   method=method)
+    assert_close(a_row, a_tok, atol=1e-5)
+    e_adv, _ = np_gae(r, v, m, gamma_row[:, None], lam_row[:, None], boot)
+    assert_close(a_row, e_adv, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------
+# Decoupled GAE and the length-adaptive lambda (VC-PPO / VAPO).
+
+
+def lam_forms(B, T, rng):
+  return {"scalar": 0.9, "row": rng.uniform(0, 1, B).astype(np.float32),
+          "token": rng.uniform(0, 1, (B, T)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("method", ["scan", "associative"])
+@pytest.mark.parametrize("form", ["scalar", "row", "token"])
+def test_decoupled_gae_equals_two_gae_calls(method, form):
+  r, v, m, boot = random_inputs(12)
+  lam_p = lam_forms(*r.shape, np.random.default_rng(0))[form]
+  adv, ret = adv_lib.decoupled_gae(r, v, m, gamma=0.97, lam_policy=lam_p, lam_value=1.0,
+                                   bootstrap_value=boot, method=method)
+  e_adv, _ = gae(r, v, m, gamma=0.97, lam=lam_p, bootstrap_value=boot, method=method)
+  _, e_ret = gae(r, v, m, gamma=0.97, lam=1.0, bootstrap_value=boot, method=method)
+  assert_close(adv, e_adv, atol=1e-5)
+  assert_close(ret, e_ret, atol=1e-5)
+  # independent NumPy loop
+  lam_np = np.broadcast_to(lam_p if np.ndim(lam_p) != 1 else lam_p[:, None], r.shape)
+  assert_close(adv, np_gae(r, v, m, 0.97, lam_np, boot)[0], atol=1e-5)
+  assert_close(ret, np_gae(r, v, m, 0.97, 1.0, boot)[1], atol=1e-5)
+  assert np.all(np.asarray(adv)[m == 0] == 0) and np.all(np.asarray(ret)[m == 0] == 0)
+
+
+def test_decoupled_gae_value_targets_are_reward_to_go():
+  r, v, m, _ = random_inputs(13)
+  _, ret = adv_lib.decoupled_gae(r, v, m, gamma=1.0, lam_policy=0.95, lam_value=1.0)
+  assert_close(ret, np_discounted(r, m, 1.0), atol=1e-5)
+  # hand fixture: one terminal reward, the targets are 1 on every valid token
+  _, ret = adv_lib.decoupled_gae(np.array([[0, 0, 0, 1.]]), np.array([[.3, 9, .1, .2]]),
+                                 np.array([[1, 0, 1, 1]]), lam_policy=0.5, lam_value=1.0)
+  assert_close(ret, [[1, 0, 1, 1]])
+
+
+def test_decoupled_gae_jit_vmap_grad_and_no_recompile():
+  r, v, m, boot = random_inputs(14)
+  f = lambda r, v, lp, lv: adv_lib.decoupled_gae(r, v, m, gamma=0.99, lam_policy=lp,
+                                                 lam_value=lv, bootstrap_value=boot)
+  lam_row = np.linspace(0.1, 0.9, r.shape[0]).astype(np.float32)
+  assert_close(jax.jit(f)(r, v, lam_row, 1.0), f(r, v, lam_row, 1.0), atol=1e-6)
+  batched = jax.vmap(f, in_axes=(0, 0, None, None))(np.stack([r, 2 * r]),
+                                                   np.stack([v, v]), lam_row, 0.5)
+  assert_close(jax.tree.map(lambda x: x[1], batched), f(2 * r, v, lam_row, 0.5),
+               atol=1e-5)
+  # gamma = lam = 1: returns are the reward-to-go, so d(sum ret)/d(values) = 0 and
+  # d(sum adv)/d(values) = -mask.
+  g = jax.grad(lambda v: jnp.sum(f(r, v, 1.0, 1.0)[0]))(v)
+  assert_close(g * m, -m, atol=1e-6)
+  assert_no_recompile(f, (r, v, lam_row, 1.0), (r, v, lam_row * 0.5, 0.9))
+
+
+def np_length_adaptive(m, alpha):
+  length = (m > 0).sum(1).astype(np.float64)
+  return np.clip(1 - 1 / np.maximum(alpha * length, 1), 0, 1)
+
+
+def test_length_adaptive_lambda_fixtures_and_numpy():
+  lengths = np.array([100, 500, 1000, 20, 21, 1, 0])
+  m = (np.arange(1000)[None, :] < lengths[:, None]).astype(np.float32)
+  lam = adv_lib.length_adaptive_lambda(m)
+  assert lam.shape == (7,) and lam.dtype == jnp.float32
+  assert_close(lam, [0.80, 0.96, 0.98, 0.0, 1 - 1 / 1.05, 0.0, 0.0], atol=1e-6)
+  rng = np.random.default_rng(0)
+  for alpha in (0.01, 0.05, 0.5):
+    mr = random_mask(rng, 6, 300)
+    assert_close(adv_lib.length_adaptive_lambda(mr, alpha=alpha),
+                 np_length_adaptive(mr, alpha), atol=1e-6)
+  # the masked holes do not count; a boolean mask works
+  assert_close(adv_lib.length_adaptive_lambda(mr > 0, alpha=0.05),
+               np_length_adaptive(mr, 0.05), atol=1e-6)
+
+
+def test_length_adaptive_lambda_jit_vmap_no_recompile_and_feeds_decoupled_gae():
+  r, v, m, _ = random_inputs(15, T=64)
+  f = lambda m, a: adv_lib.length_adaptive_lambda(m, alpha=a)
+  assert_close(jax.jit(f)(m, 0.1), np_length_adaptive(m, 0.1), atol=1e-6)
+  assert_close(jax.vmap(f, in_axes=(0, None))(np.stack([m, m]), 0.1)[1],
+               np_length_adaptive(m, 0.1), atol=1e-6)
+  assert_no_recompile(f, (m, 0.05), (m, 0.2))
+  lam = adv_lib.length_adaptive_lambda(m, alpha=0.1)
+  adv, _ = adv_lib.decoupled_gae(r, v, m, lam_policy=lam, lam_value=1.0)
+  assert_close(adv, np_gae(r, v, m, 1.0, np.asarray(lam)[:, None], None)[0], atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------
+# Masking contract: whatever sits at a masked position (NaN, inf) changes nothing.
+
+
+def _poison(x, m, value):
+  return np.where(m > 0, x, value).astype(x.dtype)
+
+
+def _token_estimators(method):
+  """Every public token-level estimator as f(rewards, values, mask, gamma, lam)."""
+  kw = {"method": method}
+  return {
+      "gae": lambda r, v, m, g, l, b: gae(r, v, m, gamma=g, lam=l, bootstrap_value=b, **kw),
+      "gae_trl": lambda r, v, m, g, l, b: gae(r, v, m, gamma=0.9, lam=0.8,
+                                             bootstrap_value=b, transparent_mask=False,
+                                             **kw),
+      "decoupled_gae": lambda r, v, m, g, l, b: adv_lib.decoupled_gae(
+          r, v, m, gamma=g, lam_policy=l, lam_value=1.0, bootstrap_value=b, **kw),
+      "lambda_returns": lambda r, v, m, g, l, b: lambda_returns(
+          r, v, m, gamma=g, lam=l, bootstrap_value=b, **kw),
+      "discounted_returns": lambda r, v, m, g, l, b: discounted_returns(
+          r, m, gamma=g, bootstrap_value=b, **kw),
+      "nstep_returns": lambda r, v, m, g, l, b: nstep_returns(
+          r, v, m, n=3, gamma=g, bootstrap_value=b),
+      "hybrid_advantages": lambda r, v, m, g, l, b: hybrid_advantages(
+          r, v, m, n=2, gamma=g, lam=l, mix=0.3, bootstrap_value=b, **kw),
+      "reverse_linear_recurrence": lambda r, v, m, g, l, b: adv_lib.reverse_linear_recurrence(
+          np.where(m > 0, 0.9, 1.0).astype(np.float32), np.where(m > 0, r, 0.0), b,
+          method=method) * (m > 0),
+      "reinforce_pp": lambda r, v, m, g, l, b: reinforce_pp_advantages(r, m, gamma=g),
+      "reinforce_pp_baseline": lambda r, v, m, g, l, b: reinforce_pp_advantages(
+          r, m, group_size=2),
+      "remax": lambda r, v, m, g, l, b: remax_advantages(r, m, b),
+      "broadcast_to_tokens": lambda r, v, m, g, l, b: broadcast_to_tokens(
+          np.where(m.sum(1) > 0, b, np.nan).astype(np.float32), m),
+      "length_adaptive_lambda": lambda r, v, m, g, l, b: adv_lib.length_adaptive_lambda(m),
+  }
+
+
+@pytest.mark.parametrize("method", ["scan", "associative"])
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf, 3e38])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_masked_inputs_change_nothing_in_any_estimator(method, poison, seed):
+  r, v, m, boot = random_inputs(seed, B=6, T=13)
+  m[0, 3] = 0   # a hole inside a response
+  rng = np.random.default_rng(seed)
+  gamma = rng.uniform(0.5, 1, r.shape).astype(np.float32)
+  lam = rng.uniform(0, 1, r.shape).astype(np.float32)
+  for name, f in _token_estimators(method).items():
+    for g, l in ((0.95, 0.9), (gamma, lam)):
+      if name == "gae_trl" and not np.isscalar(g):
+        continue
+      clean = f(r, v, m, g, l, boot)
+      bad_g = g if np.isscalar(g) else _poison(g, m, poison)
+      bad_l = l if np.isscalar(l) else _poison(l, m, poison)
+      dirty = f(_poison(r, m, poison), _poison(v, m, poison), m, bad_g, bad_l, boot)
+      for c, d in zip(jax.tree.leaves(clean), jax.tree.leaves(dirty)):
+        c, d = np.asarray(c), np.asarray(d)
+        assert np.all(np.isfinite(d)), name
+        np.testing.assert_array_equal(d, c, err_msg=f"{name} changed by {poison}")
+        if c.ndim == 2:
+          assert np.all(c[m == 0] == 0), name
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_group_estimators_ignore_invalid_rows(poison):
+  rng = np.random.default_rng(0)
+  s = rng.normal(size=(8,)).astype(np.float32)
+  valid = np.array([1, 1, 0, 1, 1, 1, 1, 0], np.float32)
+  dirty = np.where(valid > 0, s, poison).astype(np.float32)
+  fns = {"grpo": lambda s: grpo_advantages(s, group_size=4, valid=valid),
+         "rloo": lambda s: rloo_advantages(s, group_size=4, valid=valid),
+         "dr_grpo": lambda s: dr_grpo_advantages(s, group_size=4, valid=valid),
+         "batch": lambda s: group_advantages(s, group_size=2, scale="batch", valid=valid),
+         "ids": lambda s: group_advantages(s, group_ids=np.array([0, 0, 1, 1, 0, 1, 5, -1]),
+                                           num_groups=2, valid=valid)}
+  for name, f in fns.items():
+    np.testing.assert_array_equal(np.asarray(f(dirty)), np.asarray(f(s)), err_msg=name)
+    assert np.all(np.asarray(f(dirty))[valid == 0] == 0), name
+
+
+@pytest.mark.parametrize("method", ["scan", "associative"])
+def test_masked_nan_leaves_gradients_finite_and_unchanged(method):
+  r, v, m, boot = random_inputs(3)
+  rng = np.random.default_rng(3)
+  lam = rng.uniform(0, 1, r.shape).astype(np.float32)
+  for lam_ in (0.9, lam):
+    def loss(r, v, lam_=lam_):
+      adv, ret = gae(r, v, m, gamma=0.99, lam=lam_, bootstrap_value=boot, method=method)
+      return jnp.sum(adv ** 2) + jnp.sum(ret)
+    g_clean = jax.grad(loss, argnums=(0, 1))(r, v)
+    g_dirty = jax.grad(loss, argnums=(0, 1))(_poison(r, m, np.nan), _poison(v, m, np.inf))
+    for c, d in zip(g_clean, g_dirty):
+      np.testing.assert_array_equal(np.asarray(d), np.asarray(c))
+      assert np.all(np.asarray(c)[m == 0] == 0)
+
+
+# ------------------------------------------------------------------------------------
+# Documented numeric ranges: a concrete number outside raises, naming the argument.
+
+_R, _V, _M, _ = random_inputs(20, B=4, T=6)
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda: gae(_R, _V, _M, lam=1.5), "lam"),
+    (lambda: gae(_R, _V, _M, gamma=-1), "gamma"),
+    (lambda: gae(_R, _V, _M, gamma=1.01), "gamma"),
+    (lambda: gae(_R, _V, _M, lam=float("nan")), "lam"),
+    (lambda: gae(_R, _V, _M, lam=-0.1, transparent_mask=False), "lam"),
+    (lambda: lambda_returns(_R, _V, _M, lam=2.0), "lam"),
+    (lambda: discounted_returns(_R, _M, gamma=-0.5), "gamma"),
+    (lambda: nstep_returns(_R, _V, _M, n=2, gamma=1.5), "gamma"),
+    (lambda: nstep_returns(_R, _V, _M, n=True), "`n`"),
+    (lambda: hybrid_advantages(_R, _V, _M, n=2, mix=2.0), "mix"),
+    (lambda: hybrid_advantages(_R, _V, _M, n=2, mix=-0.1), "mix"),
+    (lambda: hybrid_advantages(_R, _V, _M, n=2, lam=1.2), "lam"),
+    (lambda: adv_lib.decoupled_gae(_R, _V, _M, lam_policy=1.1, lam_value=1.0),
+     "lam_policy"),
+    (lambda: adv_lib.decoupled_gae(_R, _V, _M, lam_policy=0.9, lam_value=-1),
+     "lam_value"),
+    (lambda: adv_lib.decoupled_gae(_R, _V, _M, lam_policy=np.zeros(3), lam_value=1.0),
+     "lam_policy"),
+    (lambda: adv_lib.length_adaptive_lambda(_M, alpha=0.0), "alpha"),
+    (lambda: adv_lib.length_adaptive_lambda(_M, alpha=-1), "alpha"),
+    (lambda: adv_lib.length_adaptive_lambda(_M[0]), "mask"),
+    (lambda: reinforce_pp_advantages(_R, _M, eps=-1), "eps"),
+    (lambda: reinforce_pp_advantages(_R, _M, gamma=3.0), "gamma"),
+    (lambda: reinforce_pp_advantages(_R, _M, gamma=3.0, group_size=2), "gamma"),
+    (lambda: group_advantages(np.zeros(4, np.float32), group_size=2, eps=-1e-6), "eps"),
+    (lambda: group_advantages(np.zeros(4, np.float32), group_size=2, ddof=-1), "ddof"),
+    (lambda: grpo_advantages(np.zeros(4, np.float32), group_size=2, eps=-1), "eps"),
+])
+def test_out_of_range_numbers_raise_naming_the_argument(call, name):
+  with pytest.raises(ValueError, match=name):
+    call()
+
+
+def test_range_edges_and_traced_values_are_accepted():
+  for g, l in ((0, 0), (1, 1), (0.0, 1.0)):
+    gae(_R, _V, _M, gamma=g, lam=l)
+  adv_lib.length_adaptive_lambda(_M, alpha=1e-9)
+  hybrid_advantages(_R, _V, _M, n=1, mix=0)
+  # traced values cannot be checked: they are used as given, under jit
+  out = jax.jit(lambda l: gae(_R, _V, _M, lam=l)[0])(1.5)
+  assert np.all(np.isfinite(np.asarray(out)))

@@ -106,6 +106,31 @@ def test_adaptive_kl_jit_no_recompile_and_errors():
     adaptive_kl_update(state, jnp.ones(3), 64)
 
 
+@pytest.mark.parametrize("name,call", [
+    ("init_coef", lambda: adaptive_kl_init(-1)),
+    ("init_coef", lambda: adaptive_kl_init(float("nan"))),
+    ("target", lambda: adaptive_kl_init(0.1, target=-0.1)),
+    ("horizon", lambda: adaptive_kl_init(0.1, horizon=0)),
+    ("n_steps", lambda: adaptive_kl_update(adaptive_kl_init(0.1), 0.1, -1)),
+    ("init_eps", lambda: adaptive_clip_init(5.0)),
+    ("init_eps", lambda: adaptive_clip_init(0.01)),
+    ("init_eps", lambda: adaptive_clip_init(0.2, eps_min=0.25, eps_max=0.3)),
+    ("eps_min", lambda: adaptive_clip_init(0.2, eps_min=-0.1)),
+])
+def test_controller_range_errors_name_the_argument(name, call):
+  with pytest.raises(ValueError, match=f"`{name}`"):
+    call()
+
+
+def test_controller_range_boundaries_and_traced_values():
+  assert float(adaptive_kl_init(0.0).coef) == 0.0  # no KL: allowed, stays 0
+  assert float(adaptive_clip_init(0.3).eps) == pytest.approx(0.3)   # == eps_max
+  assert float(adaptive_clip_init(0.05).eps) == pytest.approx(0.05)  # == eps_min
+  # A traced init_eps cannot be checked: it is clipped into [eps_min, eps_max].
+  eps = jax.jit(lambda e: adaptive_clip_init(e).eps)(5.0)
+  assert float(eps) == pytest.approx(0.3)
+
+
 # -------------------------------------------------------------------- adaptive clip
 
 
@@ -120,8 +145,11 @@ def test_adaptive_clip_fixture_and_state():
   assert_close(adaptive_clip_update(state, 100.0).eps, 0.2 * np.exp(-0.1), atol=1e-7)
   clipfrac = adaptive_clip_init(metric="clipfrac")
   assert_close(clipfrac.target, 0.15, atol=1e-8)
-  # init_eps outside the bounds is clipped into them.
-  assert_close(adaptive_clip_init(0.9).eps, 0.3, atol=1e-8)
+  # init_eps outside the bounds: a Python number raises (issue 14), a traced one is
+  # clipped into them.
+  with pytest.raises(ValueError, match="init_eps"):
+    adaptive_clip_init(0.9)
+  assert_close(jax.jit(lambda e: adaptive_clip_init(e).eps)(0.9), 0.3, atol=1e-8)
 
 
 @settings(max_examples=25, deadline=None)

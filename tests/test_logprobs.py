@@ -421,6 +421,9 @@ def test_from_hidden_bad_inputs():
     token_logprobs_from_hidden(h, w, y, chunk_size=0)
   with pytest.raises(ValueError, match="temperature"):
     token_logprobs_from_hidden(h, w, y, temperature=jnp.ones(2))
+  for bad in (0, 0.0, -1.0, np.float32(0.0), float("nan")):
+    with pytest.raises(ValueError, match="`temperature` must be > 0"):
+      token_logprobs_from_hidden(h, w, y, temperature=bad)
 
 
 def test_from_hidden_empty_sequence():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import functools
 import math
 
 import jax
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from jaxrl_llm import losses
 from jaxrl_llm.losses import (
     AGGREGATION_MODES,
+    KL_KINDS,
     aggregate,
     aggregate_parts,
     cispo_policy_loss,
@@ -25,6 +27,7 @@ from jaxrl_llm.losses import (
     kl_penalty,
     ppo_policy_loss,
     reinforce_policy_loss,
+    rollout_correction_weights,
     sapo_policy_loss,
     value_loss,
 )
@@ -366,7 +369,7 @@ def test_ppo_clip_schedule_no_recompile():
   for step in (0, 25, 50, 100, 200):
     loss, clipfrac = jitted(jnp.asarray(step))
     eps = 0.2 - 0.15 * min(step, 100) / 100
-    ref_loss, ref_m = ref_ppo(logp, old, adv, mask, lo=eps)
+    ref_loss, _ = ref_ppo(logp, old, adv, mask, lo=eps)
     assert_close(loss, ref_aggregate(ref_loss, mask, "token-mean"), atol=1e-5)
     clipfracs.append(float(clipfrac))
   assert jitted._cache_size() == 1
@@ -442,8 +445,9 @@ def test_cispo_gradient_is_weighted_policy_gradient():
                        ("verl", np.clip(ratio, 0.8, 1.28))]:
     lo = None if mode == "trl" else 0.2
     hi = 2.0 if mode == "trl" else 0.28
-    f = lambda lp: aggregate(cispo_policy_loss(lp, old, adv, mask, clip_low=lo,
-                                               clip_high=hi, mode=mode)[0], mask)
+    f = lambda lp, lo=lo, hi=hi, mode=mode: aggregate(
+        cispo_policy_loss(lp, old, adv, mask, clip_low=lo, clip_high=hi, mode=mode)[0],
+        mask)
     grad = jax.grad(f)(jnp.asarray(logp))
     # Every valid token keeps a gradient (no token is dropped by the clip).
     assert_close(grad, -weight * adv * mask / mask.sum(), atol=1e-6, rtol=1e-5)
@@ -552,8 +556,8 @@ def test_masked_positions_do_not_matter(name):
   assert np.all(np.asarray(dirty_loss)[holes] == 0)
 
   for mode in ("token-mean", "seq-mean-token-mean"):
-    g = jax.grad(lambda lp: aggregate(fn(lp, dirty[1], dirty[2], mask)[0], mask, mode))(
-        jnp.asarray(dirty[0]))
+    g = jax.grad(lambda lp, mode=mode: aggregate(fn(lp, dirty[1], dirty[2], mask)[0],
+                                                 mask, mode))(jnp.asarray(dirty[0]))
     g = np.asarray(g)
     assert np.all(np.isfinite(g)), (name, mode)
     assert np.all(g[holes] == 0), (name, mode)
@@ -746,13 +750,43 @@ def test_kl_matches_numpy_and_plus_gradient(kind):
     assert_close(grad_ref, ref - logp, atol=1e-5)
 
 
-@settings(max_examples=25, deadline=None)
-@given(x=st.lists(st.floats(-30.0, 30.0), min_size=T, max_size=T))
-def test_kl_estimators_nonnegative_and_finite(x):
-  x = np.asarray(x, np.float32)
-  for kind in ("k2", "k3", "abs"):
-    out = np.asarray(kl_penalty(x, np.zeros_like(x), kind))
-    assert np.all(np.isfinite(out)) and np.all(out >= 0)
+def _kl_probe_points():
+  """float32 log-ratios that stress k3: random ones (200 fixed seeds), every float32
+  within 4096 ulps of 0 on both sides, and a dense grid of small values (where
+  exp(y) - y - 1 used to round to -5.96e-08)."""
+  rng = np.random.default_rng(1234)
+  parts = [rng.uniform(-30.0, 30.0, 200 * T), rng.normal(0.0, 1e-3, 200 * T),
+           np.linspace(-1e-2, 1e-2, 200_001), np.linspace(-1.0, 1.0, 200_001)]
+  tiny = np.arange(0, 4096, dtype=np.int32).view(np.float32)
+  parts += [tiny, -tiny]
+  return np.concatenate([np.asarray(p, np.float32) for p in parts])
+
+
+_KL_NONNEG_KINDS = ("k2", "k3", "abs", "k2+", "k3+", "abs+")
+
+
+@jax.jit
+def _kl_nonneg(x):
+  return {kind: kl_penalty(x, jnp.zeros_like(x), kind) for kind in _KL_NONNEG_KINDS}
+
+
+def test_kl_estimators_nonnegative_and_finite():
+  """k3 = expm1(-x) + x is never below 0 in float32 (the old exp form gave -5.96e-08)."""
+  x = _kl_probe_points()
+  for kind, out in _kl_nonneg(x).items():
+    out = np.asarray(out)
+    assert np.all(np.isfinite(out)), kind
+    assert np.all(out >= 0), (kind, x[out < 0][:5], out[out < 0][:5])
+  # The textbook form does go negative on these points: the probe exercises the bug.
+  y = np.clip(-x, -20, 20)
+  old = np.asarray(jnp.exp(y) - y - 1.0)
+  assert np.any(old < 0)
+  # k3 at exactly 0 is exactly 0, and matches the float64 value elsewhere (to the
+  # float32 cancellation error of expm1(y) - y, about ulp(y)).
+  k3 = np.asarray(_kl_nonneg(x)["k3"], np.float64)
+  assert k3[x == 0].max() == 0.0
+  y64 = np.clip(-x.astype(np.float64), -20, 20)
+  assert_close(k3, np.expm1(y64) - y64, rtol=2e-6, atol=5e-8)
 
 
 def test_kl_mask_clamp_dtype_and_errors():
@@ -925,3 +959,333 @@ def test_aggregate_grad_jit_no_recompile_and_errors():
 def test_doctests():
   result = doctest.testmod(losses, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 5 and result.failed == 0
+
+
+# ---------------------------------------------------------- GSPO dual clip, uniform clips
+
+
+def test_gspo_dual_clip_matches_numpy_and_ppo():
+  logp, old, adv, mask = make_inputs(32, seq_adv=True, spread=1.5)
+  for lo, hi, c in [(3e-4, 4e-4, 3.0), (0.05, 0.1, 1.5)]:
+    loss, m = gspo_policy_loss(logp, old, adv, mask, clip_low=lo, clip_high=hi,
+                               dual_clip=c)
+    # Reference: the sequence ratio per row, then PPO's rule per token.
+    ref = np.zeros(mask.shape)
+    lower = np.zeros(mask.shape)
+    for b in range(B):
+      n = int(mask[b].sum())
+      s = math.exp(min(sum(float(logp[b, t]) - float(old[b, t]) for t in range(T)
+                           if mask[b, t]) / max(n, 1), 10.0))
+      a = float(adv[b])
+      lc = max(-a * s, -a * min(max(s, 1 - lo), 1 + hi))
+      for t in range(T):
+        if mask[b, t]:
+          ref[b, t] = min(lc, -a * c) if a < 0 else lc
+          lower[b, t] = a < 0 and lc > -a * c
+    assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    assert_close(m["pg_clipfrac_lower"], np_masked_mean(lower, mask), atol=1e-6)
+  assert float(m["pg_clipfrac_lower"]) > 0  # the second setting exercises the clip
+  # Constant token ratios: GSPO with dual clip is PPO with dual clip.
+  shift = np.random.default_rng(31).normal(0, 1.0, (B, 1)).astype(np.float32)
+  gspo, _ = gspo_policy_loss(logp, logp - shift, adv, mask, clip_low=0.1, clip_high=None,
+                             dual_clip=2.0)
+  ppo, _ = ppo_policy_loss(logp, logp - shift, adv, mask, clip_low=0.1, dual_clip=2.0)
+  assert_close(gspo, ppo, atol=1e-5, rtol=1e-5)
+  # Where the dual clip binds the loss is the constant -A c: zero gradient there.
+  g = jax.grad(lambda lp: aggregate(gspo_policy_loss(lp, old, adv, mask, clip_low=0.05,
+                                                     clip_high=0.1, dual_clip=1.5)[0],
+                                    mask, "seq-mean-token-mean"))(jnp.asarray(logp))
+  assert np.all(np.asarray(g)[lower > 0] == 0)
+  assert_no_recompile(lambda c: gspo_policy_loss(logp, old, adv, mask, dual_clip=c),
+                      (3.0,), (10.0,))
+
+
+def test_clip_high_none_means_symmetric():
+  logp, old, adv, mask = make_inputs(32, seq_adv=True, spread=0.8)
+  cispo_verl = functools.partial(cispo_policy_loss, mode="verl")
+  for fn, eps in [(ppo_policy_loss, 0.2), (gspo_policy_loss, 0.01), (gmpo_policy_loss, 0.3),
+                  (cispo_verl, 0.2)]:
+    sym, _ = fn(logp, old, adv, mask, clip_low=eps, clip_high=None)
+    both, _ = fn(logp, old, adv, mask, clip_low=eps, clip_high=eps)
+    assert_close(sym, both, atol=0, rtol=0)
+  for kwargs in ({"clip_high": None}, {"clip_high": None, "mode": "verl"}):
+    with pytest.raises(ValueError, match="clip_high"):
+      cispo_policy_loss(logp, old, adv, mask, **kwargs)
+
+
+# ------------------------------------------------------------------------ range checks
+
+_LP, _OLD, _ADV, _MASK = make_inputs(33)
+RANGE_ERRORS = [  # (argument named in the message, call)
+    ("clip_low", lambda: ppo_policy_loss(_LP, _OLD, _ADV, _MASK, clip_low=-0.2)),
+    ("clip_high", lambda: ppo_policy_loss(_LP, _OLD, _ADV, _MASK, clip_high=-0.1)),
+    ("clip_low", lambda: ppo_policy_loss(_LP, _OLD, _ADV, _MASK, clip_low=float("nan"))),
+    ("log_ratio_clamp", lambda: ppo_policy_loss(_LP, _OLD, _ADV, _MASK, log_ratio_clamp=0)),
+    ("clip_low", lambda: gspo_policy_loss(_LP, _OLD, _ADV, _MASK, clip_low=-3e-4)),
+    ("clip_high", lambda: gspo_policy_loss(_LP, _OLD, _ADV, _MASK, clip_high=-1.0)),
+    ("dual_clip", lambda: gspo_policy_loss(_LP, _OLD, _ADV, _MASK, dual_clip=0.5)),
+    ("log_ratio_clamp", lambda: gspo_policy_loss(_LP, _OLD, _ADV, _MASK,
+                                                 log_ratio_clamp=-1.0)),
+    ("clip_low", lambda: gmpo_policy_loss(_LP, _OLD, _ADV, _MASK, clip_low=-0.4)),
+    ("clip_high", lambda: gmpo_policy_loss(_LP, _OLD, _ADV, _MASK, clip_high=-0.4)),
+    ("clip_high", lambda: cispo_policy_loss(_LP, _OLD, _ADV, _MASK, clip_high=0.0)),
+    ("clip_low", lambda: cispo_policy_loss(_LP, _OLD, _ADV, _MASK, clip_low=-0.2,
+                                           mode="verl")),
+    ("clip_high", lambda: cispo_policy_loss(_LP, _OLD, _ADV, _MASK, clip_high=-0.1,
+                                            mode="verl")),
+    ("tau_pos", lambda: sapo_policy_loss(_LP, _OLD, _ADV, _MASK, tau_pos=-1.0)),
+    ("log_ratio_clamp", lambda: sapo_policy_loss(_LP, _OLD, _ADV, _MASK,
+                                                 log_ratio_clamp=0.0)),
+    ("is_clip", lambda: reinforce_policy_loss(_LP, _ADV, _MASK, old_logp=_OLD,
+                                              is_clip=-1)),
+    ("is_clip", lambda: reinforce_policy_loss(_LP, _ADV, _MASK, old_logp=_OLD,
+                                              is_clip=0.0)),
+    ("clip", lambda: value_loss(_LP, _OLD, _ADV, _MASK, clip=-0.5)),
+    ("clamp", lambda: kl_penalty(_LP, _OLD, "k3", clamp=-1)),
+    ("clamp", lambda: kl_penalty(_LP, _OLD, "k1+", clamp=0.0)),
+    ("norm_length", lambda: aggregate(_LP, _MASK, "seq-mean-token-sum-norm",
+                                      norm_length=-3)),
+    ("threshold", lambda: rollout_correction_weights(_LP, _MASK, threshold=0.0)),
+    ("threshold", lambda: rollout_correction_weights(_LP, _MASK, threshold=-2)),
+    ("lower", lambda: rollout_correction_weights(_LP, _MASK, lower=-0.1)),
+    ("lower", lambda: rollout_correction_weights(_LP, _MASK, threshold=2.0, lower=3.0)),
+    ("level", lambda: rollout_correction_weights(_LP, _MASK, level="batch")),
+    ("mask", lambda: rollout_correction_weights(_LP, _MASK[:, :2])),
+    ("log_ratio", lambda: rollout_correction_weights(_LP[0], _MASK[0])),
+    ("log_ratio", lambda: rollout_correction_weights(_LP.astype(np.int32), _MASK)),
+]
+
+
+@pytest.mark.parametrize("name,call", RANGE_ERRORS,
+                         ids=[f"{i}-{n}" for i, (n, _) in enumerate(RANGE_ERRORS)])
+def test_out_of_range_numbers_raise_naming_the_argument(name, call):
+  with pytest.raises(ValueError, match=f"`{name}`"):
+    call()
+
+
+def test_range_checks_skip_traced_values_and_accept_boundaries():
+  # Traced coefficients cannot be checked (data cannot raise under jit): finite output.
+  loss, _ = jax.jit(lambda lo: ppo_policy_loss(_LP, _OLD, _ADV, _MASK, clip_low=lo))(-0.2)
+  assert np.all(np.isfinite(loss))
+  w, _ = jax.jit(lambda lo: rollout_correction_weights(_LP - _OLD, _MASK, lower=lo))(5.0)
+  assert np.all(np.isfinite(w))
+  # Boundary values are allowed: zero clip ranges, lower == threshold, numpy scalars.
+  ppo_policy_loss(_LP, _OLD, _ADV, _MASK, clip_low=0.0, clip_high=np.float32(0.0))
+  gmpo_policy_loss(_LP, _OLD, _ADV, _MASK, clip_low=0, clip_high=0)
+  value_loss(_LP, _OLD, _ADV, _MASK, clip=0.0)
+  rollout_correction_weights(_LP - _OLD, _MASK, threshold=1.0, lower=1.0)
+
+
+# ------------------------------------------------------------------ rollout correction
+
+
+def ref_rollout(log_ratio, mask, level, threshold, lower):
+  """The verl rule in plain Python (float64): weights and metrics."""
+  w = np.zeros(mask.shape)
+  rho = np.zeros(mask.shape)
+  for b in range(mask.shape[0]):
+    seq = sum(float(log_ratio[b, t]) for t in range(mask.shape[1]) if mask[b, t])
+    for t in range(mask.shape[1]):
+      if not mask[b, t]:
+        continue
+      ell = seq if level == "sequence" else float(log_ratio[b, t])
+      r = math.exp(min(max(ell, -20.0), 20.0))
+      rho[b, t] = r
+      if lower is None:
+        w[b, t] = min(r, threshold)
+      else:
+        w[b, t] = r if lower <= r <= threshold else 0.0
+  valid = mask > 0
+  n = valid.sum()
+  metrics = {
+      "rollout_is_mean": np_masked_mean(w, mask),
+      "rollout_is_max": float(rho[valid].max()) if n else 0.0,
+      "rollout_is_clipfrac": np_masked_mean((w != rho).astype(float), mask),
+      "rollout_is_ess": (float(w.sum() ** 2 / (n * np.square(w).sum()))
+                         if np.square(w).sum() > 0 else 0.0),
+  }
+  return w, metrics
+
+
+def make_log_ratio(seed, batch=B, time=T, scale=0.8):
+  rng = np.random.default_rng(seed)
+  mask = random_mask(rng, batch, time)
+  return (scale * rng.standard_normal((batch, time))).astype(np.float32), mask
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("threshold,lower", [(2.0, None), (5.0, None), (2.0, 0.5),
+                                             (5.0, 0.5), (1.5, 0.9)])
+def test_rollout_correction_matches_numpy(level, threshold, lower):
+  for seed in (40, 41, 42):
+    log_ratio, mask = make_log_ratio(seed)
+    w, m = rollout_correction_weights(log_ratio, mask, level=level, threshold=threshold,
+                                      lower=lower)
+    ref_w, ref_m = ref_rollout(log_ratio, mask, level, threshold, lower)
+    assert w.shape == (B, T) and w.dtype == jnp.float32
+    assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
+    assert set(m) == set(ref_m)
+    assert_close(m, ref_m, atol=1e-6, rtol=1e-5)
+    assert np.all(np.asarray(w)[mask == 0] == 0)
+    if level == "sequence":  # one weight per row
+      for b in range(B):
+        row = np.asarray(w)[b][mask[b] > 0]
+        assert np.all(row == row[:1])
+
+
+def test_rollout_correction_hand_fixture_and_clamp():
+  lr = jnp.log(jnp.array([[1.0, 3.0, 0.25, 0.5]]))
+  mask = jnp.array([[1.0, 1.0, 1.0, 0.0]])
+  w, m = rollout_correction_weights(lr, mask)
+  assert_close(w, [[1.0, 2.0, 0.25, 0.0]], atol=1e-6)
+  assert_close(m, {"rollout_is_mean": 3.25 / 3, "rollout_is_max": 3.0,
+                   "rollout_is_clipfrac": 1 / 3,
+                   "rollout_is_ess": 3.25**2 / (3 * (1 + 4 + 0.0625))}, atol=1e-6)
+  w, _ = rollout_correction_weights(lr, mask, lower=0.25)  # both ends are inclusive
+  assert_close(w, [[1.0, 0.0, 0.25, 0.0]], atol=1e-6)
+  w, _ = rollout_correction_weights(lr, mask, level="sequence", lower=0.5)
+  assert_close(w, [[0.75, 0.75, 0.75, 0.0]], atol=1e-6)
+  # Log-ratios are clamped at +-20 (verl's SAFETY_BOUND), sequence sums included.
+  big = jnp.array([[30.0, 30.0], [-30.0, -30.0]])
+  w, m = rollout_correction_weights(big, jnp.ones((2, 2)), threshold=1e9)
+  assert_close(w, [[math.exp(20)] * 2, [math.exp(-20)] * 2], rtol=1e-5, atol=0)
+  assert_close(m["rollout_is_max"], math.exp(20), rtol=1e-5)
+  w, _ = rollout_correction_weights(big, jnp.ones((2, 2)), level="sequence",
+                                    threshold=1e9)
+  assert_close(w, [[math.exp(20)] * 2, [math.exp(-20)] * 2], rtol=1e-5, atol=0)
+  # All-masked batch: zero weights and zero metrics, no NaN.
+  w, m = rollout_correction_weights(big, jnp.zeros((2, 2)))
+  assert np.all(np.asarray(w) == 0)
+  assert all(float(x) == 0.0 for x in m.values())
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_correction_exactly_one_when_policies_agree(level):
+  rng = np.random.default_rng(43)
+  mask = random_mask(rng, B, T)
+  logp = -rng.exponential(2.0, (B, T)).astype(np.float32)
+  for lower in (None, 0.5, 1.0):
+    w, m = rollout_correction_weights(jnp.asarray(logp) - jnp.asarray(logp), mask,
+                                      level=level, lower=lower)
+    assert np.all(np.asarray(w) == mask)  # exactly 1 on valid tokens, 0 elsewhere
+    assert float(m["rollout_is_clipfrac"]) == 0.0
+    assert float(m["rollout_is_ess"]) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_rollout_correction_nan_fault_stop_gradient_dtype():
+  log_ratio, mask = make_log_ratio(44)
+  bad = log_ratio.copy()
+  b, t = np.argwhere(mask > 0)[0]
+  bad[b, t] = np.nan
+  w, m = rollout_correction_weights(bad, mask)
+  w = np.asarray(w)
+  assert np.all(np.isfinite(w)) and w[b, t] == 0  # NaN at a valid token: weight 0
+  assert all(np.isfinite(float(x)) for x in m.values())
+  w_seq, _ = rollout_correction_weights(bad, mask, level="sequence")
+  assert np.all(np.asarray(w_seq)[b] == 0)  # ... on its whole row at sequence level
+  # Stop-gradient: no gradient flows into the log-ratio.
+  for level in ("token", "sequence"):
+    g = jax.grad(lambda x, lvl=level: jnp.sum(
+        rollout_correction_weights(x, mask, level=lvl)[0] * x))(jnp.asarray(log_ratio))
+    assert_close(g, np.asarray(rollout_correction_weights(log_ratio, mask,
+                                                          level=level)[0]), atol=0, rtol=0)
+  w_bf, m_bf = rollout_correction_weights(jnp.asarray(log_ratio, jnp.bfloat16), mask)
+  assert w_bf.dtype == jnp.bfloat16
+  assert all(x.dtype == jnp.float32 and x.shape == () for x in m_bf.values())
+
+
+def _rollout_traced(log_ratio, mask, threshold, lower, *, level):
+  return rollout_correction_weights(log_ratio, mask, level=level, threshold=threshold,
+                                    lower=lower)
+
+
+def test_rollout_correction_jit_vmap_no_recompile():
+  log_ratio, mask = make_log_ratio(45)
+  stack = np.stack([log_ratio, log_ratio[::-1] * 2]), np.stack([mask, mask[::-1]])
+  for level in ("token", "sequence"):
+    fn = functools.partial(_rollout_traced, level=level)
+    out = jax.jit(jax.vmap(fn, in_axes=(0, 0, None, None)))(*stack, 2.0, 0.5)
+    for i in range(2):
+      w, m = fn(stack[0][i], stack[1][i], 2.0, 0.5)
+      assert_close(out[0][i], w, atol=0, rtol=0)
+      assert_close({k: v[i] for k, v in out[1].items()}, m, atol=1e-7)
+    assert_no_recompile(functools.partial(fn, log_ratio, mask), (2.0, 0.5),
+                        (5.0, 0.2), (1.5, 1.0))
+    assert_no_recompile(functools.partial(fn, log_ratio, mask, lower=None),
+                        (2.0,), (3.0,))
+
+
+# ------------------------------------------- masked inputs never matter (NaN, inf, huge)
+
+def _policy_tok(f, a, b, c, cs, m):
+  return f(a, b, c, m)
+
+
+def _policy_seq(f, a, b, c, cs, m):
+  return f(a, b, cs, m)
+
+
+def _kl(kind, a, b, c, cs, m):
+  return kl_penalty(a, b, kind, clamp=10.0, mask=m)
+
+
+def _agg(mode, a, b, c, cs, m):
+  return aggregate(a, m, mode), aggregate_parts(a, m, mode)
+
+
+def _is_weights(level, lower, a, b, c, cs, m):
+  return rollout_correction_weights(a - b, m, level=level, lower=lower)
+
+
+ESTIMATORS = {
+    # name: fn(a, b, c, c_seq, mask) -> pytree; a, b, c are [B, T], c_seq is [B].
+    **{f"policy_{k}_tok": functools.partial(_policy_tok, f)
+       for k, f in POLICY_LOSSES.items()},
+    **{f"policy_{k}_seq": functools.partial(_policy_seq, f)
+       for k, f in POLICY_LOSSES.items()},
+    "gspo_dual": lambda a, b, c, cs, m: gspo_policy_loss(a, b, cs, m, clip_low=0.05,
+                                                         dual_clip=2.0),
+    "value_clip": lambda a, b, c, cs, m: value_loss(a, b, c, m, clip=0.2),
+    "value_plain": lambda a, b, c, cs, m: value_loss(a, None, c, m, clip=None),
+    **{f"kl_{k}": functools.partial(_kl, k) for k in KL_KINDS},
+    **{f"agg_{k}": functools.partial(_agg, k) for k in AGGREGATION_MODES},
+    **{f"is_{lvl}_{lo}": functools.partial(_is_weights, lvl, lo)
+       for lvl in ("token", "sequence") for lo in (None, 0.5)},
+}
+
+
+def _first_output(out):
+  return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_masked_junk_changes_no_output(name):
+  """NaN/inf/huge values at masked positions (and in [B] inputs of empty rows) leave
+  every output, metric and gradient bit-identical to the clean call."""
+  fn = ESTIMATORS[name]
+  for seed in (50, 51):
+    logp, old, adv, mask = make_inputs(seed, spread=0.6)
+    adv_seq = np.random.default_rng(seed).standard_normal(B).astype(np.float32)
+    holes, empty = mask == 0, mask.sum(1) == 0
+    assert holes.any() and empty.any()
+    clean = fn(logp, old, adv, adv_seq, mask)
+
+    def grad(first, *rest):
+      return np.asarray(jax.grad(lambda z: jnp.sum(_first_output(fn(z, *rest))))(
+          jnp.asarray(first)))
+
+    clean_grad = grad(logp, old, adv, adv_seq, mask)
+    for junk in [(np.nan, np.inf, -np.inf), (1e30, np.nan, np.inf),
+                 (-np.inf, -1e30, np.nan)]:
+      dirty = [arr.copy() for arr in (logp, old, adv, adv_seq)]
+      for arr, j in zip(dirty[:3], junk):
+        arr[holes] = j
+      dirty[3][empty] = junk[0]
+      out = fn(*dirty, mask)
+      assert_close(out, clean, atol=0, rtol=0, err_msg=f"{name} {junk}")
+      g = grad(*dirty, mask)
+      assert np.all(np.isfinite(g)) and np.all(g[holes] == 0), (name, junk)
+      assert_close(g, clean_grad, atol=0, rtol=0)
+    first = np.asarray(_first_output(clean))
+    if first.shape == mask.shape:
+      assert np.all(first[holes] == 0), name

@@ -4,10 +4,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from jaxrl_llm.masked import (explained_variance, masked_mean, masked_std, masked_sum,
-                              masked_var, masked_whiten)
+from jaxrl_llm.masked import (
+  explained_variance,
+  masked_count,
+  masked_mean,
+  masked_std,
+  masked_sum,
+  masked_var,
+  masked_whiten,
+)
 from tests.utils import assert_close, assert_no_recompile, random_mask
 
 
@@ -80,3 +88,52 @@ def test_bad_inputs():
     masked_mean(np.zeros(3, np.int32), np.zeros(3))
   with pytest.raises(ValueError, match="y_true"):
     explained_variance(np.zeros(3), np.zeros(4))
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf, 3e38])
+def test_masked_values_change_no_statistic_nor_gradient(poison):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(3, 7)).astype(np.float32)
+  y = rng.normal(size=(3, 7)).astype(np.float32)
+  m = random_mask(rng, 3, 7)
+  dirty = np.where(m > 0, x, poison).astype(np.float32)
+  dirty_y = np.where(m > 0, y, poison).astype(np.float32)
+  fns = {
+      "sum": lambda x, y: masked_sum(x, m),
+      "sum_axis": lambda x, y: masked_sum(x, m, axis=1),
+      "mean": lambda x, y: masked_mean(x, m),
+      "mean_axis": lambda x, y: masked_mean(x, m, axis=1, keepdims=True),
+      "var": lambda x, y: masked_var(x, m, ddof=0),
+      "var_axis": lambda x, y: masked_var(x, m, axis=1),
+      "std": lambda x, y: masked_std(x, m),
+      "whiten": lambda x, y: masked_whiten(x, m),
+      "whiten_noshift": lambda x, y: masked_whiten(x, m, shift_mean=False, ddof=0),
+      "explained_variance": lambda x, y: explained_variance(x, y, m),
+  }
+  for name, f in fns.items():
+    clean, bad = np.asarray(f(x, y)), np.asarray(f(dirty, dirty_y))
+    np.testing.assert_array_equal(bad, clean, err_msg=name)
+    if clean.shape == m.shape:
+      assert np.all(clean[m == 0] == 0), name
+    total = lambda x, y, f=f: jnp.sum(f(x, y))
+    g_clean = jax.grad(total, argnums=(0, 1))(x, y)
+    g_bad = jax.grad(total, argnums=(0, 1))(dirty, dirty_y)
+    for gc, gb in zip(g_clean, g_bad):
+      np.testing.assert_array_equal(np.asarray(gb), np.asarray(gc), err_msg=name)
+
+
+def test_out_of_range_numbers_raise_naming_the_argument():
+  x, m = np.ones(4, np.float32), np.ones(4, np.float32)
+  with pytest.raises(ValueError, match="eps"):
+    masked_whiten(x, m, eps=-1)
+  with pytest.raises(ValueError, match="ddof"):
+    masked_whiten(x, m, ddof=-1)
+  with pytest.raises(ValueError, match="ddof"):
+    masked_var(x, m, ddof=-1)
+  with pytest.raises(ValueError, match="ddof"):
+    masked_std(x, m, ddof=-2)
+  # edges and traced values are accepted
+  masked_whiten(x, m, eps=0.0, ddof=0)
+  assert float(masked_count(m)) == 4.0
+  out = jax.jit(lambda e: masked_whiten(x, m, eps=e))(-1.0)
+  assert out.shape == (4,)

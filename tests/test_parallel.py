@@ -61,21 +61,45 @@ def _pure(specs):
   return nnx.to_pure_dict(specs)
 
 
+def _devices(*sizes):
+  """The first ``n`` devices, ``n`` the largest of ``sizes`` this host has.
+
+  The suite runs on 1 device and on 8 (a GPU box, a TPU VM, or forced CPU devices):
+  a test that needs a mesh dividing its small shapes builds it from this subset, and
+  exercises a real multi-device mesh whenever the host has one.
+  """
+  n = max(size for size in sizes if size <= jax.device_count())
+  return jax.devices()[:n]
+
+
 # ------------------------------------------------------------------------------- mesh
 
 
 def test_make_mesh_axes_and_free_axis():
-  mesh = make_mesh()
+  n = jax.device_count()
+  mesh = make_mesh()              # data=-1: every device on the data axis
   assert mesh.axis_names == ("data", "fsdp", "tensor", "sequence")
-  assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1}
+  assert dict(mesh.shape) == {"data": n, "fsdp": 1, "tensor": 1, "sequence": 1}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
+  mesh = make_mesh(devices=jax.devices()[:1])
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1}
+  assert list(mesh.devices.flat) == jax.devices()[:1]
   mesh = make_mesh(data=1, fsdp=-1, devices=jax.devices())
-  assert dict(mesh.shape)["fsdp"] == jax.device_count()
+  assert dict(mesh.shape)["fsdp"] == n
+  # A given device list is reshaped in order: (data, fsdp, tensor, sequence).
+  devices = jax.devices() * 4 if n == 1 else jax.devices()[:4]
+  mesh = make_mesh(data=2, fsdp=-1, devices=devices)
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 1, "sequence": 1}
+  assert list(mesh.devices.flat) == devices
 
 
 def test_make_mesh_rejects_sizes_that_do_not_multiply_to_device_count():
+  n = jax.device_count()
+  with pytest.raises(ValueError, match=f"multiply to {2 * n} but there are {n} devices"):
+    make_mesh(data=2 * n)
   with pytest.raises(ValueError, match="multiply to 2 but there are 1 devices"):
-    make_mesh(data=2)
+    make_mesh(data=2, devices=jax.devices()[:1])
   with pytest.raises(ValueError, match="at most one mesh axis may be -1"):
     make_mesh(data=-1, fsdp=-1)
   with pytest.raises(ValueError, match="tensor"):
@@ -207,8 +231,12 @@ def test_batch_specs_rows_tokens_and_errors():
     batch_specs({"old_logp": np.zeros((8, 12))}, abstract_mesh(sequence=8))
 
 
-def test_shard_batch_and_host_local_batch_single_process():
-  mesh = make_mesh()
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_shard_batch_and_host_local_batch_single_process(n_devices):
+  if jax.device_count() < n_devices:
+    pytest.skip(f"needs {n_devices} devices (run with XLA_FLAGS="
+                "--xla_force_host_platform_device_count=8)")
+  mesh = make_mesh(devices=jax.devices()[:n_devices])
   batch = S.make_batch()
   assert all(np.array_equal(a, b) for a, b in zip(
       jax.tree_util.tree_leaves(host_local_batch(batch, mesh)),
@@ -217,7 +245,10 @@ def test_shard_batch_and_host_local_batch_single_process():
   for key, x in placed.items():
     assert isinstance(x, jax.Array) and x.shape == batch[key].shape
     np.testing.assert_array_equal(np.asarray(x), batch[key])
-  assert placed["tokens"].sharding.spec == P(None, None)
+  expected = P(None, None) if n_devices == 1 else P("data", None)
+  assert placed["tokens"].sharding.spec == expected
+  assert {s.data.shape for s in placed["tokens"].addressable_shards} == {
+      (S.B // n_devices, S.L)}
 
 
 def test_shard_apply_fn_keeps_values_and_checks_microbatch_rows():
@@ -226,9 +257,13 @@ def test_shard_apply_fn_keeps_values_and_checks_microbatch_rows():
   apply_fn = make_apply_fn(graphdef)
   tokens = np.arange(24, dtype=np.int32).reshape(2, 12) % S.V
   mask = np.ones((2, 12), np.float32)
-  wrapped = shard_apply_fn(apply_fn, make_mesh())
-  got = jax.jit(wrapped)(params, tokens, None, mask)
-  assert_close(got, jax.jit(apply_fn)(params, tokens, None, mask), atol=0, rtol=0)
+  expected = jax.jit(apply_fn)(params, tokens, None, mask)
+  for devices in {len(d): d for d in (_devices(1), _devices(1, 2))}.values():
+    # The 2 rows split over the data axis when the host has 2 devices.
+    wrapped = shard_apply_fn(apply_fn, make_mesh(devices=devices))
+    got = jax.jit(wrapped)(params, tokens, None, mask)
+    tol = 0 if len(devices) == 1 else 1e-6   # another reduction order: rounding only
+    assert_close(got, expected, atol=tol, rtol=tol)
   # 2 rows cannot be split over data * fsdp = 4 devices: named at trace time.
   bad = shard_apply_fn(apply_fn, abstract_mesh(data=2, fsdp=2))
   with pytest.raises(ValueError, match=r"model tokens: dimension 0 \('batch', size 2\)"):
@@ -332,9 +367,10 @@ def test_sequence_gae_hand_fixture():
                                      boot, chunks=chunks, method="scan")
     assert_close(adv, expected, atol=1e-6)
     assert_close(ret, [[0.75, 1.5, 0.0, 1.0]], atol=1e-6)
+  # On real devices: up to 4 sequence chunks (one token per device).
   adv, _ = jax.jit(lambda *a: sequence_parallel_gae(
-      *a, mesh=make_mesh(data=1, sequence=-1), gamma=0.5, lam=1.0,
-      bootstrap_value=boot))(r, val, mask)
+      *a, mesh=make_mesh(data=1, sequence=-1, devices=_devices(1, 2, 4)), gamma=0.5,
+      lam=1.0, bootstrap_value=boot))(r, val, mask)
   assert_close(adv, expected, atol=1e-6)
 
 
@@ -375,7 +411,7 @@ def test_sequence_gae_masked_inputs_never_change_valid_outputs():
 
 
 def test_sequence_parallel_gae_jit_grad_and_no_recompile():
-  mesh = make_mesh(data=1, sequence=-1)
+  mesh = make_mesh(data=1, sequence=-1, devices=_devices(1, 2, 3))   # T = 6
   rng = np.random.default_rng(4)
   r, val = rng.normal(size=(2, 3, 6)).astype(np.float32)
   mask = random_mask(rng, 3, 6)
@@ -415,7 +451,7 @@ def test_sequence_parallel_logprobs_single_device_and_errors():
   head = rng.normal(size=(4, 7)).astype(np.float32)
   targets = rng.integers(0, 7, (2, 6)).astype(np.int32)
   mask = random_mask(rng, 2, 6)
-  mesh = make_mesh(data=1, sequence=-1)
+  mesh = make_mesh(data=1, sequence=-1, devices=_devices(1, 2, 3))   # T = 6
 
   def grads(fn):
     return jax.jit(jax.grad(lambda h, w: jnp.sum(fn(h, w)[0] * 1.5 + fn(h, w)[1]),
@@ -438,6 +474,11 @@ def test_sequence_parallel_logprobs_single_device_and_errors():
 
 
 # ------------------------------------------------------------------- 8 forced devices
+
+
+def on_8_devices(test):
+  """The tests sharing the ``multi`` worker run: slow, kept on one xdist worker."""
+  return pytest.mark.slow(pytest.mark.xdist_group("parallel_worker_8_devices")(test))
 
 
 @pytest.fixture(scope="module")
@@ -471,6 +512,7 @@ EXPECTED_SPECS = {   # (embed, wq, w_down, batch rows)
 }
 
 
+@on_8_devices
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sharded_ppo_steps_equal_single_device(multi, layout):
   _no_error(multi, "reference")
@@ -482,6 +524,7 @@ def test_sharded_ppo_steps_equal_single_device(multi, layout):
   assert res["loss"][-1] < res["loss"][0]          # it does learn
 
 
+@on_8_devices
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sharded_state_keeps_its_layout_and_compiles_once(multi, layout):
   _no_error(multi, layout)
@@ -495,6 +538,7 @@ def test_sharded_state_keeps_its_layout_and_compiles_once(multi, layout):
   assert res["step_spec"] == res["rng_spec"] == "P()"
 
 
+@on_8_devices
 def test_pmap_steps_equal_single_device(multi):
   _no_error(multi, "pmap")
   res = multi["pmap"]
@@ -504,6 +548,7 @@ def test_pmap_steps_equal_single_device(multi):
   assert res["same_layout"]     # replicate() lays out inputs as pmap returns outputs
 
 
+@on_8_devices
 def test_sequence_parallel_gae_on_8_devices_equals_gae(multi):
   _no_error(multi, "sequence_gae")
   cases = multi["sequence_gae"]
@@ -517,6 +562,7 @@ def test_sequence_parallel_gae_on_8_devices_equals_gae(multi):
     assert res["spec"] == expected, key
 
 
+@on_8_devices
 def test_sequence_parallel_logprobs_on_8_devices_values_and_grads(multi):
   _no_error(multi, "sequence_logprobs")
   for name, res in multi["sequence_logprobs"].items():
@@ -527,6 +573,7 @@ def test_sequence_parallel_logprobs_on_8_devices_values_and_grads(multi):
     assert res["grad_temp_diff"] < 1e-5 * max(1.0, res["grad_temp_scale"]), (name, res)
 
 
+@on_8_devices
 def test_non_dividing_parameter_on_a_real_mesh_raises(multi):
   _no_error(multi, "nondividing")
   msg = multi["nondividing"]["raised"]
@@ -535,6 +582,7 @@ def test_non_dividing_parameter_on_a_real_mesh_raises(multi):
   assert "'tensor' of size 8" in msg
 
 
+@on_8_devices
 def test_sharded_checkpoint_restores_onto_another_mesh(multi):
   _no_error(multi, "checkpoint")
   res = multi["checkpoint"]

@@ -213,3 +213,25 @@ def test_probe_run_folder_creates_nothing_and_names_the_path(tmp_path):
     assert "\n" not in str(e)
   else:
     pytest.skip("/sys is writable here")
+
+
+def test_graceful_stop_turns_sigterm_into_a_request_and_restores_handlers():
+  before = signal.getsignal(signal.SIGTERM)
+  with RF.GracefulStop(announce=False) as stop:
+    assert not stop.requested
+    os.kill(os.getpid(), signal.SIGTERM)           # a real signal, delivered to us
+    assert stop.requested and stop.signum == signal.SIGTERM
+    os.kill(os.getpid(), signal.SIGTERM)           # a second SIGTERM changes nothing
+    assert stop.signame == "SIGTERM"
+  assert signal.getsignal(signal.SIGTERM) is before
+  err = RF.RunInterrupted(signal.SIGTERM, "stopped")
+  assert isinstance(err, KeyboardInterrupt) and err.exit_code == 143
+
+
+def test_graceful_stop_second_ctrl_c_stops_at_once():
+  with RF.GracefulStop(announce=False) as stop:
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stop.signame == "SIGINT"
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(1)                                # the handler runs here

@@ -1,5 +1,7 @@
 """Train steps on the tiny reference model: learning, exact microbatching, guards."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from jaxrl_llm import losses
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.models.transformer import (Transformer, TransformerConfig, make_apply_fn,
                                           split_model)
-from jaxrl_llm.train import (TrainConfig, init_train_state, make_grpo_train_step,
+from jaxrl_llm.train import (GRPO_DEFAULTS, TrainConfig, init_train_state, make_grpo_train_step,
                              make_ppo_train_step, make_train_step, policy_forward)
 from tests.utils import assert_close
 
@@ -389,3 +391,132 @@ def test_inf_old_logp_is_skipped_in_every_algorithm(loss, family):
             ref_logp=np.where(batch["loss_mask"] > 0, batch["ref_logp"], np.nan))
   _, m = jax.jit(step)(state, ok)
   assert float(m["skipped"]) == 0.0 and np.isfinite(float(m["kl_ref"]))
+
+
+# ------------------------------------- one step against an independent NumPy reference
+
+
+def _np_forward(p, tokens):
+  """float64 NumPy: log-probs, entropies, values aligned with the tokens (column 0 = 0)."""
+  w, vh = np.asarray(p["w"], np.float64), np.asarray(p["v"], np.float64)
+  b, length = tokens.shape
+  logp, ent, values = np.zeros((b, length)), np.zeros((b, length)), np.zeros((b, length))
+  for i in range(b):
+    for t in range(1, length):
+      logits = w[tokens[i, t - 1]]
+      z = logits - logits.max()
+      log_sm = z - np.log(np.exp(z).sum())
+      logp[i, t] = log_sm[tokens[i, t]]
+      ent[i, t] = -(np.exp(log_sm) * log_sm).sum()
+      values[i, t] = vh[tokens[i, t - 1]]
+  return logp, ent, values
+
+
+def _np_gae(rewards, values, mask, gamma, lam):
+  """GAE per row over its (contiguous) valid tokens; the value after the last is 0."""
+  adv = np.zeros_like(rewards)
+  for i in range(rewards.shape[0]):
+    idx = np.flatnonzero(mask[i])
+    last = 0.0
+    for k in range(len(idx) - 1, -1, -1):
+      t = idx[k]
+      next_v = values[i, idx[k + 1]] if k + 1 < len(idx) else 0.0
+      delta = rewards[i, t] + gamma * next_v - values[i, t]
+      last = delta + gamma * lam * last
+      adv[i, t] = last
+  return adv
+
+
+def _np_step_loss(p, batch, c, adv, returns):
+  """The step's scalar loss in float64 NumPy (token-mean aggregation)."""
+  m = batch["loss_mask"].astype(np.float64)
+  n = m.sum()
+  logp, ent, values = _np_forward(p, batch["tokens"])
+  ratio = np.exp(logp - batch["old_logp"])
+  pg = np.maximum(-adv * ratio, -adv * np.clip(ratio, 1 - c["clip"], 1 + c["clip"]))
+  terms = {"pg_loss": (pg * m).sum() / n, "entropy": (ent * m).sum() / n}
+  loss = terms["pg_loss"] - c["entropy_coef"] * terms["entropy"]
+  if c["use_value"]:
+    old = batch["old_values"]
+    clipped = np.clip(values, old - c["vf_clip"], old + c["vf_clip"])
+    vf = 0.5 * np.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    terms["vf_loss"] = (vf * m).sum() / n
+    loss += c["vf_coef"] * terms["vf_loss"]
+  x = logp - batch["ref_logp"]
+  terms["kl_loss"] = ((np.exp(-x) + x - 1.0) * m).sum() / n              # k3
+  loss += c["kl_coef"] * terms["kl_loss"]
+  return loss, terms
+
+
+def _np_sgd(p, batch, c, adv, returns, lr, eps=1e-6):
+  """Parameters after one SGD step, the gradient by central differences (float64)."""
+  new = {}
+  for name, x in p.items():
+    x = np.asarray(x, np.float64)
+    grad = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+      for sign in (1, -1):
+        q = {k: np.asarray(val, np.float64).copy() for k, val in p.items()}
+        q[name][idx] += sign * eps
+        grad[idx] += sign * _np_step_loss(q, batch, c, adv, returns)[0] / (2 * eps)
+    new[name] = x - lr * grad
+  return new
+
+
+@pytest.mark.parametrize("family", ["ppo", "grpo"])
+def test_one_step_matches_numpy_loss_and_sgd_update(family):
+  params = _table_params(seed=1)
+  params = jax.tree_util.tree_map(lambda x: 0.3 * x, params)
+  batch = _table_batch(seed=2)
+  batch["loss_mask"][1, 3:] = 0                    # row 1: a shorter response
+  lr = 0.5
+  c = dict(clip=0.2, entropy_coef=0.01, vf_coef=0.5, vf_clip=0.2, kl_coef=0.1,
+           gamma=0.9, lam=0.8, use_value=family == "ppo")
+  m = batch["loss_mask"].astype(np.float64)
+  if family == "ppo":
+    del batch["advantages"]
+    config = TrainConfig(kl_mode="loss", kl_kind="k3", kl_coef=c["kl_coef"],
+                         entropy_coef=c["entropy_coef"], vf_clip=c["vf_clip"],
+                         gamma=c["gamma"], lam=c["lam"])
+    raw = _np_gae(batch["rewards"].astype(np.float64), batch["old_values"], m, c["gamma"],
+                  c["lam"])
+    returns = (raw + batch["old_values"]) * m
+    valid = raw[m > 0]
+    adv = (raw - valid.mean()) / np.sqrt(valid.var(ddof=1) + 1e-8) * m
+  else:
+    config = dataclasses.replace(TrainConfig(**GRPO_DEFAULTS), kl_coef=c["kl_coef"],
+                                 entropy_coef=c["entropy_coef"])
+    adv, returns = batch["advantages"][:, None] * m, None
+  step = make_train_step(_table_apply, optax.sgd(lr), config)
+  new, metrics = jax.jit(step)(step.init(params), batch)
+  loss, terms = _np_step_loss(params, batch, c, adv, returns)
+  assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5, abs=1e-6)
+  for key, val in terms.items():
+    assert float(metrics[key]) == pytest.approx(val, rel=1e-4, abs=1e-6), key
+  want = _np_sgd(params, batch, c, adv, returns, lr)
+  for name in ("w", "v"):
+    np.testing.assert_allclose(np.asarray(new.params[name]), want[name], rtol=1e-4,
+                               atol=2e-5, err_msg=name)
+  if family == "grpo":                             # no value head: its params are unused
+    np.testing.assert_array_equal(np.asarray(new.params["v"]), np.asarray(params["v"]))
+
+
+def test_decoupled_estimators_in_the_step():
+  from jaxrl_llm import advantages as A
+  from jaxrl_llm.train import AdvantageInputs, compute_advantages
+  params, batch = _table_params(), _table_batch()
+  del batch["advantages"]
+  m = batch["loss_mask"]
+  inputs = AdvantageInputs(rewards=batch["rewards"], values=batch["old_values"], mask=m)
+  hp = TrainConfig(lam=0.9, lam_value=1.0).hparam_values()
+  adv, ret = compute_advantages("decoupled_gae", inputs, hp)
+  want_adv, want_ret = A.decoupled_gae(batch["rewards"], batch["old_values"], m, gamma=1.0,
+                                       lam_policy=0.9, lam_value=1.0)
+  assert_close(adv, want_adv, atol=1e-6)
+  assert_close(ret, want_ret, atol=1e-6)
+  assert "lam_value" not in TrainConfig().hparam_names()        # absent unless set
+  for est in ("decoupled_gae", "vapo_gae"):
+    step = make_train_step(_table_apply, optax.sgd(0.1),
+                           TrainConfig(advantage_estimator=est, lam_value=1.0))
+    _, metrics = jax.jit(step)(step.init(params), batch)
+    assert float(metrics["skipped"]) == 0 and np.isfinite(float(metrics["vf_loss"]))

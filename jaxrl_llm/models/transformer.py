@@ -54,6 +54,7 @@ from flax import nnx
 
 from jaxrl_llm import _validate as v
 from jaxrl_llm.attention import ATTENTION_IMPLEMENTATIONS, dot_product_attention
+from jaxrl_llm.rollout.protocol import DecodeFns  # the protocol lives with the sampler
 
 PRESETS = ("tiny", "small")
 
@@ -70,6 +71,32 @@ REMAT_POLICIES: dict[str, Any] = {
 # ----------------------------------------------------------------------------------
 # Config
 # ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  r"""Llama-3 RoPE frequency scaling (Hugging Face ``rope_type: "llama3"``).
+
+  With wavelength :math:`\lambda_i = 2\pi / \omega_i`, :math:`L` =
+  ``original_max_position_embeddings``, :math:`s` = ``factor``, :math:`l, h` = the low
+  and high frequency factors: :math:`\omega_i` is kept when :math:`\lambda_i < L/h`,
+  divided by :math:`s` when :math:`\lambda_i > L/l`, and in between interpolated,
+  :math:`(1-\mu)\,\omega_i/s + \mu\,\omega_i` with
+  :math:`\mu = (L/\lambda_i - l)/(h - l)` (Meta's Llama 3.1 reference code).
+  """
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+  def __post_init__(self):
+    if not self.factor > 0 or not self.high_freq_factor > self.low_freq_factor > 0:
+      raise ValueError(f"RopeScaling needs factor > 0 and high_freq_factor > "
+                       f"low_freq_factor > 0, got {self!r}.")
+    if self.original_max_position_embeddings < 1:
+      raise ValueError(f"`original_max_position_embeddings` must be positive, got "
+                       f"{self.original_max_position_embeddings}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +129,9 @@ class TransformerConfig:
     attention_block_size: query/key block size of ``"blockwise"``; ``None`` = default.
     dtype: parameter and matmul dtype (e.g. ``jnp.float32`` or ``jnp.bfloat16``).
     norm_eps: RMSNorm epsilon.
+    qkv_bias: add biases to the query/key/value projections (Qwen2).
+    qk_norm: RMSNorm over ``head_dim`` of each query and key head before RoPE (Qwen3).
+    rope_scaling: a :class:`RopeScaling` (Llama-3 frequency scaling) or ``None``.
   """
 
   vocab_size: int
@@ -121,6 +151,9 @@ class TransformerConfig:
   remat_policy: str | None = None
   attention: str | None = None
   attention_block_size: int | None = None
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  rope_scaling: RopeScaling | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -151,6 +184,9 @@ class TransformerConfig:
         not isinstance(self.attention_block_size, int) or self.attention_block_size < 1):
       raise ValueError(f"`attention_block_size` must be None or a positive int, got "
                        f"{self.attention_block_size!r}.")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"`rope_scaling` must be None or a RopeScaling, got "
+                       f"{self.rope_scaling!r}.")
 
   @property
   def dim_per_head(self) -> int:
@@ -197,7 +233,23 @@ def _normal(stddev):
   return nnx.initializers.normal(stddev=stddev)
 
 
-def rope(x, positions, theta):
+def rope_frequencies(d: int, theta, scaling: RopeScaling | None = None) -> jax.Array:
+  r"""The ``d/2`` RoPE frequencies :math:`\omega_i = \theta^{-2i/d}` (float32),
+  scaled by ``scaling`` (:class:`RopeScaling`) when given."""
+  freqs = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  if scaling is None:
+    return freqs
+  s, lo, hi = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+  old = float(scaling.original_max_position_embeddings)
+  wavelen = 2 * jnp.pi / freqs
+  scaled = jnp.where(wavelen > old / lo, freqs / s, freqs)
+  mu = (old / wavelen - lo) / (hi - lo)
+  smoothed = (1 - mu) * scaled / s + mu * scaled
+  medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x, positions, theta, scaling: RopeScaling | None = None):
   r"""Rotary position embedding (rotate-half form), computed in float32.
 
   For each head vector split into halves :math:`(a, b)` of width ``d/2`` and frequency
@@ -215,12 +267,13 @@ def rope(x, positions, theta):
     x: ``[B, T, N, d]`` queries or keys (``d`` even).
     positions: ``[B, T]`` integer positions.
     theta: RoPE base.
+    scaling: optional :class:`RopeScaling` of the frequencies (Llama 3).
 
   Returns:
     ``[B, T, N, d]`` in the dtype of ``x``.
   """
   d = x.shape[-1]
-  freqs = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  freqs = rope_frequencies(d, theta, scaling)
   angles = positions.astype(jnp.float32)[..., None] * freqs  # [B, T, d/2]
   cos = jnp.cos(angles)[:, :, None, :]
   sin = jnp.sin(angles)[:, :, None, :]
@@ -233,9 +286,9 @@ def rope(x, positions, theta):
 class RMSNorm(nnx.Module):
   r""":math:`y = x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \cdot g` (float32 inside)."""
 
-  def __init__(self, dim: int, eps: float, dtype, *, rngs: nnx.Rngs):
+  def __init__(self, dim: int, eps: float, dtype, *, rngs: nnx.Rngs, names=("embed",)):
     self.eps = eps
-    self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",), dtype)
+    self.scale = _param(rngs, nnx.initializers.ones, (dim,), names, dtype)
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
@@ -250,6 +303,7 @@ class Attention(nnx.Module):
     c = config
     d, h, kvh, hd = c.d_model, c.n_heads, c.n_kv_heads, c.dim_per_head
     self.theta = c.rope_theta
+    self.rope_scaling = c.rope_scaling
     self.implementation = c.attention
     self.block_size = c.attention_block_size
     std_in = d ** -0.5
@@ -262,6 +316,14 @@ class Attention(nnx.Module):
                      ("embed", "kv_heads", "head_dim"), c.dtype)
     self.wo = _param(rngs, _normal(std_out), (h, hd, d), ("heads", "head_dim", "embed"),
                      c.dtype)
+    if c.qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.bq = _param(rngs, zeros, (h, hd), ("heads", "head_dim"), c.dtype)
+      self.bk = _param(rngs, zeros, (kvh, hd), ("kv_heads", "head_dim"), c.dtype)
+      self.bv = _param(rngs, zeros, (kvh, hd), ("kv_heads", "head_dim"), c.dtype)
+    if c.qk_norm:
+      self.q_norm = RMSNorm(hd, c.norm_eps, c.dtype, rngs=rngs, names=("head_dim",))
+      self.k_norm = RMSNorm(hd, c.norm_eps, c.dtype, rngs=rngs, names=("head_dim",))
 
   def __call__(self, x, positions, kv_valid, cache_kv=None, index=None):
     """Attention over ``x`` ``[B, T, D]``; with a cache, over cache + ``x``.
@@ -277,8 +339,14 @@ class Attention(nnx.Module):
     q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
     k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
     val = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))
-    q = rope(q, positions, self.theta)
-    k = rope(k, positions, self.theta)
+    if hasattr(self, "bq"):   # config.qkv_bias
+      q = q + self.bq[...].astype(dtype)
+      k = k + self.bk[...].astype(dtype)
+      val = val + self.bv[...].astype(dtype)
+    if hasattr(self, "q_norm"):   # config.qk_norm
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = rope(q, positions, self.theta, self.rope_scaling)
+    k = rope(k, positions, self.theta, self.rope_scaling)
     query_offset = None
     if cache_kv is not None:
       ck, cv = cache_kv
@@ -360,7 +428,7 @@ class KVCache(NamedTuple):
   k: tuple
   v: tuple
   valid: jax.Array
-  index: jax.Array
+  index: jax.Array  # type: ignore[assignment]  # shadows tuple.index
   positions: jax.Array
 
 
@@ -401,7 +469,7 @@ class Transformer(nnx.Module):
     ((2, 4, 64), (2, 4), (2, 4, 32))
   """
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs = None):
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs | None = None):
     if rngs is None:
       rngs = nnx.Rngs(0)
     c = config
@@ -587,23 +655,6 @@ def make_apply_fn(graphdef) -> Callable:
     return hidden, values, model.lm_head_weight()
 
   return apply
-
-
-class DecodeFns(NamedTuple):
-  """Pure decoding functions of a model; the protocol the sampler consumes.
-
-  Attributes:
-    init_cache: ``init_cache(params, batch, max_len) -> cache`` (any pytree).
-    prefill: ``prefill(params, tokens [B, P] int, mask [B, P], cache) ->
-      (logits [B, V] float32, cache)``; ``logits`` are the next-token logits after each
-      row's last real prompt token.
-    decode: ``decode(params, tokens [B] int, cache) -> (logits [B, V] float32, cache)``
-      appends one real token per row and returns the logits that follow it.
-  """
-
-  init_cache: Callable
-  prefill: Callable
-  decode: Callable
 
 
 def _last_real_index(mask):

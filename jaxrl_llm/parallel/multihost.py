@@ -10,8 +10,14 @@ each process feeds its own rows with :func:`jaxrl_llm.parallel.shard_batch`. See
 
 from __future__ import annotations
 
+import atexit
+import inspect
 import os
-from typing import Optional, Sequence, Union
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
 import jax
 import numpy as np
@@ -21,6 +27,17 @@ NUM_PROCESSES_ENV = ("JAXRL_NUM_PROCESSES", "JAX_NUM_PROCESSES")
 PROCESS_ID_ENV = ("JAXRL_PROCESS_ID", "JAX_PROCESS_ID")
 LOCAL_DEVICE_IDS_ENV = ("JAXRL_LOCAL_DEVICE_IDS", "JAX_LOCAL_DEVICE_IDS")
 CPU_COLLECTIVES_ENV = "JAXRL_CPU_COLLECTIVES"
+INIT_TIMEOUT_ENV = "JAXRL_INIT_TIMEOUT"
+HEARTBEAT_TIMEOUT_ENV = "JAXRL_HEARTBEAT_TIMEOUT"
+SHUTDOWN_TIMEOUT_ENV = "JAXRL_SHUTDOWN_TIMEOUT"
+PEER_TIMEOUT_ENV = "JAXRL_PEER_TIMEOUT"
+# Exit status of a process whose peer was lost (EX_TEMPFAIL: "try again later", i.e.
+# restart the job and resume from the last checkpoint).
+PEER_LOST_EXIT_CODE = 75
+# JAX's own defaults (jax.distributed.initialize, jax 0.4 - 0.10).
+DEFAULT_INIT_TIMEOUT = 300
+DEFAULT_HEARTBEAT_TIMEOUT = 100
+DEFAULT_SHUTDOWN_TIMEOUT = 300
 
 
 def _env(names, environ):
@@ -67,25 +84,259 @@ def resolve_multihost_args(coordinator_address=None, num_processes=None, process
               process_id=process_id, local_device_ids=local_device_ids)
 
 
+def _env_number(name: str, environ) -> Optional[float]:
+  value = environ.get(name)
+  if value in (None, ""):
+    return None
+  try:
+    return float(value)
+  except ValueError:
+    raise ValueError(f"environment variable {name}={value!r} is not a number.") from None
+
+
+def resolve_timeouts(initialization_timeout: Optional[float] = None,
+                     heartbeat_timeout_seconds: Optional[float] = None,
+                     shutdown_timeout_seconds: Optional[float] = None,
+                     peer_timeout_seconds: Optional[float] = None,
+                     environ=None) -> dict:
+  """The timeouts :func:`initialize_multihost` uses, in seconds, validated.
+
+  Explicit values first, then ``JAXRL_INIT_TIMEOUT``, ``JAXRL_HEARTBEAT_TIMEOUT``,
+  ``JAXRL_SHUTDOWN_TIMEOUT``, ``JAXRL_PEER_TIMEOUT``, then the defaults: JAX's 300 s,
+  100 s and 300 s, and a peer timeout of half the heartbeat timeout (``0`` turns the
+  peer watchdog off). The peer timeout must be below the heartbeat timeout, so the
+  watchdog reports a lost peer before JAX's own check aborts the process.
+
+  Raises:
+    ValueError: a non-positive timeout, or ``peer_timeout_seconds >=
+      heartbeat_timeout_seconds``; the message names the argument.
+
+  Examples:
+    >>> t = resolve_timeouts(heartbeat_timeout_seconds=10)
+    >>> t["initialization_timeout"], t["heartbeat_timeout_seconds"], t["peer_timeout_seconds"]
+    (300, 10, 5.0)
+    >>> resolve_timeouts(environ={"JAXRL_HEARTBEAT_TIMEOUT": "30"})["peer_timeout_seconds"]
+    15.0
+  """  # noqa: E501 (a doctest output line)
+  environ = os.environ if environ is None else environ
+  given = {"initialization_timeout": (initialization_timeout, INIT_TIMEOUT_ENV,
+                                      DEFAULT_INIT_TIMEOUT),
+           "heartbeat_timeout_seconds": (heartbeat_timeout_seconds, HEARTBEAT_TIMEOUT_ENV,
+                                         DEFAULT_HEARTBEAT_TIMEOUT),
+           "shutdown_timeout_seconds": (shutdown_timeout_seconds, SHUTDOWN_TIMEOUT_ENV,
+                                        DEFAULT_SHUTDOWN_TIMEOUT)}
+  out: dict[str, Any] = {}
+  for name, (value, env, default) in given.items():
+    if value is None:
+      value = _env_number(env, environ)
+    value = default if value is None else value
+    if not value >= 1:
+      raise ValueError(f"`{name}` must be >= 1 second, got {value}.")
+    out[name] = int(round(value))              # JAX takes whole seconds
+  peer = peer_timeout_seconds
+  if peer is None:
+    peer = _env_number(PEER_TIMEOUT_ENV, environ)
+  if peer is None:
+    peer = out["heartbeat_timeout_seconds"] / 2
+  if peer < 0 or (peer and peer >= out["heartbeat_timeout_seconds"]):
+    raise ValueError(f"`peer_timeout_seconds` must be 0 (off) or in (0, "
+                     f"heartbeat_timeout_seconds={out['heartbeat_timeout_seconds']}), "
+                     f"got {peer}.")
+  out["peer_timeout_seconds"] = float(peer)
+  return out
+
+
+def _default_on_peer_lost(message: str) -> None:
+  """Prints the one-line error and ends the process with :data:`PEER_LOST_EXIT_CODE`."""
+  try:
+    sys.stdout.flush()
+  except (OSError, ValueError):
+    pass
+  try:
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+  except (OSError, ValueError):
+    pass
+  os._exit(PEER_LOST_EXIT_CODE)
+
+
+class _PeerWatchdog:
+  """Each process publishes a counter in the coordinator's key-value store every
+  ``interval`` seconds and watches the others'. A peer whose counter has not moved for
+  ``timeout`` seconds (local clock: no clock sync needed), a peer that marked itself
+  failed, or a coordinator that stays unreachable for ``timeout`` seconds, calls
+  ``on_lost(message)`` once. A peer that marked itself done (normal exit) is left
+  alone."""
+
+  PREFIX = "jaxrl_llm/peer"
+
+  def __init__(self, client, process_id: int, num_processes: int, timeout: float,
+               on_lost: Callable[[str], None]):
+    self.client, self.pid, self.n = client, process_id, num_processes
+    self.timeout = timeout
+    self.interval = max(min(timeout / 5, 1.0), 0.05)
+    self.on_lost = on_lost
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="jaxrl-peer-watchdog",
+                                    daemon=True)
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+
+  def mark(self, status: str) -> None:
+    """Publishes ``done`` or ``failed`` for this process (best effort)."""
+    try:
+      self.client.key_value_set(f"{self.PREFIX}/{self.pid}/status", status, True)
+    except Exception:  # noqa: BLE001 - the coordinator may be gone already
+      pass
+
+  def _get(self, key: str) -> Optional[str]:
+    try:
+      return self.client.key_value_try_get(key)
+    except Exception:  # noqa: BLE001 - NOT_FOUND until the peer has written it
+      return None
+
+  def _run(self) -> None:
+    beat = 0
+    start = time.monotonic()
+    seen: dict[int, tuple[Optional[str], float]] = {
+        p: (None, start) for p in range(self.n) if p != self.pid}
+    last_ok = start
+    while not self._stop.wait(self.interval):
+      now = time.monotonic()
+      beat += 1
+      try:
+        self.client.key_value_set(f"{self.PREFIX}/{self.pid}/beat", str(beat), True)
+        last_ok = now
+      except Exception as e:  # noqa: BLE001 - the coordinator is unreachable
+        if self._stop.is_set():
+          return
+        if now - last_ok > self.timeout:
+          self._lost(f"lost the coordinator (process 0) of this {self.n}-process job: "
+                     f"unreachable for {now - last_ok:.0f} s "
+                     f"({' '.join(str(e).split())[:120]})")
+          return
+        continue
+      for peer, (value, since) in seen.items():
+        status = self._get(f"{self.PREFIX}/{peer}/status")
+        if status == "done":
+          continue
+        if status == "failed":
+          self._lost(f"process {peer} of this {self.n}-process job failed (see its log)")
+          return
+        current = self._get(f"{self.PREFIX}/{peer}/beat")
+        if current != value:
+          seen[peer] = (current, now)
+        elif now - since > self.timeout:
+          self._lost(f"lost process {peer} of this {self.n}-process job: no sign of life "
+                     f"for {now - since:.0f} s (crashed, killed, preempted, or its host "
+                     "is down)")
+          return
+
+  def _lost(self, what: str) -> None:
+    if self._stop.is_set():
+      return
+    self._stop.set()
+    self.on_lost(f"jaxrl_llm multihost: process {self.pid}: {what}. This process stops "
+                 "too; restart every process with the same command (jaxrl-llm train: add "
+                 "--resume) to continue from the last checkpoint.")
+
+
+_WATCHDOG: Optional[_PeerWatchdog] = None
+_UNCAUGHT = {"exception": False}
+
+
+def _note_uncaught(hook):
+  def excepthook(*args):
+    _UNCAUGHT["exception"] = True
+    hook(*args)
+  return excepthook
+
+
+def _at_exit() -> None:
+  """Runs before JAX's own exit hook (atexit is last-in, first-out)."""
+  watchdog = _WATCHDOG
+  if watchdog is None:
+    return
+  if _UNCAUGHT["exception"]:
+    # JAX's exit hook would wait in the shutdown barrier for peers that may be dead,
+    # then abort in C++. Tell the peers, and leave now with the traceback shown.
+    watchdog.mark("failed")
+    watchdog.stop()
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except (OSError, ValueError):
+        pass
+    os._exit(1)
+  watchdog.mark("done")
+  watchdog.stop()
+
+
+def shutdown_multihost() -> None:
+  """Leaves the job cleanly: tells the peers' watchdogs this process is done, then
+  ``jax.distributed.shutdown()`` (waits for the other processes at a barrier)."""
+  global _WATCHDOG
+  if _WATCHDOG is not None:
+    _WATCHDOG.mark("done")
+    _WATCHDOG.stop()
+    _WATCHDOG = None
+  jax.distributed.shutdown()
+
+
+def _distributed_client():
+  """JAX's coordination-service client (private API; ``None`` if it moved)."""
+  try:
+    from jax._src import distributed as _dist
+  except ImportError:
+    return None
+  return getattr(getattr(_dist, "global_state", None), "client", None)
+
+
 def initialize_multihost(coordinator_address: Optional[str] = None,
                          num_processes: Optional[int] = None,
                          process_id: Optional[int] = None,
                          local_device_ids: Optional[Union[int, Sequence[int]]] = None, *,
                          cpu_collectives: Optional[str] = None,
-                         auto_detect: bool = False, **kwargs) -> bool:
+                         auto_detect: bool = False,
+                         initialization_timeout: Optional[float] = None,
+                         heartbeat_timeout_seconds: Optional[float] = None,
+                         shutdown_timeout_seconds: Optional[float] = None,
+                         peer_timeout_seconds: Optional[float] = None,
+                         on_peer_lost: Optional[Callable[[str], None]] = None,
+                         **kwargs: Any) -> bool:
   """Connects this process to the others (``jax.distributed.initialize``); idempotent.
 
   Call it first thing, before any JAX computation. Arguments left ``None`` are read
   from the environment: ``JAXRL_COORDINATOR`` / ``JAX_COORDINATOR_ADDRESS``
   (``host:port`` of process 0), ``JAXRL_NUM_PROCESSES`` / ``JAX_NUM_PROCESSES``,
   ``JAXRL_PROCESS_ID`` / ``JAX_PROCESS_ID``, ``JAXRL_LOCAL_DEVICE_IDS`` /
-  ``JAX_LOCAL_DEVICE_IDS`` (comma separated), ``JAXRL_CPU_COLLECTIVES``.
+  ``JAX_LOCAL_DEVICE_IDS`` (comma separated), ``JAXRL_CPU_COLLECTIVES``, and the
+  timeouts below from ``JAXRL_INIT_TIMEOUT``, ``JAXRL_HEARTBEAT_TIMEOUT``,
+  ``JAXRL_SHUTDOWN_TIMEOUT``, ``JAXRL_PEER_TIMEOUT`` (see :func:`resolve_timeouts`).
 
   It does nothing (returns ``False``) when JAX is already initialised, or when there
   is a single process: no coordinator and ``num_processes`` unset or 1 (unless
   ``auto_detect``). ``auto_detect=True`` with no coordinator calls
-  ``jax.distributed.initialize()`` without arguments, letting JAX detect the cluster
+  ``jax.distributed.initialize()`` without addresses, letting JAX detect the cluster
   (Cloud TPU pod slices, SLURM, Open MPI, ...).
+
+  **When a process dies.** JAX notices a dead process only after
+  ``heartbeat_timeout_seconds`` and then aborts the survivors in C++ (no Python
+  exception, a stack trace). A peer watchdog started here notices first: every
+  process publishes a heartbeat in the coordinator's key-value store; when a peer's
+  stops for ``peer_timeout_seconds`` (or it exited with an uncaught exception, or the
+  coordinator stops answering), ``on_peer_lost(message)`` is called with a one-line
+  message naming the process and what to do. The default prints ``error: <message>``
+  and exits with status :data:`PEER_LOST_EXIT_CODE` (75). A process that fails with
+  an uncaught exception tells the others and exits at once instead of waiting in
+  JAX's shutdown barrier; one that ends normally tells them it is done. No state can
+  be saved after a peer is lost (sharded arrays live on the dead host): restart every
+  process with the same command and resume from the last checkpoint (the CLI:
+  ``--resume``); see ``docs/multihost.md``.
 
   Args:
     coordinator_address: ``"host:port"`` of process 0's coordinator service.
@@ -96,24 +347,38 @@ def initialize_multihost(coordinator_address: Optional[str] = None,
       (sets ``jax_cpu_collectives_implementation``); needed for multi-process CPU
       runs (tests, debugging), not on TPU/GPU.
     auto_detect: let JAX detect the cluster when no coordinator is given.
-    **kwargs: passed to ``jax.distributed.initialize`` (e.g.
-      ``initialization_timeout``).
+    initialization_timeout: seconds to wait for every process to connect (JAX's
+      default 300); a process that cannot reach the coordinator fails after it.
+    heartbeat_timeout_seconds: seconds without heartbeat after which JAX declares a
+      process dead and aborts the others (JAX's default 100).
+    shutdown_timeout_seconds: seconds a finishing process waits for the others at
+      the shutdown barrier (JAX's default 300).
+    peer_timeout_seconds: the watchdog's timeout; default half the heartbeat timeout;
+      ``0`` turns the watchdog off. Must be below ``heartbeat_timeout_seconds``.
+    on_peer_lost: called (from the watchdog thread) with the one-line message; it
+      should end the process (collectives with a dead peer never return).
+    **kwargs: other ``jax.distributed.initialize`` keywords (e.g.
+      ``coordinator_bind_address``, ``cluster_detection_method``).
 
   Returns:
     Whether this call initialised ``jax.distributed``.
 
   Raises:
-    ValueError: a malformed environment variable, or a coordinator without
-      ``num_processes`` / ``process_id``.
+    ValueError: a malformed environment variable, an out-of-range timeout, a keyword
+      this JAX version does not accept, or a coordinator without ``num_processes`` /
+      ``process_id``.
 
   Examples:
     >>> initialize_multihost(num_processes=1)   # a single process: nothing to do
     False
   """
+  global _WATCHDOG
   if jax.distributed.is_initialized():
     return False
   args = resolve_multihost_args(coordinator_address, num_processes, process_id,
                                 local_device_ids)
+  timeouts = resolve_timeouts(initialization_timeout, heartbeat_timeout_seconds,
+                              shutdown_timeout_seconds, peer_timeout_seconds)
   if cpu_collectives is None:
     cpu_collectives = os.environ.get(CPU_COLLECTIVES_ENV) or None
   single = args["num_processes"] in (None, 1)
@@ -127,10 +392,29 @@ def initialize_multihost(coordinator_address: Optional[str] = None,
                      f"num_processes ({args['num_processes']}) and process_id "
                      f"({args['process_id']}); set both (or JAX_NUM_PROCESSES / "
                      "JAX_PROCESS_ID).")
+  peer_timeout = timeouts.pop("peer_timeout_seconds")
+  accepted = inspect.signature(jax.distributed.initialize).parameters
+  call = {k: val for k, val in args.items() if val is not None}
+  call.update(kwargs)
+  for name, value in timeouts.items():
+    if name in accepted:
+      call[name] = value
+  unknown = sorted(k for k in call if k not in accepted)
+  if unknown:
+    raise ValueError(f"jax.distributed.initialize (jax {jax.__version__}) does not "
+                     f"accept {unknown}; it takes {sorted(accepted)}.")
   if cpu_collectives is not None:
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-  jax.distributed.initialize(**{k: val for k, val in args.items() if val is not None},
-                             **kwargs)
+  jax.distributed.initialize(**call)
+  client = _distributed_client()
+  if peer_timeout > 0 and client is not None and jax.process_count() > 1:
+    _WATCHDOG = _PeerWatchdog(client, jax.process_index(), jax.process_count(),
+                              peer_timeout, on_peer_lost or _default_on_peer_lost)
+    _WATCHDOG.start()
+    if not getattr(sys.excepthook, "_jaxrl_llm", False):
+      sys.excepthook = _note_uncaught(sys.excepthook)
+      sys.excepthook._jaxrl_llm = True  # type: ignore[attr-defined]
+    atexit.register(_at_exit)
   return True
 
 
@@ -151,4 +435,5 @@ def gather_to_host(tree):
   return jax.tree_util.tree_map(one, tree)
 
 
-__all__ = ["initialize_multihost", "resolve_multihost_args", "gather_to_host"]
+__all__ = ["initialize_multihost", "resolve_multihost_args", "resolve_timeouts",
+           "shutdown_multihost", "gather_to_host", "PEER_LOST_EXIT_CODE"]

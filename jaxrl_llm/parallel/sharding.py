@@ -37,13 +37,15 @@ update is the single-device update up to float rounding.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from typing import Callable, Mapping, Sequence, Union
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.parallel.mesh import MESH_AXES, mesh_axis_sizes
 
@@ -78,7 +80,7 @@ def make_rules(rules=None) -> dict:
   merged = dict(DEFAULT_RULES)
   if rules is not None:
     merged.update(dict(rules.items() if isinstance(rules, Mapping) else rules))
-  out = {}
+  out: dict[str, tuple] = {}
   for name, axes in merged.items():
     if axes is None:
       out[name] = ()
@@ -138,8 +140,8 @@ def logical_to_spec(names, shape, mesh, rules=None, *, where="array") -> Partiti
   if len(names) != len(shape):
     raise ValueError(f"{where}: {len(names)} logical axis names {names} for an array of "
                      f"shape {shape} (rank {len(shape)}).")
-  used = {}
-  parts = []
+  used: dict = {}
+  parts: list = []
   for dim, (name, size) in enumerate(zip(names, shape)):
     if name is None:
       parts.append(None)
@@ -372,9 +374,9 @@ def shard_batch(batch, mesh, rules=None):
   Examples:
     >>> import numpy as np
     >>> from jaxrl_llm.parallel.mesh import make_mesh
-    >>> out = shard_batch({"tokens": np.zeros((4, 6), np.int32)}, make_mesh())
+    >>> out = shard_batch({"tokens": np.zeros((8, 6), np.int32)}, make_mesh())
     >>> out["tokens"].shape
-    (4, 6)
+    (8, 6)
   """
   rules = make_rules(rules)
 
@@ -434,6 +436,12 @@ def shard_apply_fn(apply_fn: Callable, mesh, rules=None) -> Callable:
   pattern. Values are unchanged. Build the step from the wrapped function:
   ``make_train_step(shard_apply_fn(apply_fn, mesh), optimizer, config)``.
 
+  With a ``sequence`` mesh axis > 1 the model runs under ``mesh`` as the ambient mesh
+  (:func:`ambient_mesh`), so :func:`jaxrl_llm.dot_product_attention` with
+  ``implementation=None`` picks ring attention
+  (:func:`jaxrl_llm.parallel.ring_attention`) and the whole forward is split over the
+  tokens.
+
   Raises:
     ValueError: at trace time, if a (micro)batch dimension is not divisible by its
       mesh axes (e.g. ``B / num_microbatches`` rows over ``data * fsdp`` devices).
@@ -447,8 +455,10 @@ def shard_apply_fn(apply_fn: Callable, mesh, rules=None) -> Callable:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
   def apply(params, tokens, positions=None, attention_mask=None):
-    out = apply_fn(params, constrain("tokens", tokens), constrain("positions", positions),
-                   constrain("attention_mask", attention_mask))
+    with ambient_mesh(mesh, tokens):
+      out = apply_fn(params, constrain("tokens", tokens),
+                     constrain("positions", positions),
+                     constrain("attention_mask", attention_mask))
     if len(out) == 3:
       hidden, values, lm_head = out
       return constrain("hidden", hidden), constrain("values", values), lm_head
@@ -456,6 +466,44 @@ def shard_apply_fn(apply_fn: Callable, mesh, rules=None) -> Callable:
     return constrain("logits", logits), constrain("values", values)
 
   return apply
+
+
+# ------------------------------------------------------------------------ ambient mesh
+
+
+def ambient_mesh(mesh, *arrays):
+  """A context making ``mesh`` the ambient mesh when it has a ``sequence`` axis > 1.
+
+  Under it ``jax.sharding.get_abstract_mesh()`` is ``mesh`` and
+  :func:`jaxrl_llm.dot_product_attention` (``implementation=None``) uses ring
+  attention over the ``sequence`` axis. While tracing (any of ``arrays`` is a tracer)
+  it is ``jax.sharding.use_abstract_mesh``; on concrete arrays ``jax.set_mesh`` (which
+  JAX forbids inside ``jax.jit``). With no ``sequence`` axis > 1 it does nothing.
+
+  Examples:
+    >>> from jaxrl_llm.parallel.mesh import make_mesh
+    >>> with ambient_mesh(make_mesh()):
+    ...   jax.sharding.get_abstract_mesh().empty
+    True
+  """
+  if mesh_axis_sizes(mesh).get("sequence", 1) <= 1:
+    return contextlib.nullcontext()
+  tracing = any(isinstance(x, jax.core.Tracer)
+                for x in jax.tree_util.tree_leaves(arrays))
+  if tracing or not isinstance(mesh, Mesh):
+    return jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh))
+  return jax.set_mesh(mesh)
+
+
+def _under_mesh(fn: Callable, mesh) -> Callable:
+  """``fn`` traced with ``mesh`` as the ambient (abstract) mesh."""
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+
+  return wrapped
 
 
 # ------------------------------------------------------------------------- placement
@@ -500,6 +548,14 @@ def shard_train_step(step_fn: Callable, state, mesh, *, rules=None, batch=None,
   :func:`shard_apply_fn` (as in the example) so activations stay batch-sharded; with
   FSDP this is what makes XLA all-gather weights instead of all-reducing activations.
 
+  Long sequences: on a mesh with a ``sequence`` axis > 1 (token arrays sharded
+  ``P(("data", "fsdp"), "sequence")``) the step is traced under the mesh as the
+  ambient mesh (:func:`ambient_mesh`), so the model's attention
+  (:func:`jaxrl_llm.dot_product_attention` with ``implementation=None``) is ring
+  attention (:func:`jaxrl_llm.parallel.ring_attention`) and every per-token
+  computation of the step (forward and backward, log-probs, losses) runs on ``T / n``
+  tokens per device; XLA partitions the rest.
+
   Args:
     step_fn: the pure train step.
     state: the initial state (host or device arrays); it is placed on the mesh.
@@ -530,8 +586,8 @@ def shard_train_step(step_fn: Callable, state, mesh, *, rules=None, batch=None,
     >>> apply_fn = shard_apply_fn(make_apply_fn(graphdef), mesh)
     >>> step, state = shard_train_step(make_train_step(apply_fn, opt, config),
     ...                                init_train_state(params, opt, config), mesh)
-    >>> tokens = np.ones((2, 8), np.int32)
-    >>> zeros, ones = np.zeros((2, 8), np.float32), np.ones((2, 8), np.float32)
+    >>> tokens = np.ones((8, 8), np.int32)     # 8 rows: split over 1, 2, 4 or 8 devices
+    >>> zeros, ones = np.zeros((8, 8), np.float32), np.ones((8, 8), np.float32)
     >>> batch = shard_batch(dict(tokens=tokens, attention_mask=ones, loss_mask=ones,
     ...     old_logp=zeros, old_values=zeros, rewards=ones), mesh)
     >>> state, metrics = step(state, batch)
@@ -539,6 +595,8 @@ def shard_train_step(step_fn: Callable, state, mesh, *, rules=None, batch=None,
     1
   """
   rules = make_rules(rules)
+  if mesh_axis_sizes(mesh).get("sequence", 1) > 1:
+    step_fn = _under_mesh(step_fn, mesh)
   s_shardings = state_shardings(state, mesh, rules)
   if batch is not None:
     b_shardings = batch_shardings(batch, mesh, rules)
@@ -568,4 +626,5 @@ def sharding_summary(tree) -> dict:
 __all__ = ["DEFAULT_RULES", "make_rules", "logical_to_spec", "param_specs",
            "param_shardings", "state_specs", "state_shardings", "batch_spec",
            "batch_specs", "batch_shardings", "shard_batch", "host_local_batch",
-           "put_sharded", "shard_apply_fn", "shard_train_step", "sharding_summary"]
+           "put_sharded", "shard_apply_fn", "shard_train_step", "sharding_summary",
+           "ambient_mesh"]

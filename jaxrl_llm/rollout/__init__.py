@@ -1,6 +1,6 @@
 """Rollout: the KV-cache sampler (jitted prefill + decode loop), greedy and sampled."""
 
-from jaxrl_llm.models.transformer import DecodeFns
+from jaxrl_llm.rollout.protocol import DecodeFns
 from jaxrl_llm.rollout.sampler import SampleOutput
 from jaxrl_llm.rollout.sampler import filter_logits
 from jaxrl_llm.rollout.sampler import sample

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import _validate as v
-from jaxrl_llm.models.transformer import DecodeFns
+from jaxrl_llm.rollout.protocol import DecodeFns
 
 _NEG = -1e30
 _MIN_TEMPERATURE = 1e-6

@@ -64,7 +64,8 @@ def get_task(name: str = DEFAULT_TASK, **kwargs) -> Task:
 
 __all__ = [
     "AddTask", "CharTokenizer", "CopyTask", "CountdownTask", "DEFAULT_TASK", "Problem",
-    "RepeatTask", "ReverseTask", "SortTask", "LONG_TASKS", "StringTask", "TASKS", "Task", "get_task",
+    "RepeatTask", "ReverseTask", "SortTask", "LONG_TASKS", "StringTask", "TASKS", "Task",
+    "get_task",
     "parse_expression", "position_match", "random_baseline",
     "JsonlTask", "load_jsonl", "REWARDS", "get_reward", "register_reward",
 ]

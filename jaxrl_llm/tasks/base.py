@@ -114,7 +114,8 @@ class Task(abc.ABC):
       raise ValueError(f"`n` must be a non-negative int, got {n!r}.")
     if heldout and self.holdout == 0.0:
       return [self.draw(rng) for _ in range(n)]
-    out, tries, max_tries = [], 0, 1000 * max(n, 1)
+    out: list[Problem] = []
+    tries, max_tries = 0, 1000 * max(n, 1)
     while len(out) < n:
       p = self.draw(rng)
       if self.is_heldout(p) == heldout:

@@ -91,7 +91,7 @@ class CharTokenizer:
       ValueError: if ``text`` holds a character outside the vocabulary.
     """
     try:
-      ids = [self._to_id[c] for c in text]
+      ids = [self._to_id[c] for c in text]  # type: ignore[attr-defined]
     except KeyError as e:
       raise ValueError(
           f"`text` {text!r} holds {e.args[0]!r}, which is not in the vocabulary "

@@ -38,8 +38,8 @@ Conventions (where the anchors differ):
   ``a/b``, ``\frac{a}{b}`` (``\dfrac``, ``\tfrac``), decimals and scientific notation
   parse; integers must be equal exactly, other numbers within :math:`|x - y| \le
   \max(r \cdot \max(|x|, |y|), a)` (:func:`numbers_close`; ``math.isclose`` with
-  ``rel_tol=1e-6``, ``abs_tol=1e-9`` by default). Numerals longer than 100 characters are not numbers (no huge-int
-  conversion on adversarial output).
+  ``rel_tol=1e-6``, ``abs_tol=1e-9`` by default). Numerals longer than 100 characters
+  are not numbers (no huge-int conversion on adversarial output).
 * Non-numeric answers compare as strings after :func:`normalize_text` (whitespace
   collapsed, surrounding ``$`` and ``\text{}``/``\left``/``\right`` spacing macros
   removed, trailing period dropped); case is kept (``"x"`` and ``"X"`` differ).
@@ -158,7 +158,7 @@ def extract_last_number(text: str) -> str | None:
   if not isinstance(text, str):
     return None
   last = None
-  for last in _NUMBER_RE.finditer(text):
+  for last in _NUMBER_RE.finditer(text):  # noqa: B007 (keeps the last match)
     pass
   return None if last is None else last.group(0)
 

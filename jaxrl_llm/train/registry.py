@@ -210,6 +210,18 @@ def _hybrid(x: AdvantageInputs, hp, method="scan", n=4):
                              lam=hp["lam"], mix=hp["hybrid_mix"], method=method)
 
 
+def _decoupled_gae(x: AdvantageInputs, hp, method="scan"):
+  return A.decoupled_gae(x.rewards, x.values, x.mask, gamma=hp["gamma"],
+                         lam_policy=hp["lam"], lam_value=hp.get("lam_value", 1.0),
+                         method=method)
+
+
+def _vapo_gae(x: AdvantageInputs, hp, method="scan"):
+  return A.decoupled_gae(x.rewards, x.values, x.mask, gamma=hp["gamma"],
+                         lam_policy=A.length_adaptive_lambda(x.mask),
+                         lam_value=hp.get("lam_value", 1.0), method=method)
+
+
 def _group(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
   def estimator(x: AdvantageInputs, hp):
     del hp
@@ -231,6 +243,12 @@ register_advantage_estimator("gae", _gae, needs_values=True,
                              doc="GAE over token rewards and critic values")
 register_advantage_estimator("hybrid", _hybrid, needs_values=True,
                              doc="n-step returns mixed with GAE (hybrid_n, hybrid_mix)")
+register_advantage_estimator("decoupled_gae", _decoupled_gae, needs_values=True,
+                             doc="GAE with lam for the policy, lam_value (default 1) "
+                                 "for the critic's targets (VC-PPO)")
+register_advantage_estimator("vapo_gae", _vapo_gae, needs_values=True,
+                             doc="decoupled GAE with VAPO's length-adaptive policy "
+                                 "lambda (alpha 0.05)")
 register_advantage_estimator("grpo", _group(A.grpo_advantages), group=True,
                              doc="group mean baseline / group std")
 register_advantage_estimator("dr_grpo", _group(A.dr_grpo_advantages), group=True,

@@ -24,7 +24,8 @@ KL_KINDS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
 
 # Float fields of TrainConfig that live in TrainState.hparams as traced scalars.
 TRACED_HPARAMS = ("clip_low", "clip_high", "dual_clip", "vf_coef", "vf_clip",
-                  "entropy_coef", "kl_coef", "gamma", "lam", "hybrid_mix", "temperature")
+                  "entropy_coef", "kl_coef", "gamma", "lam", "hybrid_mix", "temperature",
+                  "lam_value")
 ADVANTAGE_ESTIMATORS = ("gae", "hybrid")  # built-in in-step estimators
 
 
@@ -63,7 +64,8 @@ class TrainConfig:
     whiten_advantages: whiten advantages over the batch's response tokens.
     gae_method: ``scan`` or ``associative`` recurrence for in-step advantages.
     advantage_estimator: in-step estimator when the batch has no ``advantages``
-      (``gae``, or ``hybrid``: n-step returns mixed with GAE).
+      (``gae``; ``hybrid``: n-step returns mixed with GAE; ``decoupled_gae`` /
+      ``vapo_gae``: separate critic lambda ``lam_value``).
     hybrid_n: the n of the hybrid estimator's n-step returns.
     kl_mode: where the KL to the reference goes: ``none``, ``loss`` or ``reward``.
     kl_kind: KL estimator in the loss (k1, k2, k3, abs, k1+, k3+).
@@ -95,6 +97,8 @@ class TrainConfig:
     lam: GAE lambda.
     hybrid_mix: weight of the n-step returns in the hybrid estimator.
     temperature: sampling temperature the log-probs are computed at.
+    lam_value: the critic's GAE lambda of the ``decoupled_gae`` / ``vapo_gae``
+      estimators (None: 1.0, VC-PPO's Monte-Carlo value targets).
     loss_hparams: overrides of the policy loss's own hyperparameters (e.g.
       ``{"tau_pos": 2.0}`` for SAPO); traced like the fields above.
   """
@@ -136,6 +140,7 @@ class TrainConfig:
   lam: float = 0.95
   hybrid_mix: float = 0.5
   temperature: float = 1.0
+  lam_value: Optional[float] = None
   loss_hparams: Optional[Mapping[str, float]] = None
 
   def __post_init__(self):
@@ -144,14 +149,10 @@ class TrainConfig:
       if not isinstance(val, int) or isinstance(val, bool) or val < 1:
         raise ValueError(f"`{name}` must be an int >= 1, got {val!r}.")
     spec = get_policy_loss(self.policy_loss)
-    v.check_choice("loss_agg_mode", self.loss_agg_mode, AGGREGATION_MODES)
-    v.check_choice("kl_mode", self.kl_mode, KL_MODES)
-    v.check_choice("kl_kind", self.kl_kind, KL_KINDS)
-    v.check_choice("reward_kl_kind", self.reward_kl_kind, KL_KINDS)
-    v.check_choice("gae_method", self.gae_method, ("scan", "associative"))
-    v.check_choice("advantage_estimator", self.advantage_estimator,
-                   advantage_estimators())
-    v.check_choice("adaptive_clip_metric", self.adaptive_clip_metric, ("kl", "clipfrac"))
+    for f in dataclasses.fields(self):
+      choices = field_choices(f.name)
+      if choices is not None:
+        v.check_choice(f.name, getattr(self, f.name), choices)
     if self.clip_schedule is not None and self.adaptive_clip:
       raise ValueError("`clip_schedule` and `adaptive_clip` are exclusive: pick one.")
     if self.adaptive_kl and self.kl_mode == "none":
@@ -165,6 +166,7 @@ class TrainConfig:
     _check_range("gamma", self.gamma, low=0.0, high=1.0, inclusive=True)
     _check_range("lam", self.lam, low=0.0, high=1.0, inclusive=True)
     _check_range("hybrid_mix", self.hybrid_mix, low=0.0, high=1.0, inclusive=True)
+    _check_range("lam_value", self.lam_value, low=0.0, high=1.0, inclusive=True)
     _check_range("temperature", self.temperature, low=0.0)
     _check_range("kl_target", self.kl_target, low=0.0)
     _check_range("kl_horizon", self.kl_horizon, low=0.0)
@@ -236,6 +238,23 @@ def _check_range(name: str, x, *, low=None, high=None, inclusive=False) -> None:
                      f"got {x!r}.")
 
 
+def field_choices(name: str) -> Optional[tuple]:
+  """The allowed values of the :class:`TrainConfig` field ``name`` (None: any value).
+
+  Examples:
+    >>> field_choices("kl_mode"), field_choices("lam")
+    (('none', 'loss', 'reward'), None)
+  """
+  if name == "policy_loss":
+    return tuple(POLICY_LOSS_REGISTRY)
+  if name == "advantage_estimator":
+    return advantage_estimators()
+  return {"loss_agg_mode": tuple(AGGREGATION_MODES), "kl_mode": KL_MODES,
+          "kl_kind": KL_KINDS, "reward_kl_kind": KL_KINDS,
+          "gae_method": ("scan", "associative"),
+          "adaptive_clip_metric": ("kl", "clipfrac")}.get(name)
+
+
 def advantage_estimators() -> tuple:
   """Names of the registered in-step (critic-based) advantage estimators."""
   return tuple(k for k, spec in ADVANTAGE_ESTIMATOR_REGISTRY.items() if spec.needs_values)
@@ -288,8 +307,11 @@ def init_train_state(params: Any, optimizer: optax.GradientTransformation,
       hparams=config.hparams(),
       kl_ctrl=adaptive_kl_init(max(config.kl_coef, 1e-8), target=config.kl_target,
                                horizon=config.kl_horizon),
-      clip_ctrl=adaptive_clip_init(config.clip_range()[0], eps_min=config.clip_min,
-                                   eps_max=config.clip_max,
+      # The controller's epsilon lives in [clip_min, clip_max] (adaptive_clip_init
+      # rejects a start outside it); a loss's own clip_low (GSPO 3e-4) may not.
+      clip_ctrl=adaptive_clip_init(min(max(config.clip_range()[0], config.clip_min),
+                                       config.clip_max),
+                                   eps_min=config.clip_min, eps_max=config.clip_max,
                                    metric=config.adaptive_clip_metric, **clip_kwargs),
       rng=jnp.asarray(rng, jnp.uint32),
   )

@@ -43,15 +43,17 @@ Fault handling, the same for every policy loss and estimator:
   shuffling key are left as they were: only ``step`` advances.
 
 The model is any pure ``apply_fn(params, tokens, positions, attention_mask)``
-returning ``(logits [B,L,V], values [B,L] or None)`` or ``(hidden [B,L,D], values,
-lm_head [D,V])``; the second form computes log-probs chunk by chunk
-(:func:`jaxrl_llm.token_logprobs_from_hidden`) without ever forming ``[B, L, V]``.
+returning a :class:`ModelOutput`: ``logits [B,L,V]`` or ``hidden [B,L,D]`` with
+``lm_head [D,V]``, and ``values [B,L]`` or None. With hidden states the log-probs
+are computed chunk by chunk (:func:`jaxrl_llm.token_logprobs_from_hidden`) without
+ever forming ``[B, L, V]``. The plain tuples ``(logits, values)`` and ``(hidden,
+values, lm_head)`` are read as the same (:func:`as_model_output`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -115,7 +117,7 @@ def validate_batch(batch: dict, config: TrainConfig) -> None:
                      f"num_minibatches * num_microbatches = {per_update}.")
 
 
-def default_positions(attention_mask):
+def default_positions(attention_mask: jax.Array) -> jax.Array:
   """Positions that skip padding: ``max(cumsum(mask) - 1, 0)``."""
   return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
 
@@ -125,7 +127,50 @@ def _shift_right(x):
   return jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
 
 
-def policy_forward(apply_fn, params, batch, *, chunk_size=None, temperature=1.0):
+class ModelOutput(NamedTuple):
+  """What a model's ``apply_fn`` returns (the train step's model protocol).
+
+  Attributes:
+    logits: next-token logits ``[B, L, V]`` (or None when ``hidden`` is given).
+    values: value-head outputs ``[B, L]``, or None without a value head.
+    hidden: final hidden states ``[B, L, D]`` (with ``lm_head``), or None.
+    lm_head: the ``[D, V]`` projection applied to ``hidden``, or None.
+  """
+  logits: Any = None
+  values: Any = None
+  hidden: Any = None
+  lm_head: Any = None
+
+
+def as_model_output(out: Any) -> ModelOutput:
+  """Reads an ``apply_fn`` result: a :class:`ModelOutput` or one of the tuple forms.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> as_model_output((jnp.zeros((1, 2, 3)), None)).logits.shape
+    (1, 2, 3)
+    >>> as_model_output((jnp.zeros((1, 2, 4)), None, jnp.zeros((4, 3)))).lm_head.shape
+    (4, 3)
+  """
+  if isinstance(out, ModelOutput):
+    result = out
+  elif isinstance(out, tuple) and len(out) == 2:
+    result = ModelOutput(logits=out[0], values=out[1])
+  elif isinstance(out, tuple) and len(out) == 3:
+    result = ModelOutput(hidden=out[0], values=out[1], lm_head=out[2])
+  else:
+    raise ValueError("apply_fn must return a ModelOutput, (logits, values) or (hidden, "
+                     f"values, lm_head); got {type(out).__name__}.")
+  if (result.logits is None) == (result.hidden is None) or (
+      (result.hidden is None) != (result.lm_head is None)):
+    raise ValueError("apply_fn's ModelOutput needs either `logits` or `hidden` with "
+                     "`lm_head`.")
+  return result
+
+
+def policy_forward(apply_fn: Callable, params: Any, batch: dict, *,
+                   chunk_size: Optional[int] = None,
+                   temperature: Any = 1.0) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
   """Token log-probs, entropies and values of ``batch['tokens']`` under ``params``.
 
   Returns ``(logp, entropy, values)``, each ``[B, L]`` aligned with the tokens (entry t
@@ -136,17 +181,16 @@ def policy_forward(apply_fn, params, batch, *, chunk_size=None, temperature=1.0)
   positions = batch.get("positions")
   if positions is None:
     positions = default_positions(attn)
-  out = apply_fn(params, tokens, positions, attn)
+  out = as_model_output(apply_fn(params, tokens, positions, attn))
   targets = tokens[:, 1:]
   target_mask = attn[:, 1:]
-  if len(out) == 3:
-    hidden, values, lm_head = out
+  values = out.values
+  if out.hidden is not None:
     logp, ent = token_logprobs_from_hidden(
-        hidden[:, :-1], lm_head, targets, mask=target_mask, chunk_size=chunk_size,
+        out.hidden[:, :-1], out.lm_head, targets, mask=target_mask, chunk_size=chunk_size,
         return_entropy=True, temperature=temperature)
   else:
-    logits, values = out
-    logp, ent = token_logprobs(logits[:, :-1] / temperature, targets, target_mask,
+    logp, ent = token_logprobs(out.logits[:, :-1] / temperature, targets, target_mask,
                                return_entropy=True)
   pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)
   values = None if values is None else _shift_right(v.as_f32(values))
@@ -204,7 +248,7 @@ def prepare_batch(batch: dict, state: TrainState, config: TrainConfig,
       kl = L.kl_penalty(batch["old_logp"], batch["ref_logp"], config.reward_kl_kind,
                         mask=mask)
       rewards = rewards - kl_coef * kl
-    static = {"method": config.gae_method}
+    static: dict[str, Any] = {"method": config.gae_method}
     if config.advantage_estimator == "hybrid":
       static["n"] = config.hybrid_n
     adv, ret = compute_advantages(
@@ -368,8 +412,17 @@ def _nonfinite_inputs(mb, axis_name=None):
   return _psum(bad, axis_name)
 
 
+class TrainStep(Protocol):
+  """What :func:`make_train_step` returns: the pure step, its config and its ``init``."""
+  config: TrainConfig
+
+  def __call__(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]: ...
+
+  def init(self, params: Any, rng: Optional[jax.Array] = None) -> TrainState: ...
+
+
 def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
-                    config: TrainConfig, *, axis_name: Optional[str] = None) -> Callable:
+                    config: TrainConfig, *, axis_name: Optional[str] = None) -> TrainStep:
   """Returns a pure ``train_step(state, batch) -> (state, metrics)``; jit it yourself.
 
   The step and its state come from one config: ``train_step.init(params, rng=None)``
@@ -502,17 +555,19 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
         lambda a, b: jnp.where(applied, a, b), new, old)
     kl_ctrl, clip_ctrl, rng = unless_idle((kl_ctrl, clip_ctrl, rng),
                                           (state.kl_ctrl, state.clip_ctrl, state.rng))
-    new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
-                              kl_ctrl=kl_ctrl, clip_ctrl=clip_ctrl, rng=rng)
+    new_state = dataclasses.replace(state, params=params, opt_state=opt_state,
+                                    step=state.step + 1, kl_ctrl=kl_ctrl,
+                                    clip_ctrl=clip_ctrl, rng=rng)
     return new_state, metrics
 
   def init(params: Any, rng: Optional[jax.Array] = None) -> TrainState:
     """The :class:`TrainState` of this step (same optimizer and config)."""
     return init_train_state(params, optimizer, config, rng=rng)
 
-  train_step.init = init  # type: ignore[attr-defined]
-  train_step.config = config  # type: ignore[attr-defined]
-  return train_step
+  step = cast(TrainStep, train_step)
+  step.init = init  # type: ignore[method-assign]
+  step.config = config
+  return step
 
 
 def _with_overrides(config: Optional[TrainConfig], defaults: dict,
@@ -532,7 +587,8 @@ GRPO_DEFAULTS = dict(use_value=False, whiten_advantages=False, kl_mode="loss",
 
 
 def make_ppo_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
-                        config: Optional[TrainConfig] = None, **overrides: Any) -> Callable:
+                        config: Optional[TrainConfig] = None,
+                        **overrides: Any) -> TrainStep:
   """PPO with a value head (GAE from ``rewards``/``old_values`` or given advantages).
 
   Defaults: clipped surrogate (``clip_low=0.2``), clipped value loss (0.5, coef 0.5),
@@ -544,7 +600,7 @@ def make_ppo_train_step(apply_fn: Callable, optimizer: optax.GradientTransformat
 
 def make_grpo_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
                          config: Optional[TrainConfig] = None,
-                         **overrides: Any) -> Callable:
+                         **overrides: Any) -> TrainStep:
   """GRPO-family step: no value model, per-sequence advantages from a group estimator,
   KL to the reference in the loss (k3) when ``kl_coef > 0``.
 

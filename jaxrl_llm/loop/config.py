@@ -1,0 +1,272 @@
+"""The run configuration: what defines a training run (written to ``config.json``).
+
+A run is a recipe (``algo``), a task, a model size and a budget; its train step is
+``TrainConfig(**{**recipe fields, **run.train})``: the train-step fields are declared
+once, in :class:`~jaxrl_llm.train.TrainConfig`, and ``run.train`` holds only the
+ones the user set. The optimizer is built here, in :func:`make_optimizer`, for the
+trainer and the ``eval`` command alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import optax
+
+from jaxrl_llm.recipes import RECIPES, get_recipe
+from jaxrl_llm.train import TrainConfig
+
+MODELS = ("tiny", "small")
+# Fields that may differ between a run and its resumption.
+RESUMABLE_FIELDS = ("steps", "out", "resume", "overwrite", "eval_every", "save_every",
+                    "progress", "mesh_data", "mesh_fsdp", "mesh_tensor",
+                    "max_consecutive_skips")
+
+
+def _task_names() -> list:
+  from jaxrl_llm.tasks import TASKS
+  return sorted(TASKS)
+
+
+@dataclasses.dataclass
+class RunConfig:
+  """Everything that defines a run (written to ``config.json``).
+
+  Attributes:
+    task: the built-in task to train on.
+    algo: the algorithm recipe (see :mod:`jaxrl_llm.recipes`).
+    model: reference transformer size (a preset), or a local Hugging Face model folder
+      (Llama / Qwen2 / Qwen3: config.json, safetensors, tokenizer.json); a folder needs
+      --dataset.
+    steps: train steps (each: one rollout and one train step).
+    prompts_per_step: prompts sampled per step.
+    group_size: completions sampled per prompt.
+    lr: Adam learning rate.
+    seed: seed of the model initialisation, the prompts and the sampling.
+    clip_end: anneal the clip epsilon linearly from ``clip_low`` to this value over
+      the run (None: constant).
+    eval_every: steps between greedy evaluations on the held-out split.
+    eval_size: held-out prompts per evaluation.
+    save_every: steps between checkpoints.
+    mesh_data: data-parallel mesh axis size (-1: all remaining devices).
+    mesh_fsdp: FSDP mesh axis size (parameters and optimizer state sharded).
+    mesh_tensor: tensor-parallel mesh axis size (heads / mlp / vocab sharded).
+    out: the run folder.
+    resume: continue the run in ``out``.
+    overwrite: replace the run in ``out``.
+    progress: print a progress line.
+    max_consecutive_skips: stop the run (non-zero exit) after this many train steps
+      in a row were skipped for non-finite values.
+    dataset: a JSONL file of {"prompt": ..., "answer": ...} lines to train on instead of
+      the built-in --task.
+    reward: the reward of --dataset completions (a name in jaxrl_llm.tasks.REWARDS:
+      math, boxed, exact).
+    max_new_tokens: tokens sampled per completion on --dataset.
+    critic: a separate critic (its own parameters and Adam optimizer) for recipes with
+      a value model: a Hugging Face model folder it is initialised from, or "policy"
+      (a copy of the policy's initial weights); None: the policy's value head.
+    critic_lr: the separate critic's learning rate (default: --lr).
+    train: TrainConfig fields set on top of the recipe's (e.g. ``{"kl_coef": 0.01,
+      "policy_loss": "gspo"}``).
+  """
+  task: str = "reverse"
+  algo: str = "grpo"
+  model: str = "tiny"
+  steps: int = 400
+  prompts_per_step: int = 32
+  group_size: int = 8
+  lr: float = 1e-3
+  seed: int = 0
+  clip_end: Optional[float] = None
+  eval_every: int = 25
+  eval_size: int = 256
+  save_every: int = 50
+  mesh_data: int = 1
+  mesh_fsdp: int = 1
+  mesh_tensor: int = 1
+  out: str = "runs/default"
+  resume: bool = False
+  overwrite: bool = False
+  progress: bool = True
+  max_consecutive_skips: int = 20
+  dataset: Optional[str] = None
+  reward: str = "math"
+  max_new_tokens: int = 64
+  critic: Optional[str] = None
+  critic_lr: Optional[float] = None
+  train: dict = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def from_dict(cls, fields: dict) -> "RunConfig":
+    """A RunConfig from ``config.json`` or flat keyword arguments.
+
+    Keys that are TrainConfig fields go into ``train`` (so the flat form of earlier
+    versions, e.g. ``{"kl_coef": 0.01}``, still loads); ``clip`` is read as
+    ``clip_low`` and ``hybrid_n`` as the hybrid estimator (earlier names).
+
+    Examples:
+      >>> RunConfig.from_dict({"algo": "ppo", "kl_coef": 0.01}).train
+      {'kl_coef': 0.01}
+    """
+    own = {f.name for f in dataclasses.fields(cls)}
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    run: dict = {}
+    train = dict(fields.get("train") or {})
+    for key, val in fields.items():
+      if key == "train":
+        continue
+      if key in own:
+        run[key] = val
+      elif key == "clip":
+        train["clip_low"] = val
+      elif key == "hybrid_n":
+        if val is not None:
+          train.update(hybrid_n=val, advantage_estimator="hybrid")
+      elif key in train_fields:
+        train[key] = val
+      else:
+        raise ValueError(f"unknown run setting {key!r} (not a RunConfig or TrainConfig "
+                         "field).")
+    return cls(**run, train=train)
+
+  def validate(self) -> None:
+    """Raises ``ValueError`` with a one-line message for a bad setting."""
+    tasks = _task_names()
+    if self.task not in tasks:
+      raise ValueError(f"unknown task {self.task!r}; valid tasks: {', '.join(tasks)}")
+    recipe = get_recipe(self.algo)
+    if self.model not in MODELS and not os.path.isfile(
+        os.path.join(self.model, "config.json")):
+      raise ValueError(f"unknown model {self.model!r}; valid models: {', '.join(MODELS)} "
+                       "or a Hugging Face model folder (with config.json)")
+    if self.critic is not None and self.critic != "policy" and not os.path.isfile(
+        os.path.join(self.critic, "config.json")):
+      raise ValueError(f"--critic {self.critic!r} must be 'policy' or a Hugging Face "
+                       "model folder (with config.json)")
+    if self.dataset is None and self.model not in MODELS:
+      raise ValueError("--model PATH (a Hugging Face checkpoint) needs --dataset: the "
+                       "built-in tasks use their own character tokenizer")
+    if self.dataset is not None:
+      from jaxrl_llm.tasks import REWARDS
+      if not os.path.isfile(self.dataset):
+        raise ValueError(f"--dataset {self.dataset!r} is not a file")
+      if self.reward not in REWARDS:
+        raise ValueError(f"unknown reward {self.reward!r}; valid rewards: "
+                         f"{', '.join(sorted(REWARDS))}")
+      if self.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
+    if recipe.group and self.group_size < 2:
+      raise ValueError(f"--algo {self.algo} is a group estimator and needs --group-size "
+                       f">= 2 (got {self.group_size}): with one sample per prompt the "
+                       f"group baseline is the sample itself.")
+    for name in ("steps", "prompts_per_step", "group_size", "eval_size", "eval_every",
+                 "save_every", "max_consecutive_skips"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got "
+                         f"{getattr(self, name)})")
+    for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
+      size = getattr(self, name)
+      if size == 0 or size < -1:
+        raise ValueError(f"--{name[5:]} must be >= 1 or -1 (all remaining devices), "
+                         f"got {size}")
+    if [self.mesh_data, self.mesh_fsdp, self.mesh_tensor].count(-1) > 1:
+      raise ValueError("only one of --data, --fsdp, --tensor may be -1")
+    if self.resume and self.overwrite:
+      raise ValueError("--resume and --overwrite are exclusive")
+    config = self.train_config(1)   # TrainConfig's own checks (ranges, choices, names)
+    batch = self.prompts_per_step * self.group_size
+    chunks = config.num_minibatches * config.num_microbatches
+    if batch % chunks:
+      raise ValueError(
+          f"the batch of --prompts-per-step {self.prompts_per_step} x --group-size "
+          f"{self.group_size} = {batch} sequences does not split into "
+          f"--num-minibatches {config.num_minibatches} x --num-microbatches "
+          f"{config.num_microbatches} = {chunks} equal parts; choose sizes whose "
+          "product divides it")
+
+  def check_devices(self, device_count: int) -> None:
+    """Raises ``ValueError`` unless the mesh flags fit ``device_count`` devices and the
+    batch splits evenly over the data-parallel devices.
+
+    Examples:
+      >>> RunConfig(mesh_fsdp=4).check_devices(4)
+      >>> try:
+      ...   RunConfig(mesh_fsdp=3).check_devices(8)
+      ... except ValueError as e:
+      ...   print(str(e)[:58])
+      --data 1 x --fsdp 3 x --tensor 1 needs 3 devices; this hos
+    """
+    sizes = {"data": self.mesh_data, "fsdp": self.mesh_fsdp, "tensor": self.mesh_tensor}
+    if list(sizes.values()) == [1, 1, 1]:
+      return
+    shown = " x ".join(f"--{k} {v}" for k, v in sizes.items())
+    known = 1
+    for v in sizes.values():
+      known *= v if v != -1 else 1
+    bad = (device_count % known) if -1 in sizes.values() else (known != device_count)
+    if bad:
+      need = (f"a device count divisible by {known}" if -1 in sizes.values()
+              else f"{known} devices")
+      raise ValueError(f"{shown} needs {need}; this host has {device_count} devices "
+                       f"(use sizes whose product is {device_count}, or -1 on one axis "
+                       "for the rest)")
+    rows = (self.mesh_data if self.mesh_data != -1 else device_count // known) * (
+        self.mesh_fsdp if self.mesh_fsdp != -1 else device_count // known)
+    batch = self.prompts_per_step * self.group_size
+    if batch % rows:
+      raise ValueError(f"the batch of {batch} sequences (--prompts-per-step x "
+                       f"--group-size) does not split over the {rows} data-parallel "
+                       "devices (--data x --fsdp); make it a multiple")
+
+  def train_config(self, max_new_tokens: int) -> TrainConfig:
+    """The :class:`TrainConfig` of the run: the recipe's fields, then ``train``."""
+    fields = {**get_recipe(self.algo).train_fields(max_new_tokens), **self.train}
+    if self.clip_end is not None:
+      start = TrainConfig(**fields).clip_range()[0]
+      fields["clip_schedule"] = optax.linear_schedule(start, self.clip_end, self.steps)
+    return TrainConfig(**fields)
+
+  def identity(self) -> dict:
+    """The fields that must match for a run folder to be resumed.
+
+    TrainConfig settings appear as ``train.<field>`` so a mismatch names the field.
+
+    Examples:
+      >>> sorted(k for k in RunConfig(train={"kl_coef": 0.1}).identity()
+      ...        if k.startswith("train"))
+      ['train.kl_coef']
+    """
+    out = {k: val for k, val in dataclasses.asdict(self).items()
+           if k not in RESUMABLE_FIELDS and k != "train"}
+    out.update({f"train.{k}": val for k, val in self.train.items()})
+    return out
+
+
+def train_config_for(run: RunConfig, max_new_tokens: int) -> TrainConfig:
+  """The :class:`TrainConfig` of a run (``run.train_config``)."""
+  return run.train_config(max_new_tokens)
+
+
+def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
+  """The run's optimizer (Adam at ``run.lr``): the one place it is built.
+
+  With a separate critic (``run.critic``): Adam at ``run.lr`` for the policy and at
+  ``run.critic_lr`` (default ``run.lr``) for the critic
+  (:func:`jaxrl_llm.models.critic.actor_critic_optimizer`).
+  """
+  if run.critic is not None:
+    from jaxrl_llm.models.critic import actor_critic_optimizer
+    critic_lr = run.lr if run.critic_lr is None else run.critic_lr
+    return actor_critic_optimizer(optax.adam(run.lr), optax.adam(critic_lr))
+  return optax.adam(run.lr)
+
+
+def algos() -> tuple:
+  """Names of the registered recipes (``--algo`` choices)."""
+  return tuple(RECIPES)
+
+
+__all__ = ["RunConfig", "MODELS", "RESUMABLE_FIELDS", "train_config_for",
+           "make_optimizer", "algos"]

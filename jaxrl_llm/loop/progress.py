@@ -1,0 +1,41 @@
+"""The progress line of a training run (stderr)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from jaxrl_llm.loop.config import RunConfig
+
+
+def report_progress(run: RunConfig, step: int, row: dict, start_time: float,
+                    start_step: int) -> None:
+  """Writes a progress bar (a TTY) or one line per eval interval (a log) to stderr.
+
+  The rate and the ETA are measured from ``start_time`` at ``start_step``: the end of
+  the run's first step, so the compilation it includes does not distort them (the
+  first line says ``eta after warm-up``). Eval steps add the greedy eval accuracy.
+  """
+  if not run.progress:
+    return
+  done = step - start_step
+  width = 24
+  filled = int(width * step / run.steps)
+  bar = "#" * filled + "-" * (width - filled)
+  if done > 0:
+    rate = done / max(time.time() - start_time, 1e-9)
+    speed = f"{rate:.2f} it/s eta {(run.steps - step) / max(rate, 1e-9):4.0f}s"
+  else:
+    speed = "eta after warm-up"
+  ev = f" eval_acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else ""
+  msg = (f"\r[{bar}] {step}/{run.steps} reward {row['reward']:.3f} "
+         f"acc {row['accuracy']:.3f}{ev} kl {row.get('kl_ref', 0.0):+.4f} {speed}")
+  stream = sys.stderr
+  if stream.isatty():
+    stream.write(msg + ("\n" if ev else ""))
+    stream.flush()
+  elif done == 0 or step == run.steps or step % max(run.eval_every, 1) == 0:
+    stream.write(msg.lstrip("\r") + "\n")
+
+
+__all__ = ["report_progress"]

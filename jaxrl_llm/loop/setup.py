@@ -1,0 +1,98 @@
+"""The task and the policy of a run: built-in or from local files.
+
+* ``run.dataset`` set: a :class:`~jaxrl_llm.tasks.JsonlTask` over that JSONL file, scored
+  by the reward ``run.reward`` (:data:`jaxrl_llm.tasks.REWARDS`), ``run.max_new_tokens``
+  per completion; else the built-in task ``run.task``.
+* ``run.model`` a folder (a local Hugging Face Llama / Qwen2 / Qwen3 checkpoint): the
+  model from :func:`jaxrl_llm.models.from_pretrained` (value head, when the recipe uses
+  one, initialised to zeros) and its tokenizer
+  (:class:`~jaxrl_llm.tasks.hf_tokenizer.HFTokenizer`, prompts rendered with its chat
+  template when it has one); else the reference transformer preset, with the task's
+  character tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jaxrl_llm.loop.config import RunConfig
+from jaxrl_llm.loop.policy import Policy
+from jaxrl_llm.train import TrainConfig
+
+
+def is_checkpoint(model: str) -> bool:
+  """Whether ``model`` names a local model folder (a ``config.json`` inside)."""
+  return os.path.isfile(os.path.join(model, "config.json"))
+
+
+def make_task(run: RunConfig) -> Any:
+  """The run's task: a JSONL dataset (``run.dataset``) or the built-in ``run.task``."""
+  if run.dataset is None:
+    if is_checkpoint(run.model):
+      raise ValueError("--model PATH (a Hugging Face checkpoint) needs --dataset: the "
+                       "built-in tasks use their own character tokenizer.")
+    from jaxrl_llm.tasks import get_task
+    return get_task(run.task)
+  from jaxrl_llm.tasks import JsonlTask
+  tokenizer = None
+  chat = False
+  if is_checkpoint(run.model):
+    from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
+    tokenizer = HFTokenizer.from_pretrained(run.model)
+    chat = tokenizer.chat_template is not None
+  return JsonlTask(path=run.dataset, reward_fn=run.reward, tokenizer=tokenizer,
+                   chat=chat, max_new_tokens=run.max_new_tokens)
+
+
+def _load(run: RunConfig, task: Any, *, value_head: bool, path: str | None = None):
+  """``(graphdef, params)`` of ``path`` (default ``run.model``): a folder or a preset."""
+  from jaxrl_llm.models import Transformer, from_pretrained, get_config, split_model
+  from flax import nnx
+  tok = task.tokenizer
+  path = run.model if path is None else path
+  if not is_checkpoint(path):
+    cfg = get_config(path, tok.vocab_size, value_head=value_head,
+                     max_seq_len=max(task.max_prompt_len + task.max_new_tokens, 8))
+    return split_model(Transformer(cfg, rngs=nnx.Rngs(run.seed)))
+  model = from_pretrained(path, value_head=value_head)
+  if tok.vocab_size > model.config.vocab_size:
+    raise ValueError(f"the tokenizer of {run.model!r} has {tok.vocab_size} tokens, more "
+                     f"than the vocab_size {model.config.vocab_size} of {path!r}.")
+  return split_model(model)
+
+
+def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
+  """The run's policy: ``run.model`` loaded from its folder, or the preset.
+
+  With ``run.critic`` (and a recipe with a value model) the parameters are
+  ``{"policy": ..., "critic": ...}`` (:mod:`jaxrl_llm.models.critic`): the critic is
+  loaded from ``run.critic`` (or the policy's initial weights for ``"policy"``) with a
+  zero-initialised value head; sampling uses the policy part only.
+  """
+  from jaxrl_llm.models import DecodeFns, make_apply_fn, make_decode_fns
+  tok = task.tokenizer
+  separate = run.critic is not None and config.use_value
+  if not separate and not is_checkpoint(run.model):
+    return Policy.reference(run.model, tok.vocab_size,
+                            task.max_prompt_len + task.max_new_tokens, tok.pad_id,
+                            value_head=config.use_value, seed=run.seed,
+                            temperature=config.temperature)
+  graphdef, params = _load(run, task, value_head=config.use_value and not separate)
+  if not separate:
+    return Policy(make_apply_fn(graphdef), make_decode_fns(graphdef), params,
+                  pad_id=tok.pad_id, temperature=config.temperature)
+  from jaxrl_llm.models.critic import actor_critic_apply, actor_critic_params
+  critic_path = run.model if run.critic == "policy" else run.critic
+  critic_graphdef, critic_params = _load(run, task, value_head=True, path=critic_path)
+  fns = make_decode_fns(graphdef)
+  decode = DecodeFns(
+      init_cache=lambda p, batch, max_len: fns.init_cache(p["policy"], batch, max_len),
+      prefill=lambda p, tokens, mask, cache: fns.prefill(p["policy"], tokens, mask, cache),
+      decode=lambda p, tokens, cache: fns.decode(p["policy"], tokens, cache))
+  return Policy(actor_critic_apply(graphdef, critic_graphdef), decode,
+                actor_critic_params(params, critic_params), pad_id=tok.pad_id,
+                temperature=config.temperature)
+
+
+__all__ = ["is_checkpoint", "make_policy", "make_task"]

@@ -1,0 +1,112 @@
+r"""A separate critic: its own parameters, optimizer and learning rate.
+
+Beside the shared-trunk value head (one :class:`~jaxrl_llm.models.Transformer` with
+``value_head=True``), PPO on LLMs usually trains a *separate* critic, a second
+transformer with a value head, initialised from the policy checkpoint or from a
+reward model (verl's ``critic`` worker, OpenRLHF's ``CriticModel``, NeMo-RL). Here it
+is a parameter layout, not a new train step:
+
+* parameters ``{"policy": policy_params, "critic": critic_params}``;
+* :func:`actor_critic_apply` is an ``apply_fn`` with the usual protocol
+  ``(params, tokens, positions, attention_mask) -> (hidden, values, lm_head)``:
+  ``hidden`` and ``lm_head`` from the policy, ``values`` from the critic;
+* :func:`actor_critic_optimizer` is ``optax.multi_transform`` with one optimizer per
+  part (so each has its own learning rate, schedule, clipping and state).
+
+:func:`jaxrl_llm.train.make_train_step` (``use_value=True``) then runs unchanged: its
+loss :math:`\mathcal{L} = \mathcal{L}_{pg}(\theta) + c_v\,\mathcal{L}_{v}(\phi)` splits
+into a policy part (no critic parameter in it) and a critic part (no policy
+parameter), so :math:`\nabla_\theta \mathcal{L} = \nabla_\theta \mathcal{L}_{pg}` and
+:math:`\nabla_\phi \mathcal{L} = c_v \nabla_\phi \mathcal{L}_v`: the two updates are
+independent, as with two train steps, without a second copy of the loss code. With
+Adam-type critic optimizers ``vf_coef`` only rescales the critic's gradient (Adam is
+scale invariant up to its epsilon); set the critic's step size with its learning rate.
+``grad_norm`` in the metrics is the norm over both parts.
+
+Examples:
+  >>> import jax, jax.numpy as jnp, optax
+  >>> from flax import nnx
+  >>> from jaxrl_llm.models import Transformer, TransformerConfig, split_model
+  >>> pg, pp = split_model(Transformer(TransformerConfig.tiny(32, value_head=False)))
+  >>> cg, cp = split_model(Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(1)))
+  >>> apply = actor_critic_apply(pg, cg)
+  >>> params = actor_critic_params(pp, cp)
+  >>> hidden, values, lm_head = apply(params, jnp.ones((2, 5), jnp.int32))
+  >>> hidden.shape, values.shape, lm_head.shape
+  ((2, 5, 64), (2, 5), (64, 32))
+  >>> opt = actor_critic_optimizer(optax.adam(1e-6), optax.adam(1e-5))
+  >>> state = opt.init(params)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+from jaxrl_llm.models.transformer import make_apply_fn
+
+POLICY, CRITIC = "policy", "critic"
+
+
+def actor_critic_params(policy_params: Any, critic_params: Any) -> dict:
+  """``{"policy": policy_params, "critic": critic_params}``, the layout the functions
+  of this module (and :func:`actor_critic_optimizer`'s labels) expect."""
+  return {POLICY: policy_params, CRITIC: critic_params}
+
+
+def actor_critic_apply(policy_graphdef, critic_graphdef) -> Callable:
+  """An ``apply_fn`` over :func:`actor_critic_params`: policy hidden states and LM head,
+  critic values.
+
+  Args:
+    policy_graphdef: graphdef of the policy (:func:`~jaxrl_llm.models.split_model`).
+    critic_graphdef: graphdef of the critic, a model with a value head; only its
+      trunk and value head are used (its LM head never is).
+
+  Returns:
+    ``apply(params, tokens, positions=None, attention_mask=None) ->
+    (hidden [B, T, D], values [B, T], lm_head [D, V])``, pure in ``params``.
+
+  Raises:
+    ValueError: at trace time, if the critic returns no values (no value head).
+  """
+  policy_apply = make_apply_fn(policy_graphdef)
+  critic_apply = make_apply_fn(critic_graphdef)
+
+  def apply(params, tokens, positions=None, attention_mask=None):
+    hidden, _, lm_head = policy_apply(params[POLICY], tokens, positions, attention_mask)
+    _, values, _ = critic_apply(params[CRITIC], tokens, positions, attention_mask)
+    if values is None:
+      raise ValueError("the critic has no value head: build it with value_head=True "
+                       "(e.g. from_pretrained(path, value_head=True)).")
+    return hidden, values, lm_head
+
+  return apply
+
+
+def _labels(params):
+  if not isinstance(params, dict) or set(params) != {POLICY, CRITIC}:
+    keys = sorted(params) if isinstance(params, dict) else type(params).__name__
+    raise ValueError(f"actor-critic params must be a dict with keys "
+                     f"['critic', 'policy'], got {keys}.")
+  return {name: jax.tree_util.tree_map(lambda _, n=name: n, part)
+          for name, part in params.items()}
+
+
+def actor_critic_optimizer(policy_optimizer: optax.GradientTransformation,
+                           critic_optimizer: optax.GradientTransformation
+                           ) -> optax.GradientTransformation:
+  """One optimizer per part of :func:`actor_critic_params` (``optax.multi_transform``).
+
+  Each part gets its own learning rate, schedule, gradient clipping and state; e.g.
+  ``actor_critic_optimizer(optax.chain(optax.clip_by_global_norm(1.0),
+  optax.adamw(1e-6)), optax.adamw(1e-5))`` (verl's defaults: critic lr 10x actor lr).
+  """
+  return optax.multi_transform({POLICY: policy_optimizer, CRITIC: critic_optimizer},
+                               _labels)
+
+
+__all__ = ["actor_critic_apply", "actor_critic_optimizer", "actor_critic_params"]

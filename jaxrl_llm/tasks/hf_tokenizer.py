@@ -1,0 +1,307 @@
+"""Hugging Face tokenizers and chat templates, without ``transformers``.
+
+:class:`HFTokenizer` loads a model folder's ``tokenizer.json`` with the ``tokenizers``
+package and its chat template (``chat_template.jinja``, or ``chat_template`` in
+``tokenizer_config.json``) and renders the template with ``jinja2`` the way
+``transformers``' ``apply_chat_template`` does: a sandboxed environment with
+``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson``
+filter that does not escape HTML, the globals ``raise_exception`` and
+``strftime_now``, and the special tokens (``bos_token``, ``eos_token``, ...) as
+template variables. It has the interface of
+:class:`~jaxrl_llm.tasks.tokenizer.CharTokenizer` (``encode``/``decode``/
+``encode_batch``/``decode_batch``, ``pad_id``/``bos_id``/``eos_id``/``vocab_size``), so
+tasks and the trainer use either.
+
+Conventions:
+
+* ``encode`` never adds special tokens by itself (``tokenizers``'
+  ``add_special_tokens=False``, as ``apply_chat_template(tokenize=True)`` does): chat
+  templates write their own ``bos``; pass ``add_bos=True`` for raw text.
+* ``decode`` stops at the first end-of-sequence id (any of ``eos_ids``: the
+  tokenizer's ``eos_token`` and the ``eos_token_id`` (s) of ``generation_config.json``),
+  skips special tokens, and writes :data:`~jaxrl_llm.tasks.tokenizer.UNKNOWN_CHAR` for
+  ids outside the tokenizer's vocabulary (models pad their embedding tables).
+* ``pad_id``: the ``pad_token`` when set, else ``eos_id`` (the usual choice for
+  decoder-only models without one).
+
+Needs the optional extra ``pip install 'jaxrl_llm[hf]'`` (``tokenizers``, ``jinja2``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from jaxrl_llm.tasks.tokenizer import UNKNOWN_CHAR
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+                 "cls_token", "mask_token")
+
+
+def _require(module: str):
+  try:
+    return __import__(module)
+  except ImportError as e:
+    raise ImportError(f"{module!r} is needed for Hugging Face tokenizers and checkpoints: "
+                      "pip install 'jaxrl_llm[hf]'.") from e
+
+
+def _token_str(value) -> str | None:
+  """A special token from a config value: a string or an AddedToken dict."""
+  if isinstance(value, str):
+    return value
+  if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+    return value["content"]
+  return None
+
+
+def compile_chat_template(source: str):
+  """A ``jinja2`` template compiled the way ``transformers`` compiles chat templates.
+
+  Raises:
+    ImportError: without ``jinja2``.
+  """
+  jinja2 = _require("jinja2")
+  from jinja2 import ext as jinja_ext
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  def strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[jinja_ext.loopcontrols])
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = strftime_now
+  return env.from_string(source)
+
+
+class HFTokenizer:
+  """A ``tokenizers.Tokenizer`` with special tokens and a chat template.
+
+  Build it with :meth:`from_pretrained` (a local folder) or directly.
+
+  Args:
+    tokenizer: a ``tokenizers.Tokenizer``.
+    special_tokens: ``{"bos_token": "<s>", "eos_token": "</s>", ...}`` (strings; they
+      are also chat-template variables).
+    chat_template: the Jinja source of the chat template, or ``None``.
+    extra_eos_ids: more ids that end a completion (``generation_config.json``).
+
+  Examples:
+    >>> from tokenizers import Tokenizer, models
+    >>> vocab = {"<s>": 0, "</s>": 1, "hi": 2, "there": 3, "[UNK]": 4}
+    >>> tok = HFTokenizer(Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")),
+    ...                   special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    >>> tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size
+    (0, 1, 1, 5)
+    >>> tok.encode("hi", add_bos=True), tok.decode([2, 3, 1, 2])
+    ([0, 2], 'hi there')
+  """
+
+  def __init__(self, tokenizer, *, special_tokens: Mapping[str, str] | None = None,
+               chat_template: str | None = None, extra_eos_ids: Sequence[int] = ()):
+    self.tokenizer = tokenizer
+    self.special_tokens = {k: v for k, v in dict(special_tokens or {}).items()
+                           if isinstance(v, str)}
+    self.chat_template = chat_template
+    self._compiled = None
+    self._vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+    ids = {k: self._id_of(k) for k in ("bos_token", "eos_token", "pad_token")}
+    self._bos = ids["bos_token"]
+    eos = [ids["eos_token"]] if ids["eos_token"] is not None else []
+    self.eos_ids = tuple(dict.fromkeys(eos + [int(i) for i in extra_eos_ids]))
+    self._pad = ids["pad_token"] if ids["pad_token"] is not None else (
+        self.eos_ids[0] if self.eos_ids else 0)
+
+  def _id_of(self, key: str) -> int | None:
+    token = self.special_tokens.get(key)
+    if token is None:
+      return None
+    i = self.tokenizer.token_to_id(token)
+    if i is None:
+      raise ValueError(f"`special_tokens`[{key!r}] = {token!r} is not in the vocabulary.")
+    return int(i)
+
+  @classmethod
+  def from_pretrained(cls, path: str | os.PathLike) -> HFTokenizer:
+    """Loads ``tokenizer.json``, ``tokenizer_config.json`` (special tokens, chat
+    template), ``chat_template.jinja`` and ``generation_config.json`` from a folder.
+
+    Raises:
+      ValueError: if ``path`` has no ``tokenizer.json``.
+    """
+    tokenizers = _require("tokenizers")
+    path = os.fspath(path)
+    tok_file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_file):
+      raise ValueError(f"`path` {path!r} has no tokenizer.json (only fast tokenizers "
+                       "are supported).")
+    tokenizer = tokenizers.Tokenizer.from_file(tok_file)
+    config = _read_json(os.path.join(path, "tokenizer_config.json"))
+    specials = {}
+    for key in _SPECIAL_KEYS:
+      token = _token_str(config.get(key))
+      if token is not None:
+        specials[key] = token
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+      named = {t.get("name"): t.get("template") for t in template}
+      template = named.get("default")
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja_file):
+      with open(jinja_file, encoding="utf-8") as f:
+        template = f.read()
+    gen = _read_json(os.path.join(path, "generation_config.json")).get("eos_token_id")
+    extra = [] if gen is None else [gen] if isinstance(gen, int) else list(gen)
+    return cls(tokenizer, special_tokens=specials, chat_template=template,
+               extra_eos_ids=extra)
+
+  # ---- ids ---------------------------------------------------------------------
+
+  @property
+  def vocab_size(self) -> int:
+    """Tokens of the tokenizer, added tokens included (a model may have more rows)."""
+    return self._vocab_size
+
+  @property
+  def bos_id(self) -> int | None:
+    return self._bos
+
+  @property
+  def eos_id(self) -> int | None:
+    """The tokenizer's ``eos_token`` id (else the first generation-config eos id)."""
+    return self.eos_ids[0] if self.eos_ids else None
+
+  @property
+  def pad_id(self) -> int:
+    return self._pad
+
+  def id_to_token(self, i: int) -> str:
+    token = self.tokenizer.id_to_token(int(i)) if 0 <= int(i) < self._vocab_size else None
+    return UNKNOWN_CHAR if token is None else token
+
+  # ---- text --------------------------------------------------------------------
+
+  def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    """Ids of ``text`` (no special tokens unless asked for)."""
+    if not isinstance(text, str):
+      raise ValueError(f"`text` must be a str, got {type(text).__name__}.")
+    ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+    if add_bos:
+      if self._bos is None:
+        raise ValueError("`add_bos=True` but the tokenizer has no bos_token.")
+      ids = [self._bos] + ids
+    if add_eos:
+      if self.eos_id is None:
+        raise ValueError("`add_eos=True` but the tokenizer has no eos_token.")
+      ids = ids + [self.eos_id]
+    return ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """Text of ``ids`` up to the first eos, special tokens skipped."""
+    out, run = [], []
+    eos = set(self.eos_ids)
+    for i in np.asarray(ids).reshape(-1).tolist():
+      if i in eos:
+        break
+      if 0 <= i < self._vocab_size:
+        run.append(i)
+        continue
+      out.append(self.tokenizer.decode(run, skip_special_tokens=True))
+      out.append(UNKNOWN_CHAR)
+      run = []
+    out.append(self.tokenizer.decode(run, skip_special_tokens=True))
+    return "".join(out)
+
+  def decode_batch(self, ids, mask=None) -> list[str]:
+    """`decode` of each row of ``ids`` [B, T]; positions where ``mask`` is 0 are skipped."""
+    ids = np.asarray(ids)
+    if ids.ndim != 2:
+      raise ValueError(f"`ids` must have rank 2 [B, T], got shape {ids.shape}.")
+    if mask is None:
+      return [self.decode(row) for row in ids]
+    mask = np.asarray(mask)
+    if mask.shape != ids.shape:
+      raise ValueError(f"`mask` must have the shape of `ids` {ids.shape}, got {mask.shape}.")
+    return [self.decode(row[m.astype(bool)]) for row, m in zip(ids, mask)]
+
+  def encode_batch(self, prompts: Sequence[str], length: int, left_pad: bool = True, *,
+                   add_bos: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Encodes and pads ``prompts`` to ``length`` tokens (see ``CharTokenizer``).
+
+    Returns:
+      ``(tokens, mask)``, ``np.int32`` ``[B, length]``; padding holds ``pad_id``.
+
+    Raises:
+      ValueError: if a prompt is longer than ``length`` tokens.
+    """
+    if isinstance(prompts, str):
+      raise ValueError("`prompts` must be a sequence of strings, got a single string.")
+    if not isinstance(length, (int, np.integer)) or isinstance(length, bool) or length < 1:
+      raise ValueError(f"`length` must be a positive int, got {length!r}.")
+    tokens = np.full((len(prompts), length), self.pad_id, np.int32)
+    mask = np.zeros((len(prompts), length), np.int32)
+    for b, p in enumerate(prompts):
+      ids = self.encode(p, add_bos=add_bos)
+      if len(ids) > length:
+        raise ValueError(
+            f"`prompts`[{b}] is {len(ids)} tokens, longer than `length`={length}.")
+      sl = slice(length - len(ids), length) if left_pad else slice(0, len(ids))
+      tokens[b, sl] = ids
+      mask[b, sl] = 1
+    return tokens, mask
+
+  # ---- chat ----------------------------------------------------------------------
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                          add_generation_prompt: bool = True, tokenize: bool = False,
+                          **kwargs) -> str | list[int]:
+    """Renders ``messages`` with the chat template (as ``transformers`` does).
+
+    Args:
+      messages: ``[{"role": ..., "content": ...}, ...]``.
+      add_generation_prompt: end with the assistant-turn header (note: ``transformers``
+        defaults to False; a prompt for sampling wants True).
+      tokenize: return ids (``encode`` of the text, no extra special tokens).
+      **kwargs: more template variables (e.g. ``enable_thinking=False`` for Qwen3);
+        they override the special tokens.
+
+    Raises:
+      ValueError: if the tokenizer has no chat template.
+    """
+    if self.chat_template is None:
+      raise ValueError("the tokenizer has no chat template (no chat_template.jinja and no "
+                       "'chat_template' in tokenizer_config.json).")
+    if self._compiled is None:
+      self._compiled = compile_chat_template(self.chat_template)
+    template: Any = self._compiled
+    variables = {**self.special_tokens, **kwargs}
+    text = template.render(messages=[dict(m) for m in messages], tools=None,
+                           documents=None, add_generation_prompt=add_generation_prompt,
+                           **variables)
+    return self.encode(text) if tokenize else text
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.isfile(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    try:
+      return json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno}).") from None
+
+
+__all__ = ["HFTokenizer", "compile_chat_template"]

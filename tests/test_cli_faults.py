@@ -1,0 +1,256 @@
+"""Real faults on the real command: kill -9 and SIGTERM mid-run, then ``--resume``.
+
+One uninterrupted run and one run that is killed with SIGKILL, resumed, stopped with
+SIGTERM, and resumed again. The interrupted run must end bit-identical to the
+uninterrupted one (the exact checksums of the whole final train state, recorded with
+its checkpoint, are equal), with every step of ``metrics.jsonl`` present once and
+equal, and strict JSON throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 6
+FLAGS = ["--algo", "ppo", "--steps", str(STEPS), "--prompts-per-step", "4",
+         "--group-size", "2", "--eval-size", "8", "--eval-every", "3", "--save-every",
+         "2", "--no-progress"]
+
+
+def _env():
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _cmd(out, *extra):
+  return [sys.executable, "-m", "jaxrl_llm", "train", *FLAGS, "--out", str(out), *extra]
+
+
+def _rows(out):
+  def refuse(token):
+    raise AssertionError(f"non-strict JSON token {token} in metrics.jsonl")
+
+  path = os.path.join(out, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    lines = f.read().splitlines()
+  rows = []
+  for line in lines:
+    try:
+      rows.append(json.loads(line, parse_constant=refuse))
+    except json.JSONDecodeError:
+      break                                     # a torn last line while running
+  return rows
+
+
+def _run_until(out, step, sig, *extra):
+  """Starts a run and sends ``sig`` once this run has written ``step``'s row (a
+  resumed run first drops the rows after its checkpoint, so wait for that)."""
+  stale = any(r.get("step") == step for r in _rows(out))
+  proc = subprocess.Popen(_cmd(out, *extra), env=_env(), cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  try:
+    deadline = time.time() + 900
+    while time.time() < deadline and proc.poll() is None:
+      present = any(r.get("step") == step for r in _rows(out))
+      if stale and not present:
+        stale = False
+      elif present and not stale:
+        proc.send_signal(sig)
+        break
+      time.sleep(0.05)
+    stdout, stderr = proc.communicate(timeout=900)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  return proc.returncode, stdout, stderr
+
+
+def _final_checksums(out):
+  path = os.path.join(out, "checkpoints", str(STEPS), "verify", "metadata")
+  with open(path) as f:
+    record = json.load(f)
+  return record["paths"], record["checksums"]
+
+
+def _comparable(rows):
+  return [{k: v for k, v in r.items() if k != "time_s"} for r in rows]
+
+
+@pytest.mark.slow
+def test_sigkill_and_sigterm_then_resume_is_bit_identical(tmp_path):
+  full = tmp_path / "full"
+  done = subprocess.run(_cmd(full), env=_env(), cwd=ROOT, capture_output=True,
+                        text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+
+  run = tmp_path / "interrupted"
+  code, _, err = _run_until(run, 3, signal.SIGKILL)
+  assert code == -signal.SIGKILL, err[-3000:]
+  assert [r["step"] for r in _rows(run)][:4] == [0, 1, 2, 3]
+
+  # SIGTERM (what SLURM / Kubernetes / preemptible VMs send) once step 3 is done
+  # again: the step in flight finishes, is checkpointed, and the process exits.
+  code, _, err = _run_until(run, 3, signal.SIGTERM, "--resume")
+  assert code == 128 + signal.SIGTERM, err[-3000:]
+  assert "resuming from step 2" in err, err[-3000:]
+  saved = re.search(r"checkpoint saved at step (\d+)", err)
+  assert saved and int(saved.group(1)) in (3, 4), err[-3000:]
+  at = int(saved.group(1))
+  assert os.path.isdir(run / "checkpoints" / str(at))
+
+  done = subprocess.run(_cmd(run, "--resume"), env=_env(), cwd=ROOT,
+                        capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert f"resuming from step {at}" in done.stderr
+
+  full_rows, run_rows = _rows(full), _rows(run)
+  assert [r["step"] for r in run_rows] == list(range(STEPS + 1))   # none lost or doubled
+  assert _comparable(run_rows) == _comparable(full_rows)
+  assert _final_checksums(run) == _final_checksums(full)
+
+
+# ------------------------------------------------- user mistakes: one line, no traces
+
+
+def _cli(*argv, env=None, timeout=300):
+  return subprocess.run([sys.executable, "-m", "jaxrl_llm", *argv], cwd=ROOT,
+                        env=env or _env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line_error(done, *parts):
+  assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+  errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+  for part in parts:
+    assert part in errors[0], (part, errors[0])
+  return errors[0]
+
+
+def _main(capsys, *argv):
+  """The command in this process (no import cost): ``(exit code, stdout, stderr)``."""
+  from jaxrl_llm.cli import main
+  code = main(list(argv))
+  out, err = capsys.readouterr()
+  return subprocess.CompletedProcess(argv, code, out, err)
+
+
+@pytest.mark.parametrize("flags,parts", [
+    (["--eval-every", "0"], ["--eval-every must be >= 1 (got 0)"]),
+    (["--save-every", "-5"], ["--save-every must be >= 1"]),
+    (["--num-minibatches", "3"], ["--prompts-per-step 32 x --group-size 8 = 256",
+                                  "--num-minibatches 3"]),
+    (["--fsdp", "3"], ["--data 1 x --fsdp 3 x --tensor 1 needs ",
+                       "devices; this host has"]),
+    (["--data", "0"], ["--data must be >= 1 or -1"]),
+    (["--temperature", "0"], ["--temperature"]),
+])
+def test_flag_mistakes_are_one_line_errors_and_write_nothing(capsys, tmp_path, flags,
+                                                             parts):
+  out = tmp_path / "run"
+  _one_line_error(_main(capsys, "train", *flags, "--out", str(out)), *parts)
+  assert not out.exists()                      # a failed start leaves nothing behind
+
+
+def test_a_real_command_line_mistake_is_one_line(tmp_path):
+  out = tmp_path / "run"
+  done = _cli("train", "--eval-every", "0", "--out", str(out))
+  _one_line_error(done, "--eval-every must be >= 1")
+  assert done.stderr.splitlines()[0].startswith("jaxrl-llm train: grpo on reverse, "
+                                                f"writing to {out}")
+  assert not out.exists()
+
+
+def test_eval_and_plot_say_what_is_missing_where(capsys, tmp_path):
+  missing = tmp_path / "nope"
+  _one_line_error(_main(capsys, "eval", "--out", str(missing)),
+                  f"{missing} does not exist")
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  _one_line_error(_main(capsys, "eval", "--out", str(empty)), "not a run folder",
+                  f"{empty}/config.json is missing")
+  (empty / "config.json").write_text("{}")
+  _one_line_error(_main(capsys, "eval", "--out", str(empty)), "has no checkpoint yet",
+                  f"{empty}/checkpoints")
+  _one_line_error(_main(capsys, "plot", str(missing)), f"run folder {missing} does not")
+  _one_line_error(_main(capsys, "plot", str(empty)), f"{empty} has no metrics.jsonl")
+  (empty / "metrics.jsonl").write_text("")
+  _one_line_error(_main(capsys, "plot", str(empty)), "holds no rows yet")
+  _one_line_error(_main(capsys, "plot", str(empty), "--labels", "a", "b"),
+                  "2 labels for 1 run")
+
+
+def test_plot_tolerates_a_torn_line_and_explains_a_missing_matplotlib(capsys, tmp_path):
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.jsonl").write_text(
+      '{"step": 0, "eval_accuracy": 0.1}\n{"step": 1, "reward": 0.5, "loss": null}\n'
+      '{"step": 2, "rew')
+  png = tmp_path / "c.png"
+  done = _main(capsys, "plot", str(run), "-o", str(png))
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "line 3 is incomplete (torn write)" in done.stderr and png.stat().st_size > 1000
+  fake = tmp_path / "fake"
+  (fake / "matplotlib").mkdir(parents=True)
+  (fake / "matplotlib" / "__init__.py").write_text(
+      "raise ImportError(\"No module named 'matplotlib'\")\n")
+  env = dict(_env(), PYTHONPATH=str(fake) + os.pathsep + _env()["PYTHONPATH"])
+  _one_line_error(_cli("plot", str(run), "-o", str(png), env=env),
+                  "drawing needs matplotlib", "pip install matplotlib")
+
+
+def _saved_run(tmp_path, **fields):
+  from jaxrl_llm import run_folder as rf
+  from jaxrl_llm.loop.config import RunConfig
+  out = tmp_path / "run"
+  out.mkdir()
+  run = RunConfig(out=str(out), algo="ppo", steps=10, lr=0.01, **fields)
+  rf.write_json(str(out / "config.json"), __import__("dataclasses").asdict(run))
+  return str(out)
+
+
+def _resumed(argv):
+  from jaxrl_llm.cli import _resume_config, build_parser
+  args = build_parser().parse_args(["train", *argv])
+  return _resume_config(args, argv)
+
+
+def test_resume_alone_continues_the_saved_run_and_names_contradictions(tmp_path):
+  out = _saved_run(tmp_path, train={"kl_coef": 0.05})
+  run = _resumed(["--out", out, "--resume"])          # algo, lr, kl_coef: all saved
+  assert (run.algo, run.lr, run.steps, run.train, run.resume) == (
+      "ppo", 0.01, 10, {"kl_coef": 0.05}, True)
+  run = _resumed(["--out", out, "--resume", "--steps", "20", "--eval-every", "5"])
+  assert (run.steps, run.eval_every, run.lr) == (20, 5, 0.01)   # resumable: changed
+  run = _resumed(["--out", out, "--resume", "--lr", "0.01", "--kl-coef", "0.05"])
+  assert run.lr == 0.01                                # restating the saved value is fine
+  with pytest.raises(ValueError) as info:
+    _resumed(["--out", out, "--resume", "--lr", "0.5", "--algo", "grpo",
+              "--kl-coef", "0.1"])
+  msg = str(info.value)
+  assert "--algo grpo (the saved run has ppo)" in msg and "--lr 0.5 (the saved" in msg
+  assert "--kl-coef 0.1 (the saved run has 0.05)" in msg and "Only --steps" in msg
+  assert "\n" not in msg
+
+
+@pytest.mark.slow
+def test_training_that_skips_every_update_says_so_and_fails(tmp_path):
+  out = tmp_path / "run"
+  done = _cli("train", "--temperature", "1e-30", "--steps", "2", "--prompts-per-step",
+              "2", "--group-size", "2", "--eval-size", "4", "--eval-every", "2",
+              "--out", str(out), "--no-progress", timeout=900)
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert "error: every update of steps 1-2 was skipped" in done.stderr, done.stderr[-3000:]
+  assert "Traceback" not in done.stderr
+  assert [r["step"] for r in _rows(out)] == [0, 1, 2]          # metrics kept, strict

@@ -1,0 +1,143 @@
+"""Ring attention and the sequence-sharded PPO step (jaxrl_llm.parallel.ring).
+
+* In this process (any device count): argument checks against ``AbstractMesh`` es, the
+  one-device ring (a mesh whose ``sequence`` axis has size 1) against a NumPy
+  reference, and the ``"ring"`` registration.
+* On 8 forced CPU devices: ``tests/ring_worker.py`` runs every multi-device case in one
+  subprocess and writes JSON; the tests below assert on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh
+
+from jaxrl_llm.attention import ATTENTION_IMPLEMENTATIONS, dot_product_attention
+from jaxrl_llm.parallel import (MESH_AXES, make_mesh, ring_attention,
+                                ring_dot_product_attention)
+from tests import ring_setup as R
+from tests.utils import assert_close
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _mesh(sequence=8, data=1, tensor=1):
+  return AbstractMesh((data, 1, tensor, sequence), MESH_AXES)
+
+
+# ------------------------------------------------------------------- in this process
+
+
+def test_ring_is_registered_on_import():
+  assert ATTENTION_IMPLEMENTATIONS["ring"] is ring_dot_product_attention
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_device_ring_matches_numpy(causal):
+  q, k, val, mask, _ = R.attention_inputs(seed=3)
+  mesh = make_mesh(data=1, sequence=-1, devices=jax.devices()[:1])
+  got = jax.jit(lambda *a: ring_attention(*a[:3], mesh=mesh, key_mask=a[3],
+                                          is_causal=causal))(q, k, val, mask)
+  assert_close(got, R.numpy_attention(q, k, val, mask, causal), atol=2e-5)
+  assert np.all(np.asarray(got)[R.EMPTY_ROW] == 0)
+
+
+def test_ring_implementation_without_ambient_mesh_is_plain_attention():
+  q, k, val, mask, _ = R.attention_inputs(seed=4)
+  got = dot_product_attention(q, k, val, key_mask=mask, implementation="ring")
+  assert_close(got, R.numpy_attention(q, k, val, mask, True), atol=2e-5)
+
+
+def test_bf16_inputs_give_bf16_outputs():
+  q, k, val, mask, _ = R.attention_inputs(seed=5)
+  mesh = make_mesh(data=1, sequence=-1, devices=jax.devices()[:1])
+  got = ring_attention(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, val)),
+                       mesh=mesh, key_mask=mask)
+  assert got.dtype == jnp.bfloat16
+  assert_close(got, R.numpy_attention(q, k, val, mask, True), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("shapes,kwargs,match", [
+    (((2, 12, 4, 8), (2, 12, 2, 8)), {}, r"`query` has shape \(2, 12, 4, 8\): its "
+     r"sequence dimension 12 is not divisible by mesh axis 'sequence' of size 8"),
+    (((2, 16, 3, 8), (2, 16, 2, 8)), {}, r"`query` has 3 heads .* not a multiple of the "
+     r"2 heads of `key`"),
+    (((2, 16, 4, 8), (2, 8, 2, 8)), {}, r"`key` must have shape \(2, 16, K, 8\)"),
+    (((2, 16, 4, 8), (2, 16, 2, 8)), {"key_mask": (2, 8)},
+     r"`key_mask` must have shape \(2, 16\).*got \(2, 8\)"),
+    (((2, 16, 4, 8), (2, 16, 2, 8)), {"axis": "context"},
+     r"`axis` 'context' is not an axis of the mesh"),
+    (((2, 16, 4), (2, 16, 2, 8)), {}, r"`query` must have rank 4"),
+])
+def test_bad_input_raises_naming_argument_and_shapes(shapes, kwargs, match):
+  q_shape, k_shape = shapes
+  if "key_mask" in kwargs:
+    kwargs = dict(kwargs, key_mask=jnp.ones(kwargs["key_mask"]))
+  with pytest.raises(ValueError, match=match):
+    ring_attention(jnp.ones(q_shape), jnp.ones(k_shape), jnp.ones(k_shape),
+                   mesh=_mesh(8), **kwargs)
+
+
+# ------------------------------------------------------------------ 8 forced devices
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+  """Runs tests/ring_worker.py once on 8 forced CPU devices; returns its JSON."""
+  out = tmp_path_factory.mktemp("ring") / "results.json"
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run([sys.executable, "-m", "tests.ring_worker", str(out)], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+  results = json.loads(out.read_text())
+  assert results["device_count"] == 8
+  return results
+
+
+def _no_error(multi, case):
+  assert case not in multi["errors"], multi["errors"][case]
+
+
+@pytest.mark.parametrize("mesh", ["seq8", "data2_seq4", "tensor2_seq4"])
+@pytest.mark.parametrize("kind", ["causal", "full"])
+def test_ring_equals_single_device_attention(multi, mesh, kind):
+  _no_error(multi, "ring")
+  r = multi["ring"][f"{mesh}/{kind}"]
+  assert r["value_diff"] < 2e-5 and r["value_diff_new_inputs"] < 2e-5, r
+  assert r["grad_diff"] < 2e-5 * max(1.0, r["grad_scale"]), r
+  assert r["empty_row_zero"] and r["finite"], r
+  assert r["cache_size"] == 1, r            # new values, same shapes: no recompile
+  assert "'sequence'" in r["spec"], r       # the output stays split over the tokens
+
+
+def test_ambient_sequence_mesh_selects_ring(multi):
+  _no_error(multi, "auto")
+  assert multi["auto"]["value_diff"] < 2e-5
+  assert multi["auto"]["collective_permutes"] > 0
+
+
+def test_sequence_not_divisible_raises_on_a_real_mesh(multi):
+  _no_error(multi, "nondividing")
+  raised = multi["nondividing"]["raised"]
+  assert raised is not None and "(4, 60, 4, 8)" in raised and "size 8" in raised
+
+
+@pytest.mark.parametrize("mesh,spec", [("seq8", "P(None, 'sequence')"),
+                                       ("data2_seq4", "P('data', 'sequence')")])
+def test_sequence_sharded_ppo_step_equals_single_device(multi, mesh, spec):
+  _no_error(multi, "ppo")
+  r = multi["ppo"][mesh]
+  assert r["ring_calls"] > 0, r             # the model's attention ran as ring attention
+  assert r["batch_spec"] == spec
+  assert r["param_diff"] < 1e-5, r
+  assert r["metric_diff"] < 1e-4, r
+  assert r["skipped"] == 0 and r["cache_size"] == 1, r
+  assert {"loss", "vf_loss", "explained_variance", "adv_std"} <= set(r["metric_keys"])
