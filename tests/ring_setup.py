@@ -9,6 +9,8 @@ import functools
 
 import numpy as np
 
+from tests.parallel_setup import flat_params, max_abs_diff  # noqa: F401  (re-exported)
+
 # Attention: B rows, T tokens (divisible by 8), N query heads over K key/value heads.
 B, T, N, K, H = 4, 64, 4, 2, 8
 EMPTY_ROW = 3          # a row whose keys are all padding: its output must be 0
@@ -115,12 +117,3 @@ def reference_run(steps=STEPS):
   return flat_params(state.params), history
 
 
-def flat_params(params) -> dict:
-  import jax
-  return {jax.tree_util.keystr(tuple(path)): np.asarray(x, np.float64)
-          for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-
-
-def max_abs_diff(a: dict, b: dict) -> float:
-  assert sorted(a) == sorted(b), (sorted(a), sorted(b))
-  return max(float(np.max(np.abs(np.asarray(a[k]) - np.asarray(b[k])))) for k in a)

@@ -36,7 +36,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from jaxrl_llm.tasks.tokenizer import UNKNOWN_CHAR
+from jaxrl_llm.tasks.tokenizer import UNKNOWN_CHAR, pad_encoded
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                  "cls_token", "mask_token")
@@ -247,21 +247,8 @@ class HFTokenizer:
     Raises:
       ValueError: if a prompt is longer than ``length`` tokens.
     """
-    if isinstance(prompts, str):
-      raise ValueError("`prompts` must be a sequence of strings, got a single string.")
-    if not isinstance(length, (int, np.integer)) or isinstance(length, bool) or length < 1:
-      raise ValueError(f"`length` must be a positive int, got {length!r}.")
-    tokens = np.full((len(prompts), length), self.pad_id, np.int32)
-    mask = np.zeros((len(prompts), length), np.int32)
-    for b, p in enumerate(prompts):
-      ids = self.encode(p, add_bos=add_bos)
-      if len(ids) > length:
-        raise ValueError(
-            f"`prompts`[{b}] is {len(ids)} tokens, longer than `length`={length}.")
-      sl = slice(length - len(ids), length) if left_pad else slice(0, len(ids))
-      tokens[b, sl] = ids
-      mask[b, sl] = 1
-    return tokens, mask
+    return pad_encoded(self.encode, prompts, length, pad_id=self.pad_id,
+                       left_pad=left_pad, add_bos=add_bos)
 
   # ---- chat ----------------------------------------------------------------------
 

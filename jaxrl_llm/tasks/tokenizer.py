@@ -157,18 +157,36 @@ class CharTokenizer:
       ValueError: if a prompt is longer than ``length`` tokens, ``length`` is not a
         positive int, or a prompt holds a character outside the vocabulary.
     """
-    if isinstance(prompts, str):
-      raise ValueError("`prompts` must be a sequence of strings, got a single string.")
-    if not isinstance(length, (int, np.integer)) or isinstance(length, bool) or length < 1:
-      raise ValueError(f"`length` must be a positive int, got {length!r}.")
-    tokens = np.full((len(prompts), length), self.pad_id, np.int32)
-    mask = np.zeros((len(prompts), length), np.int32)
-    for b, p in enumerate(prompts):
-      ids = self.encode(p, add_bos=add_bos)
-      if len(ids) > length:
-        raise ValueError(
-            f"`prompts`[{b}] {p!r} is {len(ids)} tokens, longer than `length`={length}.")
-      sl = slice(length - len(ids), length) if left_pad else slice(0, len(ids))
-      tokens[b, sl] = ids
-      mask[b, sl] = 1
-    return tokens, mask
+    return pad_encoded(self.encode, prompts, length, pad_id=self.pad_id,
+                       left_pad=left_pad, add_bos=add_bos)
+
+
+def pad_encoded(encode, prompts: Sequence[str], length: int, *, pad_id: int,
+                left_pad: bool = True, add_bos: bool = False
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """Encodes ``prompts`` with ``encode(text, add_bos=...)`` and pads them to ``length``.
+
+  The shared body of every tokenizer's ``encode_batch``: ``(tokens, mask)``, both
+  ``np.int32`` ``[B, length]``, ``mask`` 1 on prompt tokens, ``tokens`` ``pad_id``
+  elsewhere; left padding puts each prompt's last token in the last column.
+
+  Examples:
+    >>> pad_encoded(lambda t, add_bos: [ord(c) - 96 for c in t], ["ab", "c"], 3,
+    ...             pad_id=0)[0].tolist()
+    [[0, 1, 2], [0, 0, 3]]
+  """
+  if isinstance(prompts, str):
+    raise ValueError("`prompts` must be a sequence of strings, got a single string.")
+  if not isinstance(length, (int, np.integer)) or isinstance(length, bool) or length < 1:
+    raise ValueError(f"`length` must be a positive int, got {length!r}.")
+  tokens = np.full((len(prompts), length), pad_id, np.int32)
+  mask = np.zeros((len(prompts), length), np.int32)
+  for b, p in enumerate(prompts):
+    ids = encode(p, add_bos=add_bos)
+    if len(ids) > length:
+      raise ValueError(
+          f"`prompts`[{b}] {p!r} is {len(ids)} tokens, longer than `length`={length}.")
+    sl = slice(length - len(ids), length) if left_pad else slice(0, len(ids))
+    tokens[b, sl] = ids
+    mask[b, sl] = 1
+  return tokens, mask
