@@ -92,17 +92,19 @@ def _solve(coeffs, inputs, init, axis, method):
 
 def _gae_shard(rewards, values, mask, gamma, lam, bootstrap, *, axis, method):
   """GAE on one device's chunk ``[B, Tc]`` (inside ``shard_map``)."""
-  m = v.as_f32(mask)
-  r = v.as_f32(rewards) * m
-  val = v.as_f32(values) * m
+  # Masked inputs are selected away (never multiplied): NaN/inf there change nothing.
+  keep = v.as_f32(mask) > 0
+  m = keep.astype(jnp.float32)
+  r = jnp.where(keep, v.as_f32(rewards), 0.0)
+  val = jnp.where(keep, v.as_f32(values), 0.0)
   gamma, lam = v.as_f32(gamma), v.as_f32(lam)
-  y, y_after = _solve(1.0 - m, m * val, bootstrap, axis, method)
+  y, y_after = _solve(1.0 - m, val, bootstrap, axis, method)
   next_val = jnp.concatenate([y[:, 1:], y_after[:, None]], axis=1)
-  delta = r + gamma * next_val - val
-  coeffs = m * gamma * lam + (1.0 - m)
-  adv, _ = _solve(coeffs, m * delta, jnp.zeros_like(bootstrap), axis, method)
-  adv = adv * m
-  return adv, adv + val
+  delta = jnp.where(keep, r + gamma * next_val - val, 0.0)
+  coeffs = jnp.where(keep, gamma * lam, 1.0)
+  adv, _ = _solve(coeffs, delta, jnp.zeros_like(bootstrap), axis, method)
+  adv = jnp.where(keep, adv, 0.0)
+  return adv, jnp.where(keep, adv + val, 0.0)
 
 
 def _normalize_axes(batch_axes):

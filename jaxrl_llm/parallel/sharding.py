@@ -48,6 +48,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.parallel.mesh import MESH_AXES, mesh_axis_sizes
+from jaxrl_llm.train.step import as_model_output
 
 AxisRule = Union[None, str, Sequence[str]]
 
@@ -459,11 +460,10 @@ def shard_apply_fn(apply_fn: Callable, mesh, rules=None) -> Callable:
       out = apply_fn(params, constrain("tokens", tokens),
                      constrain("positions", positions),
                      constrain("attention_mask", attention_mask))
-    if len(out) == 3:
-      hidden, values, lm_head = out
-      return constrain("hidden", hidden), constrain("values", values), lm_head
-    logits, values = out
-    return constrain("logits", logits), constrain("values", values)
+    out = as_model_output(out)
+    if out.hidden is not None:
+      return constrain("hidden", out.hidden), constrain("values", out.values), out.lm_head
+    return constrain("logits", out.logits), constrain("values", out.values)
 
   return apply
 
