@@ -71,13 +71,14 @@ def make_batch(seed=0):
               rewards=rewards, ref_logp=(old_logp - 0.05).astype(np.float32))
 
 
-def reference_run(steps=STEPS):
-  """Single-device run: ``(flat params {path: array}, [metrics per step])``."""
+def reference_run(steps=STEPS, *, build_fn=None):
+  """Single-device run of ``build_fn()`` (default `build`):
+  ``(flat params {path: array}, [metrics per step])``."""
   import jax
 
   from jaxrl_llm.train import init_train_state, make_train_step
 
-  apply_fn, params, optimizer, config, batch = build()
+  apply_fn, params, optimizer, config, batch = (build_fn or build)()
   state = init_train_state(params, optimizer, config)
   step = jax.jit(make_train_step(apply_fn, optimizer, config))
   history = []

@@ -9,6 +9,7 @@ import functools
 
 import numpy as np
 
+from tests import parallel_setup
 from tests.parallel_setup import flat_params, max_abs_diff  # noqa: F401  (re-exported)
 
 # Attention: B rows, T tokens (divisible by 8), N query heads over K key/value heads.
@@ -103,17 +104,6 @@ def build():
 
 def reference_run(steps=STEPS):
   """Single-device PPO run: ``(flat params, [metrics per step])``."""
-  import jax
-
-  from jaxrl_llm.train import init_train_state, make_train_step
-
-  apply_fn, params, optimizer, config, batch = build()
-  state = init_train_state(params, optimizer, config)
-  step = jax.jit(make_train_step(apply_fn, optimizer, config))
-  history = []
-  for _ in range(steps):
-    state, metrics = step(state, batch)
-    history.append({k: float(x) for k, x in metrics.items()})
-  return flat_params(state.params), history
+  return parallel_setup.reference_run(steps, build_fn=build)
 
 

@@ -103,10 +103,7 @@ def register_policy_loss(name: str, fn: Callable[..., Any], *, doc: str = "",
 
 def get_policy_loss(name: str) -> PolicyLossSpec:
   """The :class:`PolicyLossSpec` registered as ``name`` (ValueError naming the choices)."""
-  if name not in POLICY_LOSS_REGISTRY:
-    raise ValueError(f"`policy_loss` must be one of {sorted(POLICY_LOSS_REGISTRY)}, got "
-                     f"{name!r}.")
-  return POLICY_LOSS_REGISTRY[name]
+  return _lookup(POLICY_LOSS_REGISTRY, "policy_loss", name)
 
 
 def _reinforce(logp, old_logp, advantages, mask, **kwargs):
@@ -190,10 +187,7 @@ def register_advantage_estimator(name: str, fn: Callable[..., Any], *,
 
 def get_advantage_estimator(name: str) -> AdvantageEstimatorSpec:
   """The registered estimator ``name`` (ValueError naming the choices)."""
-  if name not in ADVANTAGE_ESTIMATOR_REGISTRY:
-    raise ValueError(f"`advantage_estimator` must be one of "
-                     f"{sorted(ADVANTAGE_ESTIMATOR_REGISTRY)}, got {name!r}.")
-  return ADVANTAGE_ESTIMATOR_REGISTRY[name]
+  return _lookup(ADVANTAGE_ESTIMATOR_REGISTRY, "advantage_estimator", name)
 
 
 def _f32(x):
@@ -280,3 +274,10 @@ __all__ = ["AdvantageInputs", "AdvantageEstimatorSpec", "PolicyLossSpec",
            "ADVANTAGE_ESTIMATOR_REGISTRY", "POLICY_LOSS_REGISTRY", "CLIP_OPTIONS",
            "register_policy_loss", "register_advantage_estimator", "get_policy_loss",
            "get_advantage_estimator", "compute_advantages"]
+
+
+def _lookup(registry: dict, argument: str, name: str) -> Any:
+  """``registry[name]``, or a ValueError naming ``argument`` and the choices."""
+  if name not in registry:
+    raise ValueError(f"`{argument}` must be one of {sorted(registry)}, got {name!r}.")
+  return registry[name]
