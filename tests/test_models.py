@@ -296,7 +296,22 @@ def test_remat_identical_values_and_grads():
   l0, g0 = LOSS_GRAD(PARAMS, GRAPHDEF, tokens, mask)
   l1, g1 = LOSS_GRAD(p_r, g_r, tokens, mask)
   assert_close(l0, l1, atol=1e-6)
-  assert_close(g0, g1, atol=1e-6)
+  assert_close(g0, g1, atol=1e-5)   # a rematted scan body fuses differently: rounding
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scan_layers_equals_unrolled_blocks(remat):
+  # The layer scan (default) stacks the per-block params inside the forward: same
+  # param tree, same values and gradients as the unrolled Python loop over blocks.
+  tokens, mask = _tokens(7), _left_mask([10, 5, 1], 10)
+  g_s, p_s = _build(TransformerConfig.tiny(V, remat=remat))
+  g_u, p_u = _build(TransformerConfig.tiny(V, remat=remat, scan_layers=False))
+  assert jax.tree.structure(p_s) == jax.tree.structure(p_u)
+  assert_close(p_s, p_u, atol=0)
+  l0, g0 = LOSS_GRAD(p_u, g_u, tokens, mask)
+  l1, g1 = LOSS_GRAD(p_s, g_s, tokens, mask)
+  assert_close(l0, l1, atol=1e-6)
+  assert_close(g0, g1, atol=1e-5)   # ~1 ulp where embed-gradient terms cancel
 
 
 def test_remat_policies_identical_values_and_grads():
@@ -306,7 +321,7 @@ def test_remat_policies_identical_values_and_grads():
     g_r, p_r = _build(TransformerConfig.tiny(V, remat=True, remat_policy=policy))
     l1, g1 = LOSS_GRAD(p_r, g_r, tokens, mask)
     assert_close(l0, l1, atol=1e-6)
-    assert_close(g0, g1, atol=1e-6)
+    assert_close(g0, g1, atol=1e-5)
 
 
 # The blockwise (O(T) memory) attention with blocks that do not divide T: the model

@@ -118,7 +118,17 @@ class TransformerConfig:
     tie_embeddings: use the transposed embedding as the LM head.
     value_head: add a scalar value head ``Linear(D -> 1)`` on the final hidden states.
     remat: wrap each block in ``nnx.remat`` (``jax.checkpoint``) in the full forward,
-      trading recomputation for activation memory; results are identical.
+      trading recomputation for activation memory; results are equal to float
+      rounding.
+    scan_layers: run the blocks of the full forward with ``jax.lax.scan`` over their
+      parameters, stacked inside the forward (the parameter tree keeps one entry per
+      block, so checkpoints, Hugging Face loading and sharding rules are unchanged).
+      With ``remat=True`` this is what makes remat pay off: the scan's backward
+      recomputes one block at a time, where an unrolled stack lets XLA schedule every
+      block's recomputation early (all blocks' ``[T, d_ff]`` intermediates live at
+      once). Outputs equal the unrolled loop; it also compiles one block instead of
+      ``n_layers``. The stacked copy costs one parameter-sized buffer (and its
+      gradient one more).
     remat_policy: what a remat'd block keeps for the backward pass (only with
       ``remat=True``): ``None`` or ``"nothing_saveable"`` (the least memory: only block
       inputs), ``"dots_saveable"`` / ``"dots_with_no_batch_dims_saveable"`` (keep matmul
@@ -146,6 +156,7 @@ class TransformerConfig:
   tie_embeddings: bool = True
   value_head: bool = True
   remat: bool = False
+  scan_layers: bool = True
   dtype: Any = jnp.float32
   norm_eps: float = 1e-6
   remat_policy: str | None = None
@@ -408,6 +419,31 @@ def _remat_block_forward(policy: str | None) -> Callable:
   return nnx.remat(_block_forward, policy=REMAT_POLICIES[policy])
 
 
+def _scan_blocks(blocks, x, positions, kv_valid, remat: bool, policy: str | None):
+  """``x`` through ``blocks`` with ``jax.lax.scan`` over their stacked parameters.
+
+  The blocks share one graph (same config), so their states stack leaf by leaf into
+  ``[n_layers, ...]`` arrays; the scan body rebuilds one block from its slice. With
+  ``remat`` the body is ``jax.checkpoint``ed: the scan saves each block's input and the
+  backward pass recomputes one block at a time.
+  """
+  graphdef, first = nnx.split(blocks[0])
+  states = [first] + [nnx.split(block)[1] for block in blocks[1:]]
+  stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+
+  def layer(state, h):
+    return nnx.merge(graphdef, state)(h, positions, kv_valid)[0]
+
+  if remat:
+    layer = jax.checkpoint(
+        layer, policy=None if policy is None else REMAT_POLICIES[policy])
+
+  def body(h, state):
+    return layer(state, h), None
+
+  return jax.lax.scan(body, x, stacked)[0]
+
+
 # ----------------------------------------------------------------------------------
 # KV cache
 # ----------------------------------------------------------------------------------
@@ -537,10 +573,13 @@ class Transformer(nnx.Module):
       positions = _positions_from_mask(mask)
     kv_valid = mask > 0
     c = self.config
-    block_fn = _remat_block_forward(c.remat_policy) if c.remat else _block_forward
     x = self._embed(tokens)
-    for block in self.blocks:
-      x = block_fn(block, x, positions, kv_valid)
+    if c.scan_layers and len(self.blocks) > 1:
+      x = _scan_blocks(list(self.blocks), x, positions, kv_valid, c.remat, c.remat_policy)
+    else:
+      block_fn = _remat_block_forward(c.remat_policy) if c.remat else _block_forward
+      for block in self.blocks:
+        x = block_fn(block, x, positions, kv_valid)
     hidden = self.final_norm(x) * mask[..., None].astype(x.dtype)
     return hidden, self._values(hidden, mask)
 
