@@ -58,7 +58,7 @@ def _grad_fn(impl: str, block: int | None):
 
 
 def bench_one_length(t: int, *, b: int, n: int, kh: int, h: int, block_sizes, repeats: int,
-                     dtype) -> list[dict]:
+                     dtype, max_temp_bytes: int | None = None) -> list[dict]:
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
   k = jnp.asarray(rng.normal(size=(b, t, kh, h)), dtype)
@@ -74,8 +74,9 @@ def bench_one_length(t: int, *, b: int, n: int, kh: int, h: int, block_sizes, re
     row = {"T": t, "impl": impl, "block": block if block is not None else "-",
            "temp_MiB": temp / MIB}
     rows.append(row)
-    if impl == "xla" and temp > _ram_bytes() // 2:
-      row["fwd_bwd_ms"] = "skipped (temps > RAM/2)"
+    cap = _ram_bytes() // 2 if max_temp_bytes is None else max_temp_bytes
+    if temp > cap:
+      row["fwd_bwd_ms"] = f"skipped (temps > {cap / 2**30:.1f} GiB)"
       continue
     jax.block_until_ready(compiled(*args))  # warm up
     runnable.append((row, compiled))
@@ -107,6 +108,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--quick", action="store_true", help="T=256, 2 repeats")
+  parser.add_argument("--max-temp-gib", type=float, default=None,
+                      help="skip running a variant whose temps exceed this (default RAM/2)")
   parser.add_argument("--json", default=None, help="write the rows to this JSON file")
   args = parser.parse_args(argv)
   if args.quick:
@@ -115,7 +118,9 @@ def main(argv=None) -> dict:
   for t in args.seq_lens:
     rows += bench_one_length(t, b=args.batch, n=args.heads, kh=args.kv_heads,
                              h=args.head_dim, block_sizes=args.block_sizes,
-                             repeats=args.repeats, dtype=jnp.dtype(args.dtype))
+                             repeats=args.repeats, dtype=jnp.dtype(args.dtype),
+                             max_temp_bytes=None if args.max_temp_gib is None
+                             else int(args.max_temp_gib * 2**30))
   header = (f"causal attention fwd+bwd, B={args.batch} N={args.heads} K={args.kv_heads} "
             f"H={args.head_dim} {args.dtype}, median of {args.repeats}; {machine()}")
   print(header)
