@@ -244,14 +244,9 @@ def _resume_config(args: argparse.Namespace, argv: list):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-  import jax
-
   from jaxrl_llm import run_folder as rf
-  from jaxrl_llm.checkpoint import CheckpointError
-  from jaxrl_llm.trainer import (RunFolderError, SkippedUpdatesError, format_summary,
-                                 run_training)
   argv = getattr(args, "argv", [])
-  try:
+  try:   # every flag is checked before JAX is imported (only the device count needs it)
     if args.resume and not args.overwrite and os.path.exists(
         os.path.join(args.out, rf.CONFIG_FILE)):
       run = _resume_config(args, argv)
@@ -260,10 +255,14 @@ def cmd_train(args: argparse.Namespace) -> int:
       if args.resume:
         print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
     run.validate()
+    import jax
     run.check_devices(jax.device_count())
   except (ValueError, OSError) as e:
     print(f"error: {_flags_in_message(str(e))}", file=sys.stderr)
     return 2
+  from jaxrl_llm.checkpoint import CheckpointError
+  from jaxrl_llm.trainer import (RunFolderError, SkippedUpdatesError, format_summary,
+                                 run_training)
   try:
     summary = run_training(run)
   except RunFolderError as e:

@@ -35,7 +35,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from jaxrl_llm.train.registry import get_advantage_estimator
-from jaxrl_llm.train.step import GRPO_DEFAULTS
+from jaxrl_llm.train.state import GRPO_DEFAULTS
 
 # Placeholder for a TrainConfig value known only once the task is (its response length).
 MAX_NEW_TOKENS = "<max_new_tokens>"

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
-
-import optax
+from typing import TYPE_CHECKING, Optional
 
 from jaxrl_llm.recipes import RECIPES, get_recipe
-from jaxrl_llm.train import TrainConfig
+from jaxrl_llm.train.state import TrainConfig
+
+if TYPE_CHECKING:   # optax (and JAX) are imported where used: the CLI checks flags first
+  import optax
 
 MODELS = ("tiny", "small")
 # Fields that may differ between a run and its resumption.
@@ -224,6 +225,7 @@ class RunConfig:
     """The :class:`TrainConfig` of the run: the recipe's fields, then ``train``."""
     fields = {**get_recipe(self.algo).train_fields(max_new_tokens), **self.train}
     if self.clip_end is not None:
+      import optax
       start = TrainConfig(**fields).clip_range()[0]
       fields["clip_schedule"] = optax.linear_schedule(start, self.clip_end, self.steps)
     return TrainConfig(**fields)
@@ -256,6 +258,7 @@ def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
   ``run.critic_lr`` (default ``run.lr``) for the critic
   (:func:`jaxrl_llm.models.critic.actor_critic_optimizer`).
   """
+  import optax
   if run.critic is not None:
     from jaxrl_llm.models.critic import actor_critic_optimizer
     critic_lr = run.lr if run.critic_lr is None else run.critic_lr

@@ -65,7 +65,8 @@ from jaxrl_llm.control import adaptive_clip_update, adaptive_kl_update
 from jaxrl_llm.logprobs import token_logprobs, token_logprobs_from_hidden
 from jaxrl_llm.masked import explained_variance
 from jaxrl_llm.train.registry import AdvantageInputs, compute_advantages, get_policy_loss
-from jaxrl_llm.train.state import TrainConfig, TrainState, init_train_state
+from jaxrl_llm.train.state import GRPO_DEFAULTS, TrainConfig
+from jaxrl_llm.train.train_state import TrainState, init_train_state
 
 TOKEN_KEYS = ("attention_mask", "loss_mask", "old_logp", "rewards", "old_values",
               "returns", "ref_logp", "positions")
@@ -579,11 +580,6 @@ def _with_overrides(config: Optional[TrainConfig], defaults: dict,
   if unknown:
     raise ValueError(f"unknown TrainConfig field(s) {unknown}.")
   return dataclasses.replace(config, **overrides) if overrides else config
-
-
-# TrainConfig fields of the GRPO family (critic-free, KL in the loss).
-GRPO_DEFAULTS = dict(use_value=False, whiten_advantages=False, kl_mode="loss",
-                     kl_kind="k3", vf_clip=None)
 
 
 def make_ppo_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
