@@ -25,3 +25,15 @@ settings.register_profile("explore", derandomize=False, database=None, deadline=
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "jaxrl_llm"))
 
 collect_ignore_glob = ["*_worker.py"]
+
+
+def pytest_collection_modifyitems(items):
+  """Runs the ``slow`` tests first (a stable sort: otherwise in collection order).
+
+  With two xdist workers the long tests (training loops, subprocesses, notebooks) then
+  start at once and the many short ones fill in around them, instead of one long test
+  starting last while the other worker idles. Tests of one ``xdist_group`` stay
+  together (they are all slow or all fast), so a module fixture they share is built
+  once.
+  """
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
