@@ -23,9 +23,10 @@ PLOT_KEYS = (("reward", "train reward"), ("eval_accuracy", "eval accuracy (greed
              ("entropy", "entropy"), ("adv_raw_var", "advantage variance"))
 
 
-# Earlier flag names kept as aliases.
+# Other flag names of a field (earlier names, and the papers' names).
 ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("--tensor",),
-           "clip_low": ("--clip",)}
+           "clip_low": ("--clip",), "algo": ("--recipe",), "lam": ("--lam-policy",),
+           "value_lr": ("--critic-lr",)}
 # TrainConfig fields that are not command-line values (set through other flags).
 NOT_FLAGS = ("clip_schedule", "loss_hparams")
 # Command-line behaviour beyond the field's own docstring.
@@ -106,13 +107,15 @@ def _add_field(group, cls, f, hints, docs, *, dest, default, shown, choices=None
                        metavar=(f.name.upper() if choices is None else None))
 
 
-def _recipe_note(name: str) -> str:
-  """``ppo=..., grpo=...`` for the recipes that set TrainConfig field ``name``."""
+def _recipe_note(name: str, part: str = "train") -> str:
+  """``ppo=..., grpo=...`` for the recipes that set field ``name`` (of TrainConfig,
+  ``part="train"``, or of RunConfig, ``part="run"``)."""
   from jaxrl_llm.recipes import RECIPES
   groups: dict = {}
   for r in RECIPES.values():
-    if name in r.train:
-      groups.setdefault(str(r.train[name]), []).append(r.name)
+    fields = getattr(r, part)
+    if name in fields:
+      groups.setdefault(str(fields[name]), []).append(r.name)
   if not groups:
     return ""
   if len(groups) == 1 and len(next(iter(groups.values()))) == len(RECIPES):
@@ -124,7 +127,7 @@ def _recipe_note(name: str) -> str:
 def add_train_args(p: argparse.ArgumentParser) -> None:
   """The ``train`` options, generated from RunConfig and TrainConfig fields."""
   from jaxrl_llm.loop.config import RunConfig
-  from jaxrl_llm.recipes import RECIPES
+  from jaxrl_llm.recipes import RECIPE_RUN_FIELDS, RECIPES
   from jaxrl_llm.tasks import TASKS
   from jaxrl_llm.train import TrainConfig
   from jaxrl_llm.train.registry import POLICY_LOSS_REGISTRY
@@ -137,8 +140,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
   for f in dataclasses.fields(RunConfig):
     if f.name == "train":
       continue
+    shown = (f"{RECIPE_RUN_FIELDS[f.name]}{_recipe_note(f.name, 'run')}"
+             if f.name in RECIPE_RUN_FIELDS else f.default)
     _add_field(run_group, RunConfig, f, hints, docs, dest=f.name, default=f.default,
-               shown=f.default, choices=run_choices.get(f.name))
+               shown=shown, choices=run_choices.get(f.name))
   step_group = p.add_argument_group(
       "train step (TrainConfig; unset options take the --algo recipe's value)")
   hints, docs = typing.get_type_hints(TrainConfig), attribute_docs(TrainConfig)
@@ -425,7 +430,7 @@ def _early_note(argv: list) -> None:
     return
   p = argparse.ArgumentParser(add_help=False)
   p.add_argument("--out", default="runs/default")
-  p.add_argument("--algo", default="grpo")
+  p.add_argument("--algo", "--recipe", default="grpo")
   p.add_argument("--task", default="reverse")
   p.add_argument("--resume", action="store_true")
   known = p.parse_known_args(argv[1:] if argv and argv[0] == "train" else argv)[0]

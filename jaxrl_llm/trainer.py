@@ -134,6 +134,11 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
   state = step_fn.init(policy.init_params, rng=jax.random.PRNGKey(run.seed))
   step_fn, state, place = _compile_step(run, step_fn, state)
   eval_problems = task.eval_problems(run.eval_size)
+  warmup_steps = run.setting("critic_warmup_steps")
+  buffer = run.overlong_buffer_for(task.max_new_tokens)
+  if buffer > task.max_new_tokens:
+    raise ValueError(f"--overlong-buffer {buffer} is longer than the task's response "
+                     f"budget of {task.max_new_tokens} tokens")
   _write_run_folder(run)                      # everything built: the run starts here
   metrics_path = os.path.join(run.out, rf.METRICS_FILE)
   ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), max_to_keep=2, log=_say)
@@ -162,6 +167,8 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
         state, m = step_fn(state, place(batch))
         row = {"step": step, **stats, **{k: float(val) for k, val in m.items()},
                "time_s": time.time() - t_step}
+        if step <= warmup_steps:
+          row["critic_warmup"] = 1.0     # the policy is frozen (make_optimizer)
         if step % run.eval_every == 0 or step == run.steps:
           row.update(evaluate(policy, state.params, task, eval_problems))
         history.append(row)
