@@ -130,7 +130,7 @@ def get_recipe(name: str) -> Recipe:
   return RECIPES[name]
 
 
-_KL = dict(kl_coef=0.001)
+_KL: dict[str, Any] = dict(kl_coef=0.001)
 register_recipe("ppo", "gae", use_value=True, whiten_advantages=True, kl_mode="reward",
                 reward_kl_kind="k1", doc="PPO: value head, GAE, KL in the reward", **_KL)
 register_recipe("grpo", "grpo", doc="GRPO: group-normalised scores, KL in the loss",
@@ -146,7 +146,7 @@ register_recipe("reinforce_pp", "reinforce_pp",
                 doc="REINFORCE++: whitened discounted returns", **GRPO_DEFAULTS, **_KL)
 
 # Clip-higher (DAPO): a wider upper clip lets low-probability tokens rise.
-_CLIP_HIGHER = dict(clip_low=0.2, clip_high=0.28, loss_agg_mode="token-mean")
+_CLIP_HIGHER: dict[str, Any] = dict(clip_low=0.2, clip_high=0.28, loss_agg_mode="token-mean")
 register_recipe("vapo", "vapo_gae", use_value=True, whiten_advantages=True,
                 kl_mode="none", lam_value=1.0, lam_alpha=0.05, pos_nll_coef=0.1,
                 run={"critic_warmup_steps": 10}, value_lr_scale=2.0,

@@ -111,7 +111,7 @@ def test_run_value_lr_and_warmup_settings():
   params = _shared_params()
   assert isinstance(make_optimizer(RunConfig(algo="ppo")).init(params), tuple)
   state = make_optimizer(RunConfig(algo="vapo")).init(params)
-  assert state.inner_states["policy"].inner_state.count == 0   # the freeze counter
+  assert state.inner_states["policy"].inner_state.updates == 0   # the freeze counter
   with pytest.raises(ValueError, match="critic-warmup-steps .* value model"):
     RunConfig(algo="grpo", critic_warmup_steps=3).validate()
 

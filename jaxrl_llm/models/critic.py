@@ -137,7 +137,7 @@ def value_param_labels(params: Any) -> Any:
 
 class FrozenState(NamedTuple):
   """State of :func:`freeze_for`: updates seen (saturating at n) and the inner state."""
-  count: jax.Array
+  updates: jax.Array
   inner: Any
 
 
@@ -167,12 +167,12 @@ def freeze_for(inner: optax.GradientTransformation,
 
   def update(updates, state, params=None):
     new_updates, new_inner = inner.update(updates, state.inner, params)
-    active = state.count >= num_updates
+    active = state.updates >= num_updates
     out = jax.tree_util.tree_map(lambda u: jnp.where(active, u, jnp.full_like(u, -0.0)),
                                  new_updates)
     kept = jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), new_inner,
                                   state.inner)
-    return out, FrozenState(jnp.minimum(state.count + 1, num_updates), kept)
+    return out, FrozenState(jnp.minimum(state.updates + 1, num_updates), kept)
 
   return optax.GradientTransformation(init, update)
 

@@ -617,8 +617,8 @@ def _with_overrides(config: Optional[TrainConfig], defaults: dict,
 
 
 # TrainConfig fields of the GRPO family (critic-free, KL in the loss).
-GRPO_DEFAULTS = dict(use_value=False, whiten_advantages=False, kl_mode="loss",
-                     kl_kind="k3", vf_clip=None)
+GRPO_DEFAULTS: dict[str, Any] = dict(use_value=False, whiten_advantages=False,
+                                     kl_mode="loss", kl_kind="k3", vf_clip=None)
 
 
 def make_ppo_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
