@@ -65,11 +65,15 @@ def _rollout(run: RunConfig, task: Any, policy: Policy, params: Any,
 
 def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_params: Any,
                 rng_np: np.random.Generator, key: jax.Array,
-                config: Optional[TrainConfig] = None) -> tuple[dict, dict]:
+                config: Optional[TrainConfig] = None, *,
+                info: Optional[dict] = None) -> tuple[dict, dict]:
   """One rollout: ``(batch, stats)`` with ``stats`` reward, accuracy, response length.
 
   ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible
   from ``(seed, step)``. ``config`` is the run's TrainConfig (built when None).
+  ``info``: a dict that receives the batch rows' ``scores`` (``[B]``, as the
+  advantages see them: overlong penalty included) and ``task_scores`` / ``exact``
+  (the task's own), for benchmarks.
 
   Run options read here: dynamic sampling (:func:`jaxrl_llm.rollout.dapo.dynamic_sampling`
   over the task scores, draw ``i > 0`` sampled with ``fold_in(key, i)``; with no group
@@ -125,6 +129,9 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
     scores = scores + penalty
     stats["overlong_penalty"] = float(np.mean(penalty))
 
+  if info is not None:
+    info.update(scores=np.asarray(scores, np.float32), task_scores=rows["scores"],
+                exact=rows["exact"])
   loss_mask = rows["loss_mask"]
   batch = {k: rows[k] for k in ("tokens", "attention_mask", "loss_mask")}
   old_logp, _, old_values = policy.forward(params, batch)
