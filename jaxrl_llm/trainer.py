@@ -131,7 +131,11 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
   step_fn = make_train_step(policy.apply, make_optimizer(run), config)
   # A frozen copy: the train step donates (and so invalidates) the state's buffers.
   ref_params = jax.tree_util.tree_map(jnp.copy, policy.init_params)
-  state = step_fn.init(policy.init_params, rng=jax.random.PRNGKey(run.seed))
+  init_params = policy.init_params
+  if run.critic_init is not None:
+    from jaxrl_llm.loop.setup import warm_start_value_params
+    init_params = warm_start_value_params(run, init_params)
+  state = step_fn.init(init_params, rng=jax.random.PRNGKey(run.seed))
   step_fn, state, place = _compile_step(run, step_fn, state)
   eval_problems = task.eval_problems(run.eval_size)
   warmup_steps = run.setting("critic_warmup_steps")

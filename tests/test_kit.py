@@ -326,3 +326,24 @@ def test_cli_recipe_trains_two_steps_without_nan(recipe, tmp_path):
     assert np.isfinite(rows[2]["pos_nll"]) and np.isfinite(rows[2]["vf_loss"])
   else:
     assert 1 <= rows[1]["sampling_draws"] <= 4
+
+
+@pytest.mark.slow
+def test_critic_init_warm_starts_the_value_head_from_a_run_folder(tmp_path):
+  from jaxrl_llm.loop.setup import make_policy, make_task, warm_start_value_params
+  from jaxrl_llm.trainer import train
+  small = dict(prompts_per_step=2, group_size=2, eval_every=2, eval_size=4, progress=False)
+  src = str(tmp_path / "warm")
+  train(RunConfig(algo="ppo", steps=2, save_every=2, out=src, seed=1, **small))
+  run = RunConfig(algo="vapo", critic_init=src, out=str(tmp_path / "b"), **small)
+  run.validate()
+  task = make_task(run)
+  policy = make_policy(run, task, run.train_config(task.max_new_tokens))
+  params = warm_start_value_params(run, policy.init_params)
+  ours = jax.tree_util.tree_leaves_with_path(params)
+  init = dict(jax.tree_util.tree_leaves_with_path(policy.init_params))
+  moved = {jax.tree_util.keystr(p) for p, leaf in ours
+           if not np.array_equal(np.asarray(leaf), np.asarray(init[p]))}
+  assert moved == {"['value_b'].value", "['value_w'].value"}, moved
+  with pytest.raises(ValueError, match="value model"):
+    RunConfig(algo="grpo", critic_init=src).validate()

@@ -67,6 +67,9 @@ class RunConfig:
     critic: a separate critic (its own parameters and Adam optimizer) for recipes with
       a value model: a Hugging Face model folder it is initialised from, or "policy"
       (a copy of the policy's initial weights); None: the policy's value head.
+    critic_init: a run folder of this trainer whose newest checkpoint's value
+      parameters (the separate critic, or the value head) initialise this run's:
+      a critic warmed up once serves many runs (the model layout must match).
     value_lr: learning rate of the value parameters (the separate critic with
       --critic, else the value head; the trunk trains at --lr). None: --lr times the
       recipe's value_lr_scale (vapo: 2, else 1).
@@ -109,6 +112,7 @@ class RunConfig:
   reward: str = "math"
   max_new_tokens: int = 64
   critic: Optional[str] = None
+  critic_init: Optional[str] = None
   value_lr: Optional[float] = None
   critic_warmup_steps: Optional[int] = None
   dynamic_sampling: Optional[bool] = None
@@ -228,6 +232,10 @@ class RunConfig:
     if self.setting("dynamic_sampling") and self.group_size < 2:
       raise ValueError("--dynamic-sampling drops groups whose rewards are all equal and "
                        f"needs --group-size >= 2 (got {self.group_size})")
+    if self.critic_init is not None and not os.path.isfile(
+        os.path.join(self.critic_init, "config.json")):
+      raise ValueError(f"--critic-init {self.critic_init!r} is not a run folder (no "
+                       "config.json)")
     if self.value_lr is not None and self.value_lr <= 0:
       raise ValueError(f"--value-lr must be > 0 (got {self.value_lr})")
     for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
@@ -240,6 +248,9 @@ class RunConfig:
     if self.resume and self.overwrite:
       raise ValueError("--resume and --overwrite are exclusive")
     config = self.train_config(1)   # TrainConfig's own checks (ranges, choices, names)
+    if self.critic_init is not None and not config.use_value:
+      raise ValueError(f"--critic-init needs a recipe with a value model (--algo "
+                       f"{self.algo} has none)")
     if warmup and not config.use_value:
       raise ValueError(f"--critic-warmup-steps {warmup} needs a recipe with a value "
                        f"model (--algo {self.algo} has none; e.g. --algo ppo or vapo)")
