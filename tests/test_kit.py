@@ -62,6 +62,25 @@ def test_value_param_labels_split_value_head_and_critic():
   assert ac == {"policy": {"a": "policy"}, "critic": {"b": "critic"}}
 
 
+def test_frozen_optimizer_starts_fresh_after_warmup():
+  from jaxrl_llm.models.critic import freeze_for
+  params = jnp.array([1.0, -0.0, 2.0])
+  g = [jnp.array([0.3, -1.0, 2.0]), jnp.array([1.0, 1.0, -1.0]),
+       jnp.array([0.5, 0.25, 4.0])]
+  opt = freeze_for(optax.adam(0.1), 2)
+  state = opt.init(params)
+  for grad in g[:2]:
+    u, state = opt.update(grad, state, params)
+    after = optax.apply_updates(params, u)
+    # -0.0 is the exact additive identity: even the -0.0 entry keeps its sign bit
+    np.testing.assert_array_equal(np.signbit(after), np.signbit(params))
+    np.testing.assert_array_equal(after, params)
+  u, _ = opt.update(g[2], state, params)
+  fresh, _ = optax.adam(0.1).update(g[2], optax.adam(0.1).init(params), params)
+  np.testing.assert_array_equal(np.asarray(u), np.asarray(fresh))   # Adam's first step
+  np.testing.assert_allclose(np.asarray(u), -0.1 * np.sign(g[2]), rtol=1e-5)
+
+
 def test_critic_warmup_freezes_the_policy_bit_for_bit_while_value_loss_falls():
   params = _shared_params()
   batch = _batch(_shared_trunk_apply, params)
