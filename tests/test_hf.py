@@ -146,8 +146,13 @@ def test_generation_config_eos_and_default_pad(tmp_path):
   im_end = HFTokenizer.from_pretrained(path).tokenizer.token_to_id("<|im_end|>")
   with open(os.path.join(path, "generation_config.json"), "w") as f:
     json.dump({"eos_token_id": [im_end, 1]}, f)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump({"eos_token_id": 5}, f)
   tok = HFTokenizer.from_pretrained(path)
   assert tok.eos_ids[0] == tok.eos_id and im_end in tok.eos_ids
+  assert set(tok.eos_ids) == {tok.eos_id, im_end, 1, 5}     # every source, once
+  from jaxrl_llm.loop.evaluation import stop_ids
+  assert stop_ids(tok) == tok.eos_ids                        # the sampler gets them all
   assert tok.pad_id == tok.eos_id          # no pad_token: pad with eos
   hello = tok.encode("hello")
   assert tok.decode([*hello, im_end, *hello]) == "hello"
@@ -338,6 +343,25 @@ def test_greedy_continuation_matches_generate(family, ckpt_root):
                             eos_token_id=None, pad_token_id=0)
   np.testing.assert_array_equal(np.asarray(out.completion),
                                 ref[:, prompts.shape[1]:].numpy())
+  # Two eos ids (a list, as Llama-3's generation_config.json gives): row 0 stops at
+  # the first, row 1 at the second, as generate(eos_token_id=[a, b]) stops them.
+  greedy = np.asarray(out.completion)
+  eos = [int(greedy[0, 3]), int(greedy[1, 2])]
+  pad = V - 1
+  stopped = sample(make_decode_fns(graphdef), params, jnp.asarray(prompts),
+                   jnp.asarray(mask), None, max_new_tokens=n, greedy=True, eos_id=eos,
+                   pad_id=pad)
+  with torch.no_grad():
+    ref = hf_model.generate(input_ids=torch.tensor(prompts, dtype=torch.long),
+                            attention_mask=torch.tensor(mask, dtype=torch.long),
+                            do_sample=False, max_new_tokens=n, eos_token_id=eos,
+                            pad_token_id=pad)[:, prompts.shape[1]:].numpy()
+  ours = np.asarray(stopped.completion)
+  np.testing.assert_array_equal(ours[:, :ref.shape[1]], ref)
+  np.testing.assert_array_equal(ours[:, ref.shape[1]:], pad)
+  assert np.asarray(stopped.finished).all()
+  for b in range(2):
+    assert int(stopped.lengths[b]) == np.nonzero(np.isin(greedy[b], eos))[0][0] + 1
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

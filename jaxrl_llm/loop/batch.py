@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm.loop.config import RunConfig
-from jaxrl_llm.loop.evaluation import decode
+from jaxrl_llm.loop.evaluation import decode, stop_ids
 from jaxrl_llm.loop.policy import Policy
 from jaxrl_llm.recipes import get_recipe
 from jaxrl_llm.train import AdvantageInputs, TrainConfig, compute_advantages
@@ -44,7 +44,7 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
                                           task.max_prompt_len)
   rep = lambda x: np.repeat(x, run.group_size, axis=0)
   out = policy.generate(params, rep(prompts), rep(prompt_mask), key,
-                        max_new_tokens=task.max_new_tokens, eos_id=tok.eos_id,
+                        max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
                         temperature=config.temperature)
   texts = decode(tok, out.completion, out.completion_mask)
   group_problems = [p for p in problems for _ in range(run.group_size)]
@@ -72,7 +72,7 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
     greedy_scores = None
     if get_advantage_estimator(recipe.estimator).needs_greedy:
       g = policy.generate(params, prompts, prompt_mask, None,
-                          max_new_tokens=task.max_new_tokens, eos_id=tok.eos_id,
+                          max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
                           greedy=True)
       greedy_scores = rep(task.score(problems, decode(tok, g.completion,
                                                       g.completion_mask)))

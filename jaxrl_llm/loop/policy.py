@@ -10,7 +10,7 @@ transformer.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +56,8 @@ class Policy:
                pad_id=pad_id, temperature=temperature)
 
   def generate(self, params: Any, tokens: Any, mask: Any, rng: Optional[jax.Array], *,
-               max_new_tokens: int, eos_id: Optional[int], temperature: float = 1.0,
+               max_new_tokens: int, eos_id: Optional[int | Sequence[int]],
+               temperature: float = 1.0,
                greedy: bool = False) -> SampleOutput:
     """Samples completions of the prompts ``tokens`` (see :func:`jaxrl_llm.rollout.sample`)."""
     return self._sample(self.decode_fns, params, jnp.asarray(tokens), jnp.asarray(mask),
