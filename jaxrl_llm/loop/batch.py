@@ -34,7 +34,8 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
   """One rollout: ``(batch, stats)`` with ``stats`` reward, accuracy, response length.
 
   ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible
-  from ``(seed, step)``. ``config`` is the run's TrainConfig (built when None).
+  from ``(seed, step)``. ``ref_params`` is ``policy.ref_params(...)`` of the frozen
+  reference weights (scored by ``policy.ref_forward``). ``config`` is the run's TrainConfig (built when None).
   """
   config = config or run.train_config(task.max_new_tokens)
   recipe = get_recipe(run.algo)
@@ -58,7 +59,7 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
   batch = {"tokens": np.asarray(out.tokens, np.int32),
            "attention_mask": np.asarray(out.mask, np.float32), "loss_mask": loss_mask}
   old_logp, _, old_values = policy.forward(params, batch)
-  ref_logp, _, _ = policy.forward(ref_params, batch)
+  ref_logp, _, _ = policy.ref_forward(ref_params, batch)
   batch.update(old_logp=np.asarray(old_logp), ref_logp=np.asarray(ref_logp))
   # The score is the reward of the last generated token (EOS, or the last one).
   last = prompt_len + np.maximum(np.asarray(out.lengths), 1) - 1

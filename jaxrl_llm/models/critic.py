@@ -43,12 +43,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import dataclasses
+
 import jax
 import optax
+from flax import nnx
 
-from jaxrl_llm.models.transformer import make_apply_fn
+from jaxrl_llm.models.transformer import Transformer, make_apply_fn, split_model
 
 POLICY, CRITIC = "policy", "critic"
+VALUE_HEAD_PARAMS = ("value_w", "value_b")
 
 
 def actor_critic_params(policy_params: Any, critic_params: Any) -> dict:
@@ -87,6 +91,36 @@ def actor_critic_apply(policy_graphdef, critic_graphdef) -> Callable:
   return apply
 
 
+def drop_value_head(graphdef, params) -> tuple[Any, Any]:
+  """``(graphdef, params)`` of the same :class:`~jaxrl_llm.models.Transformer` without
+  its value head: what the policy's log-probs (e.g. a frozen KL reference) need.
+
+  ``make_apply_fn`` of the returned graphdef over the returned params gives the same
+  hidden states and LM head as the full model, and ``values`` None. A model without a
+  value head is returned as is. No parameter is copied (the leaves are shared).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxrl_llm.models import Transformer, TransformerConfig, split_model
+    >>> graphdef, params = split_model(Transformer(TransformerConfig.tiny(32)))
+    >>> ref_graphdef, ref_params = drop_value_head(graphdef, params)
+    >>> sorted(ref_params.keys())
+    ['blocks', 'embed', 'final_norm']
+    >>> tokens = jnp.ones((1, 4), jnp.int32)
+    >>> h, values, _ = make_apply_fn(ref_graphdef)(ref_params, tokens)
+    >>> values is None, bool(jnp.all(h == make_apply_fn(graphdef)(params, tokens)[0]))
+    (True, True)
+  """
+  config = nnx.merge(graphdef, params).config
+  if not config.value_head:
+    return graphdef, params
+  policy_config = dataclasses.replace(config, value_head=False)
+  ref_graphdef, _ = split_model(nnx.eval_shape(
+      lambda: Transformer(policy_config, rngs=nnx.Rngs(0))))
+  keep = nnx.Not(nnx.Any(*(nnx.PathContains(name) for name in VALUE_HEAD_PARAMS)))
+  return ref_graphdef, params.filter(keep)
+
+
 def _labels(params):
   if not isinstance(params, dict) or set(params) != {POLICY, CRITIC}:
     keys = sorted(params) if isinstance(params, dict) else type(params).__name__
@@ -109,4 +143,5 @@ def actor_critic_optimizer(policy_optimizer: optax.GradientTransformation,
                                _labels)
 
 
-__all__ = ["actor_critic_apply", "actor_critic_optimizer", "actor_critic_params"]
+__all__ = ["actor_critic_apply", "actor_critic_optimizer", "actor_critic_params",
+           "drop_value_head"]
