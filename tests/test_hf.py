@@ -388,6 +388,30 @@ def test_save_pretrained_roundtrip_through_transformers(family, ckpt_root, tmp_p
                                 _our_logits(model, tokens, mask))
 
 
+def test_value_head_file_beside_a_plain_policy_folder(tmp_path):
+  """save_value_head + from_pretrained(value_head=file): the export layout."""
+  from flax import nnx
+
+  from jaxrl_llm.models import Transformer, TransformerConfig
+  from jaxrl_llm.models.critic import drop_value_head
+  from jaxrl_llm.models.hf import save_value_head
+  model = Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0))
+  model.value_b[...] = jnp.array([0.25])
+  folder, file = str(tmp_path / "hf"), str(tmp_path / "value_head.safetensors")
+  save_pretrained(nnx.merge(*drop_value_head(*split_model(model))), folder)
+  save_value_head(model, file)
+  assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
+  again = from_pretrained(folder, value_head=file)
+  tokens = jnp.array([[3, 4, 5, 6]])
+  np.testing.assert_allclose(np.asarray(again(tokens)[1]), np.asarray(model(tokens)[1]),
+                             rtol=1e-6, atol=1e-6)
+  assert from_pretrained(folder).config.value_head is False
+  with pytest.raises(ValueError, match="`value_head` file .* does not exist"):
+    from_pretrained(folder, value_head=str(tmp_path / "nope.safetensors"))
+  with pytest.raises(ValueError, match="has no value head"):
+    save_value_head(from_pretrained(folder), file)
+
+
 def test_sharded_checkpoint_and_bfloat16(ckpt_root, tmp_path):
   path = _saved("qwen3", ckpt_root)
   model = from_pretrained(path)
@@ -634,6 +658,46 @@ def test_cli_train_on_local_checkpoint_and_jsonl(tmp_path, algo, extra):
     assert all(np.isfinite(r["vf_loss"]) for r in rows[1:])
   # The eval command restores the run (model and task rebuilt from config.json).
   assert cli.main(["eval", "--out", out, "--eval-size", "2"]) == 0
+  _check_export(out, out, model_dir, algo, critic=bool(extra))
+  if extra:   # `jaxrl-llm export RUN --out DEST` writes the same folders elsewhere
+    dest = str(tmp_path / "exported")
+    assert cli.main(["export", out, "--out", dest]) == 0
+    _check_export(out, dest, model_dir, algo, critic=True)
+
+
+def _check_export(run_dir, dest, model_dir, algo, *, critic):
+  """``dest/hf`` is a plain HF folder of the trained policy (transformers loads it and
+  its tokenizer; its logits are our policy's), the value model is kept beside it."""
+  from jaxrl_llm.loop.export import restore_run
+  hf_dir = os.path.join(dest, "hf")
+  files = set(os.listdir(hf_dir))
+  assert {"config.json", "model.safetensors", "tokenizer.json",
+          "tokenizer_config.json"} <= files and "value_head.safetensors" not in files
+  _, model, critic_model, step = restore_run(run_dir)
+  assert step == 2
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+  tokens, mask = _padded_batch(seed=7, t=10)
+  tokens %= model.config.vocab_size
+  ours = _our_logits(model, tokens, mask)
+  _assert_logits_close(ours, _hf_logits(hf_model, tokens, mask), mask)
+  initial = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+  assert not np.allclose(_hf_logits(initial, tokens, mask), ours)   # trained: changed
+  hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  assert hf_tok("what is 2 + 2?")["input_ids"] == HFTokenizer.from_pretrained(
+      model_dir).encode("what is 2 + 2?")
+  value_file = os.path.join(dest, "value_head.safetensors")
+  if critic:
+    again = from_pretrained(os.path.join(dest, "critic"), value_head=True)
+    np.testing.assert_array_equal(np.asarray(again.value_w[...]),
+                                  np.asarray(critic_model.value_w[...]))
+    assert not os.path.exists(value_file)
+  elif algo == "ppo":
+    again = from_pretrained(hf_dir, value_head=value_file)
+    _, ref_values = model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
+    _, values = again(jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(values), np.asarray(ref_values), atol=1e-6)
+  else:
+    assert not os.path.exists(value_file)
 
 
 def test_cli_rejects_checkpoint_without_dataset(tmp_path, capsys):

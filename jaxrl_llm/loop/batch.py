@@ -35,7 +35,8 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
 
   ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible
   from ``(seed, step)``. ``ref_params`` is ``policy.ref_params(...)`` of the frozen
-  reference weights (scored by ``policy.ref_forward``). ``config`` is the run's TrainConfig (built when None).
+  reference weights (scored by ``policy.ref_forward``). ``config`` is the run's
+  TrainConfig (built when None).
   """
   config = config or run.train_config(task.max_new_tokens)
   recipe = get_recipe(run.algo)

@@ -118,7 +118,7 @@ def drop_value_head(graphdef, params) -> tuple[Any, Any]:
   ref_graphdef, _ = split_model(nnx.eval_shape(
       lambda: Transformer(policy_config, rngs=nnx.Rngs(0))))
   keep = nnx.Not(nnx.Any(*(nnx.PathContains(name) for name in VALUE_HEAD_PARAMS)))
-  return ref_graphdef, params.filter(keep)
+  return ref_graphdef, nnx.filter_state(params, keep)
 
 
 def _labels(params):
