@@ -72,6 +72,9 @@ class Policy:
     from jaxrl_llm.models.critic import drop_value_head
     from jaxrl_llm.models.transformer import make_apply_fn, make_decode_fns
     ref_graphdef, _ = drop_value_head(graphdef, params)
+    if ref_graphdef is graphdef:        # no value head: the reference is the model
+      return cls(make_apply_fn(graphdef), make_decode_fns(graphdef), params,
+                 pad_id=pad_id, temperature=temperature)
     return cls(make_apply_fn(graphdef), make_decode_fns(graphdef), params,
                pad_id=pad_id, temperature=temperature,
                ref_apply_fn=make_apply_fn(ref_graphdef),
