@@ -224,7 +224,8 @@ def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
     ((2, 10), (2, 6), (2,))
     >>> out = run(params, prompts, prompts > 0, None, max_new_tokens=6, greedy=True,
     ...           eos_id=(2, 7))                        # stop at either id
-    >>> bool(jnp.all(out.finished == jnp.any(jnp.isin(out.completion, [2, 7]), axis=1)))
+    >>> stops = (out.completion == 2) | (out.completion == 7)
+    >>> bool(jnp.all(out.finished == jnp.any(stops, axis=1)))
     True
   """
   v.check_rank("prompt_tokens", prompt_tokens, 2)
