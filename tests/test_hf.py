@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -639,7 +640,7 @@ def _tiny_hf_folder(tmp_path):
     ("ppo", []), ("grpo", []),
     ("ppo", ["--critic", "policy", "--critic-lr", "1e-4"]),   # a separate critic
 ])
-def test_cli_train_on_local_checkpoint_and_jsonl(tmp_path, algo, extra):
+def test_cli_train_on_local_checkpoint_and_jsonl(tmp_path, capsys, algo, extra):
   from jaxrl_llm import cli
   model_dir, data = _tiny_hf_folder(tmp_path)
   out = str(tmp_path / "run")
@@ -649,6 +650,9 @@ def test_cli_train_on_local_checkpoint_and_jsonl(tmp_path, algo, extra):
                  "--eval-every", "2", "--save-every", "2", "--out", out, "--no-progress",
                  *extra])
   assert rc == 0
+  printed = capsys.readouterr().out        # the summary names the exported folders
+  assert re.search(rf"hf_model +{re.escape(os.path.join(out, 'hf'))} \(step 2\)", printed)
+  assert ("value_model" in printed) == (algo == "ppo")
   with open(os.path.join(out, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f if line.strip()]
   assert [r["step"] for r in rows] == [0, 1, 2]
