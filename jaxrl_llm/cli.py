@@ -1,9 +1,11 @@
-"""The ``jaxrl-llm`` command: ``train``, ``eval`` and ``plot``.
+"""The ``jaxrl-llm`` command: ``train``, ``eval``, ``plot`` and ``export``.
 
 ``jaxrl-llm train`` with no flags trains the tiny built-in policy with GRPO on the
 default task (reverse a 3-digit string) and prints a summary; ``jaxrl-llm eval --out
 RUN`` re-evaluates a run's latest checkpoint; ``jaxrl-llm plot RUN [RUN ...]`` draws
-the learning curves of one or several runs into a PNG.
+the learning curves of one or several runs into a PNG; ``jaxrl-llm export RUN``
+writes the latest checkpoint of a run on a Hugging Face ``--model`` as Hugging Face
+folders (:mod:`jaxrl_llm.loop.export`; ``train --model PATH`` does it at the end).
 """
 
 from __future__ import annotations
@@ -281,6 +283,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return e.exit_code
   except KeyboardInterrupt:
     return 130
+  from jaxrl_llm.loop.setup import is_checkpoint
+  if is_checkpoint(run.model):
+    from jaxrl_llm.loop.export import export_run
+    try:
+      summary.update(export_run(run.out))
+    except (ValueError, OSError, CheckpointError) as e:
+      print(f"error: exporting the trained model: {e}", file=sys.stderr)
+      return 1
   png = os.path.join(run.out, "curves.png")
   try:
     plot_runs([run.out], None, png)
@@ -332,6 +342,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return _fail("eval", str(e))
   result = {"step": extra.get("step"),
             **evaluate(policy, state.params, task, task.eval_problems(args.eval_size))}
+  print(json.dumps(result))
+  return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+  from jaxrl_llm.checkpoint import CheckpointError
+  from jaxrl_llm.loop.export import export_run
+  try:
+    result = export_run(args.run, args.out)
+  except (ValueError, OSError, CheckpointError) as e:
+    return _fail("export", str(e))
   print(json.dumps(result))
   return 0
 
@@ -419,6 +440,15 @@ def build_parser() -> argparse.ArgumentParser:
   p_plot.add_argument("--labels", nargs="*", default=None)
   p_plot.add_argument("--output", "-o", default="curves.png")
   p_plot.set_defaults(func=cmd_plot)
+  p_export = sub.add_parser(
+      "export", help="write a run's latest checkpoint as Hugging Face folders",
+      description="Write the trained policy of a run on a Hugging Face --model as a "
+      "Hugging Face folder DEST/hf (with the tokenizer files), and its value model as "
+      "DEST/value_head.safetensors or DEST/critic.")
+  p_export.add_argument("run", help="the run folder")
+  p_export.add_argument("--out", default=None, metavar="DEST",
+                        help="where to write (default: the run folder)")
+  p_export.set_defaults(func=cmd_export)
   return parser
 
 
@@ -426,7 +456,7 @@ def _early_note(argv: list) -> None:
   """One line before the slow imports: what is starting and where outputs go."""
   if any(a in ("-h", "--help") for a in argv) or "--no-progress" in argv:
     return
-  if argv and argv[0] in ("eval", "plot"):
+  if argv and argv[0] in ("eval", "plot", "export"):
     return
   p = argparse.ArgumentParser(add_help=False)
   p.add_argument("--out", default="runs/default")

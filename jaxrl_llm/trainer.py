@@ -129,8 +129,9 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
   if policy is None:
     policy = make_policy(run, task, config)
   step_fn = make_train_step(policy.apply, make_optimizer(run), config)
-  # A frozen copy: the train step donates (and so invalidates) the state's buffers.
-  ref_params = jax.tree_util.tree_map(jnp.copy, policy.init_params)
+  # A frozen copy of the policy's weights (no value head, no critic): the train step
+  # donates (and so invalidates) the state's buffers.
+  ref_params = jax.tree_util.tree_map(jnp.copy, policy.ref_params(policy.init_params))
   init_params = policy.init_params
   if run.critic_init is not None:
     from jaxrl_llm.loop.setup import warm_start_value_params

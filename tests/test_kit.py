@@ -243,6 +243,8 @@ class _FakePolicy:
     z = np.zeros(batch["tokens"].shape, np.float32)
     return z, z, z
 
+  ref_forward = forward
+
 
 def _fake_task(score_fn, max_new_tokens=6):
   from jaxrl_llm.tasks import get_task

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm.loop.config import RunConfig
-from jaxrl_llm.loop.evaluation import decode
+from jaxrl_llm.loop.evaluation import decode, stop_ids
 from jaxrl_llm.loop.policy import Policy
 from jaxrl_llm.recipes import get_recipe
 from jaxrl_llm.train import AdvantageInputs, TrainConfig, compute_advantages
@@ -42,7 +42,7 @@ def _rollout(run: RunConfig, task: Any, policy: Policy, params: Any,
                                           task.max_prompt_len)
   rep = lambda x: np.repeat(x, run.group_size, axis=0)
   out = policy.generate(params, rep(prompts), rep(prompt_mask), key,
-                        max_new_tokens=task.max_new_tokens, eos_id=tok.eos_id,
+                        max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
                         temperature=config.temperature)
   texts = decode(tok, out.completion, out.completion_mask)
   group_problems = [p for p in problems for _ in range(run.group_size)]
@@ -70,7 +70,9 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
   """One rollout: ``(batch, stats)`` with ``stats`` reward, accuracy, response length.
 
   ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible
-  from ``(seed, step)``. ``config`` is the run's TrainConfig (built when None).
+  from ``(seed, step)``. ``ref_params`` is ``policy.ref_params(...)`` of the frozen
+  reference weights (scored by ``policy.ref_forward``). ``config`` is the run's
+  TrainConfig (built when None).
   ``info``: a dict that receives the batch rows' ``scores`` (``[B]``, as the
   advantages see them: overlong penalty included) and ``task_scores`` / ``exact``
   (the task's own), for benchmarks.
@@ -135,7 +137,7 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
   loss_mask = rows["loss_mask"]
   batch = {k: rows[k] for k in ("tokens", "attention_mask", "loss_mask")}
   old_logp, _, old_values = policy.forward(params, batch)
-  ref_logp, _, _ = policy.forward(ref_params, batch)
+  ref_logp, _, _ = policy.ref_forward(ref_params, batch)
   batch.update(old_logp=np.asarray(old_logp), ref_logp=np.asarray(ref_logp))
   if "rollout_logp" in rows:
     batch["rollout_logp"] = rows["rollout_logp"]
@@ -156,7 +158,7 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
       prompts, prompt_mask = tok.encode_batch([p.prompt for p in problems],
                                               task.max_prompt_len)
       g = policy.generate(params, prompts, prompt_mask, None,
-                          max_new_tokens=task.max_new_tokens, eos_id=tok.eos_id,
+                          max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
                           greedy=True)
       greedy_scores = np.repeat(task.score(problems, decode(tok, g.completion,
                                                             g.completion_mask)),

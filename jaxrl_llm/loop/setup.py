@@ -68,7 +68,8 @@ def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
   With ``run.critic`` (and a recipe with a value model) the parameters are
   ``{"policy": ..., "critic": ...}`` (:mod:`jaxrl_llm.models.critic`): the critic is
   loaded from ``run.critic`` (or the policy's initial weights for ``"policy"``) with a
-  zero-initialised value head; sampling uses the policy part only.
+  zero-initialised value head; sampling and the KL reference use the policy part
+  only (the reference keeps no value head either: :meth:`Policy.ref_params`).
   """
   from jaxrl_llm.models import DecodeFns, make_apply_fn, make_decode_fns
   tok = task.tokenizer
@@ -80,9 +81,9 @@ def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
                             temperature=config.temperature)
   graphdef, params = _load(run, task, value_head=config.use_value and not separate)
   if not separate:
-    return Policy(make_apply_fn(graphdef), make_decode_fns(graphdef), params,
-                  pad_id=tok.pad_id, temperature=config.temperature)
-  from jaxrl_llm.models.critic import actor_critic_apply, actor_critic_params
+    return Policy.of_transformer(graphdef, params, pad_id=tok.pad_id,
+                                 temperature=config.temperature)
+  from jaxrl_llm.models.critic import POLICY, actor_critic_apply, actor_critic_params
   critic_path = run.model if run.critic == "policy" else run.critic
   critic_graphdef, critic_params = _load(run, task, value_head=True, path=critic_path)
   fns = make_decode_fns(graphdef)
@@ -90,9 +91,11 @@ def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
       init_cache=lambda p, batch, max_len: fns.init_cache(p["policy"], batch, max_len),
       prefill=lambda p, tokens, mask, cache: fns.prefill(p["policy"], tokens, mask, cache),
       decode=lambda p, tokens, cache: fns.decode(p["policy"], tokens, cache))
+  # The KL reference is the policy part alone (no critic).
   return Policy(actor_critic_apply(graphdef, critic_graphdef), decode,
                 actor_critic_params(params, critic_params), pad_id=tok.pad_id,
-                temperature=config.temperature)
+                temperature=config.temperature, ref_apply_fn=make_apply_fn(graphdef),
+                ref_part=lambda p: p[POLICY])
 
 
 def warm_start_value_params(run: RunConfig, params: Any) -> Any:

@@ -43,15 +43,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
-from jaxrl_llm.models.transformer import make_apply_fn
+from jaxrl_llm.models.transformer import Transformer, make_apply_fn, split_model
 
 POLICY, CRITIC = "policy", "critic"
-# Top-level parameter names of the shared-trunk value head (Transformer, value_head=True).
-VALUE_HEAD_KEYS = ("value_w", "value_b")
+VALUE_HEAD_PARAMS = ("value_w", "value_b")
 
 
 def actor_critic_params(policy_params: Any, critic_params: Any) -> dict:
@@ -88,6 +90,36 @@ def actor_critic_apply(policy_graphdef, critic_graphdef) -> Callable:
     return hidden, values, lm_head
 
   return apply
+
+
+def drop_value_head(graphdef, params) -> tuple[Any, Any]:
+  """``(graphdef, params)`` of the same :class:`~jaxrl_llm.models.Transformer` without
+  its value head: what the policy's log-probs (e.g. a frozen KL reference) need.
+
+  ``make_apply_fn`` of the returned graphdef over the returned params gives the same
+  hidden states and LM head as the full model, and ``values`` None. A model without a
+  value head is returned as is. No parameter is copied (the leaves are shared).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxrl_llm.models import Transformer, TransformerConfig, split_model
+    >>> graphdef, params = split_model(Transformer(TransformerConfig.tiny(32)))
+    >>> ref_graphdef, ref_params = drop_value_head(graphdef, params)
+    >>> sorted(ref_params.keys())
+    ['blocks', 'embed', 'final_norm']
+    >>> tokens = jnp.ones((1, 4), jnp.int32)
+    >>> h, values, _ = make_apply_fn(ref_graphdef)(ref_params, tokens)
+    >>> values is None, bool(jnp.all(h == make_apply_fn(graphdef)(params, tokens)[0]))
+    (True, True)
+  """
+  config = nnx.merge(graphdef, params).config
+  if not config.value_head:
+    return graphdef, params
+  policy_config = dataclasses.replace(config, value_head=False)
+  ref_graphdef, _ = split_model(nnx.eval_shape(
+      lambda: Transformer(policy_config, rngs=nnx.Rngs(0))))
+  keep = nnx.Not(nnx.Any(*(nnx.PathContains(name) for name in VALUE_HEAD_PARAMS)))
+  return ref_graphdef, nnx.filter_state(params, keep)
 
 
 def _labels(params):
@@ -130,7 +162,7 @@ def value_param_labels(params: Any) -> Any:
   def label(path, _):
     first = path[0] if path else None
     name = getattr(first, "key", getattr(first, "name", None))
-    return CRITIC if name in VALUE_HEAD_KEYS else POLICY
+    return CRITIC if name in VALUE_HEAD_PARAMS else POLICY
 
   return jax.tree_util.tree_map_with_path(label, params)
 
@@ -207,5 +239,5 @@ def policy_value_optimizer(policy_optimizer: optax.GradientTransformation,
 
 
 __all__ = ["actor_critic_apply", "actor_critic_optimizer", "actor_critic_params",
-           "value_param_labels", "freeze_for", "policy_value_optimizer",
-           "VALUE_HEAD_KEYS"]
+           "drop_value_head", "value_param_labels", "freeze_for", "policy_value_optimizer",
+           "VALUE_HEAD_PARAMS"]
