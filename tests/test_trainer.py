@@ -217,6 +217,8 @@ def test_every_recipe_pushes_the_rewarded_completion_up(algo):
   recipe = get_recipe(algo)
   if config.use_value:
     batch["old_values"] = np.asarray(values)
+  if config.pos_nll_coef is not None:
+    batch["positive"] = scores
   if recipe.in_step:
     batch["rewards"] = rewards
   else:

@@ -244,7 +244,8 @@ def _decoupled_gae(x: AdvantageInputs, hp, method="scan"):
 def _vapo_gae(x: AdvantageInputs, hp, method="scan"):
   from jaxrl_llm import advantages as A
   return A.decoupled_gae(x.rewards, x.values, x.mask, gamma=hp["gamma"],
-                         lam_policy=A.length_adaptive_lambda(x.mask),
+                         lam_policy=A.length_adaptive_lambda(
+                             x.mask, alpha=hp.get("lam_alpha", 0.05)),
                          lam_value=hp.get("lam_value", 1.0), method=method)
 
 
@@ -278,7 +279,7 @@ register_advantage_estimator("decoupled_gae", _decoupled_gae, needs_values=True,
                                  "for the critic's targets (VC-PPO)")
 register_advantage_estimator("vapo_gae", _vapo_gae, needs_values=True,
                              doc="decoupled GAE with VAPO's length-adaptive policy "
-                                 "lambda (alpha 0.05)")
+                                 "lambda (lam_alpha, default 0.05)")
 register_advantage_estimator("grpo", _group("grpo_advantages"), group=True,
                              doc="group mean baseline / group std")
 register_advantage_estimator("dr_grpo", _group("dr_grpo_advantages"), group=True,

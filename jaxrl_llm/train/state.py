@@ -23,7 +23,10 @@ KL_KINDS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
 # Float fields of TrainConfig that live in TrainState.hparams as traced scalars.
 TRACED_HPARAMS = ("clip_low", "clip_high", "dual_clip", "vf_coef", "vf_clip",
                   "entropy_coef", "kl_coef", "gamma", "lam", "hybrid_mix", "temperature",
-                  "lam_value")
+                  "lam_value", "lam_alpha", "pos_nll_coef")
+# Traced only while ``rollout_correction`` is on (else left out of ``hparams``).
+ROLLOUT_HPARAMS = ("rollout_is_threshold", "rollout_is_lower")
+ROLLOUT_LEVELS = ("token", "sequence")
 ADVANTAGE_ESTIMATORS = ("gae", "hybrid")  # built-in in-step estimators
 
 
@@ -81,6 +84,10 @@ class TrainConfig:
     logprob_chunk_size: vocabulary-projection chunk for log-probs from hidden states.
     skip_nonfinite: skip updates whose inputs, loss, gradients or results are not
       finite (counted in ``metrics["skipped"]``).
+    rollout_correction: correct the rollout/trainer mismatch (None: off; ``token`` or
+      ``sequence``): the per-token policy loss is multiplied by
+      :func:`jaxrl_llm.rollout_correction_weights` of ``old_logp - rollout_logp``
+      (the batch must carry the sampler's ``rollout_logp``).
     clip_low: clip epsilon (lower side); None = the policy loss's default (PPO 0.2,
       GSPO 3e-4, GMPO 0.4).
     clip_high: clip epsilon (upper side, DAPO clip-higher); None = symmetric when
@@ -97,6 +104,15 @@ class TrainConfig:
     temperature: sampling temperature the log-probs are computed at.
     lam_value: the critic's GAE lambda of the ``decoupled_gae`` / ``vapo_gae``
       estimators (None: 1.0, VC-PPO's Monte-Carlo value targets).
+    lam_alpha: alpha of the ``vapo_gae`` estimator's length-adaptive policy lambda
+      ``1 - 1 / (alpha * length)`` (None: 0.05, VAPO's).
+    pos_nll_coef: weight mu of VAPO's positive-example NLL, the token-mean negative
+      log-likelihood of the responses marked ``positive`` (correct) in the batch,
+      added to the loss (None: off; VAPO uses 0.1).
+    rollout_is_threshold: upper bound of the rollout-correction weights (truncated
+      IS; verl's ``rollout_is_threshold``).
+    rollout_is_lower: with it, weights outside ``[lower, threshold]`` are zeroed
+      instead of truncated (IcePop); None: truncation.
     loss_hparams: overrides of the policy loss's own hyperparameters (e.g.
       ``{"tau_pos": 2.0}`` for SAPO); traced like the fields above.
   """
@@ -126,6 +142,7 @@ class TrainConfig:
   clip_max: float = 0.3
   logprob_chunk_size: Optional[int] = None
   skip_nonfinite: bool = True
+  rollout_correction: Optional[str] = None
   # --- traced hyperparameters (see TRACED_HPARAMS)
   clip_low: Optional[float] = None
   clip_high: Optional[float] = None
@@ -139,6 +156,10 @@ class TrainConfig:
   hybrid_mix: float = 0.5
   temperature: float = 1.0
   lam_value: Optional[float] = None
+  lam_alpha: Optional[float] = None
+  pos_nll_coef: Optional[float] = None
+  rollout_is_threshold: float = 2.0
+  rollout_is_lower: Optional[float] = None
   loss_hparams: Optional[Mapping[str, float]] = None
 
   def __post_init__(self):
@@ -166,6 +187,14 @@ class TrainConfig:
     _check_range("hybrid_mix", self.hybrid_mix, low=0.0, high=1.0, inclusive=True)
     _check_range("lam_value", self.lam_value, low=0.0, high=1.0, inclusive=True)
     _check_range("temperature", self.temperature, low=0.0)
+    _check_range("lam_alpha", self.lam_alpha, low=0.0)
+    _check_range("pos_nll_coef", self.pos_nll_coef, low=0.0, inclusive=True)
+    _check_range("rollout_is_threshold", self.rollout_is_threshold, low=0.0)
+    _check_range("rollout_is_lower", self.rollout_is_lower, low=0.0, inclusive=True)
+    if (self.rollout_is_lower is not None
+        and self.rollout_is_lower > self.rollout_is_threshold):
+      raise ValueError(f"`rollout_is_lower` must be <= `rollout_is_threshold` "
+                       f"({self.rollout_is_threshold!r}), got {self.rollout_is_lower!r}.")
     _check_range("kl_target", self.kl_target, low=0.0)
     _check_range("kl_horizon", self.kl_horizon, low=0.0)
     if self.norm_length is not None and (not isinstance(self.norm_length, int)
@@ -205,6 +234,8 @@ class TrainConfig:
   def hparam_values(self) -> dict:
     """The traced hyperparameters as Python floats (None-valued ones left out)."""
     vals: dict = {k: getattr(self, k) for k in TRACED_HPARAMS}
+    if self.rollout_correction is not None:
+      vals.update({k: getattr(self, k) for k in ROLLOUT_HPARAMS})
     vals["clip_low"], vals["clip_high"] = self.clip_range()
     spec = get_policy_loss(self.policy_loss)
     vals.update(spec.extra_hparams)
@@ -250,7 +281,7 @@ def field_choices(name: str) -> Optional[tuple]:
     return advantage_estimators()
   return {"loss_agg_mode": tuple(AGGREGATION_MODES), "kl_mode": KL_MODES,
           "kl_kind": KL_KINDS, "reward_kl_kind": KL_KINDS,
-          "gae_method": ("scan", "associative"),
+          "gae_method": ("scan", "associative"), "rollout_correction": (None,) + ROLLOUT_LEVELS,
           "adaptive_clip_metric": ("kl", "clipfrac")}.get(name)
 
 
@@ -260,8 +291,8 @@ def advantage_estimators() -> tuple:
 
 
 # TrainConfig fields of the GRPO family (critic-free, KL in the loss).
-GRPO_DEFAULTS = dict(use_value=False, whiten_advantages=False, kl_mode="loss",
-                     kl_kind="k3", vf_clip=None)
+GRPO_DEFAULTS: dict[str, Any] = dict(use_value=False, whiten_advantages=False,
+                                     kl_mode="loss", kl_kind="k3", vf_clip=None)
 
 if TYPE_CHECKING:   # the lazy names below, for type checkers
   from jaxrl_llm.train.train_state import TrainState, init_train_state  # noqa: F401
