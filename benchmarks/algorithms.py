@@ -1,14 +1,20 @@
-r"""PPO vs GRPO vs RLOO on the default task (reverse), plus a 2048-token update benchmark.
+r"""PPO, VAPO, GRPO, DAPO and RLOO on a built-in task (``reverse``, or the 200-token
+``repeat``), plus a 2048-token update benchmark.
 
-Run: ``python -m benchmarks.algorithms [--quick] [--seeds 3] [--json out.json]``.
+Run: ``python -m benchmarks.algorithms [--quick] [--seeds 3] [--task repeat]
+[--algos ppo,vapo,grpo,dapo,rloo] [--json out.json]``.
 
 Part 1 (full RL runs). Each algorithm trains the tiny reference transformer with
 :func:`jaxrl_llm.trainer.run_training` under the same compute budget: ``prompts_per_step x
 group_size`` sampled completions per step, the same number of steps, the same
 optimizer. PPO uses a value head, GAE and whitened advantages with the KL in the
-reward (the ``ppo`` recipe of :mod:`jaxrl_llm.recipes`); GRPO and RLOO use their group
-baselines with the KL in the loss. Over ``--seeds`` seeds we report min / median / max
-of:
+reward (the ``ppo`` recipe of :mod:`jaxrl_llm.recipes`); VAPO (the ``vapo`` recipe) adds
+decoupled, length-adaptive GAE, a critic warm-up, a 2x value learning rate,
+clip-higher and the positive-example NLL; GRPO and RLOO use their group baselines with
+the KL in the loss; DAPO (the ``dapo`` recipe) is the group baseline with clip-higher,
+dynamic sampling (its extra rollouts are reported as ``groups drawn / step``; the
+throughput counts the ``B`` trained samples) and the soft overlong penalty. Over
+``--seeds`` seeds we report min / median / max of:
 
 * ``iter samples/s``: completions per second of a full iteration (rollout, old and
   reference log-probs, advantages, update): ``B / time_s`` of each step (the trainer's
@@ -40,6 +46,11 @@ of:
   leave-one-out difference for RLOO. It is the fraction of the reward variance left
   in the policy-gradient weight by the baseline: 1 = no baseline, lower = the baseline
   explains more. Measured on every rollout of the run and averaged over steps.
+  For VAPO :math:`\tilde A` is its own estimator's (decoupled GAE, length-adaptive
+  lambda); for DAPO the group-centred score including the overlong penalty.
+* ``value EV``: the explained variance of the critic's values for the returns (the
+  train step's ``explained_variance``), mean over the first and the last quarter of
+  the steps (value recipes only; the whole curve is in the JSON).
 * steps and training wall time (sum of ``time_s``; evals excluded, the first step
   counted at the median step time so compile time is excluded) to reach
   ``--target`` greedy eval accuracy (evaluated every ``eval_every`` steps), or "not
@@ -61,7 +72,6 @@ context, not a target.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -83,13 +93,16 @@ from jaxrl_llm.models.transformer import (Transformer, get_config, make_apply_fn
                                           make_decode_fns, split_model)
 from jaxrl_llm.rollout.sampler import sample  # noqa: E402
 from jaxrl_llm.tasks import get_task  # noqa: E402
-from jaxrl_llm.train import POLICY_LOSS_REGISTRY, make_train_step  # noqa: E402
+from jaxrl_llm.train import (POLICY_LOSS_REGISTRY, AdvantageInputs,  # noqa: E402
+                             compute_advantages, make_train_step)
 
-ALGOS = ("ppo", "grpo", "rloo")
+ALGOS = ("ppo", "vapo", "grpo", "dapo", "rloo")
+TASKS = ("reverse", "repeat")
+_NONE = {"samples_s_2048": None, "adv_var": None, "convergence": None}
 ARTICLE = {  # figures claimed by the article (theirs, not measured here)
     "ppo": {"samples_s_2048": 18000.0, "adv_var": 0.14, "convergence": "42% faster"},
     "grpo": {"samples_s_2048": 12000.0, "adv_var": 0.32, "convergence": "baseline"},
-    "rloo": {"samples_s_2048": None, "adv_var": None, "convergence": None},
+    "vapo": _NONE, "dapo": _NONE, "rloo": _NONE,
 }
 
 
@@ -103,23 +116,28 @@ def _token_var(x, mask):
   return float(np.sum(np.where(m, (x - mean) ** 2, 0.0))) / n
 
 
-@jax.jit
-def _ppo_raw_advantages(rewards, values, old_logp, ref_logp, mask, kl_coef, gamma, lam):
-  """GAE on the KL-penalised rewards, as the PPO train step computes it."""
-  rewards = rewards - kl_coef * kl_penalty(old_logp, ref_logp, "k1", mask=mask)
-  return A.gae(rewards, values, mask, gamma=gamma, lam=lam)[0]
+def _in_step_raw_advantages(config, batch, mask):
+  """The in-step estimator's advantages on the (KL-penalised) rewards, before
+  whitening, as the train step computes them."""
+  rewards = jnp.asarray(batch["rewards"])
+  if config.kl_mode == "reward":
+    rewards = rewards - config.kl_coef * kl_penalty(
+        jnp.asarray(batch["old_logp"]), jnp.asarray(batch["ref_logp"]),
+        config.reward_kl_kind, mask=mask)
+  adv, _ = jax.jit(lambda r, v, m: compute_advantages(
+      config.advantage_estimator, AdvantageInputs(rewards=r, values=v, mask=m),
+      config.hparams(), method=config.gae_method))(rewards, batch["old_values"], mask)
+  return np.asarray(adv)
 
 
 def normalised_adv_var(run, task, batch, scores):
   """``Var_t[A~] / Var_t[R]`` over the batch's response tokens (see module docstring)."""
   mask = np.asarray(batch["loss_mask"], np.float32)
   s = np.asarray(scores, np.float32)
-  if run.algo == "ppo":
-    config = run.train_config(task.max_new_tokens)
-    adv = np.asarray(_ppo_raw_advantages(
-        batch["rewards"], batch["old_values"], batch["old_logp"], batch["ref_logp"], mask,
-        config.kl_coef, config.gamma, config.lam))
-  elif run.algo == "grpo":
+  config = run.train_config(task.max_new_tokens)
+  if run.algo in ("ppo", "vapo"):
+    adv = _in_step_raw_advantages(config, batch, mask)
+  elif run.algo in ("grpo", "dapo"):
     g = s.reshape(-1, run.group_size)
     adv = (g - g.mean(axis=1, keepdims=True)).reshape(-1)[:, None] * mask
   elif run.algo == "rloo":
@@ -134,9 +152,9 @@ def normalised_adv_var(run, task, batch, scores):
 class _Recorder:
   """Wraps :func:`jaxrl_llm.trainer.build_batch` to record per-rollout statistics.
 
-  The scores are recomputed from the batch (the completion tokens after the
-  ``max_prompt_len`` prompt columns) and a copy of the step's numpy generator, so the
-  training run itself is untouched.
+  The batch rows' scores come from ``build_batch``'s ``info`` (as the advantages saw
+  them: after dynamic sampling, with the overlong penalty), so the training run
+  itself is untouched.
   """
 
   def __init__(self):
@@ -145,21 +163,14 @@ class _Recorder:
     self._orig = T.build_batch
 
   def __call__(self, run, task, policy, params, ref_params, rng_np, key, *args):
-    rng_copy = copy.deepcopy(rng_np)
     t0 = time.perf_counter()
-    batch, stats = self._orig(run, task, policy, params, ref_params, rng_np, key, *args)
+    info: dict = {}
+    batch, stats = self._orig(run, task, policy, params, ref_params, rng_np, key, *args,
+                              info=info)
     t1 = time.perf_counter()
     if self.first_batch is None:
       self.first_batch = {k: np.array(val) for k, val in batch.items()}
-    tok = task.tokenizer
-    problems = task.sample_prompts(rng_copy, run.prompts_per_step)
-    p = task.max_prompt_len
-    texts = tok.decode_batch(np.asarray(batch["tokens"])[:, p:],
-                             np.asarray(batch["loss_mask"])[:, p:])
-    scores = task.score([q for q in problems for _ in range(run.group_size)], texts)
-    if abs(float(np.mean(scores)) - stats["reward"]) > 1e-5:
-      raise RuntimeError("recomputed scores do not match the trainer's")
-    norm, score_var = normalised_adv_var(run, task, batch, scores)
+    norm, score_var = normalised_adv_var(run, task, batch, info["scores"])
     # Our own bookkeeping is subtracted from the trainer's step time.
     self.rows.append({"adv_var_norm": norm, "score_var": score_var, "rollout_s": t1 - t0,
                       "overhead_s": time.perf_counter() - t1})
@@ -193,8 +204,19 @@ def _update_samples_per_s(run, batch, repeats):
   return batch["tokens"].shape[0] / sec
 
 
-def run_one(algo, seed, size, out_dir, target, update_repeats, train=None):
+def _quarter_means(values):
+  """Means over the first and the last quarter of ``values`` (None when empty)."""
+  vals = [x for x in values if x is not None and np.isfinite(x)]
+  if not vals:
+    return None, None
+  q = max(len(vals) // 4, 1)
+  return float(np.mean(vals[:q])), float(np.mean(vals[-q:]))
+
+
+def run_one(algo, seed, size, out_dir, target, update_repeats, train=None,
+            task="reverse"):
   run = T.RunConfig(algo=algo, seed=seed, steps=size["steps"], train=dict(train or {}),
+                    task=task,
                     prompts_per_step=size["prompts"], group_size=size["group"],
                     eval_every=size["eval_every"], eval_size=size["eval_size"],
                     save_every=10 ** 9, out=os.path.join(out_dir, f"{algo}_{seed}"),
@@ -218,8 +240,12 @@ def run_one(algo, seed, size, out_dir, target, update_repeats, train=None):
   late = rec.rows[len(rec.rows) // 2:]
   reached = [r for r in hist if r.get("eval_accuracy", -1.0) >= target]
   first = reached[0]["step"] if reached else None
+  ev_curve = [[r["step"], r["explained_variance"]] for r in steps
+              if "explained_variance" in r]
+  ev_first, ev_last = _quarter_means([ev for _, ev in ev_curve])
+  drawn = [r["groups_drawn"] for r in steps if "groups_drawn" in r]
   out = {
-      "algo": algo, "seed": seed, "B": b, "steps": run.steps,
+      "algo": algo, "task": task, "seed": seed, "B": b, "steps": run.steps,
       "iter_samples_s": b / med,
       "update_samples_s": b / med_update,
       "update_fixed_samples_s": (_update_samples_per_s(run, rec.first_batch,
@@ -235,6 +261,12 @@ def run_one(algo, seed, size, out_dir, target, update_repeats, train=None):
       "wall_to_target_s": (cum.get(first, 0.0) if first is not None else None),
       "final_eval_accuracy": summary["eval_accuracy_end"],
       "final_kl_ref": steps[-1].get("kl_ref"),
+      "value_ev_first_quarter": ev_first,
+      "value_ev_last_quarter": ev_last,
+      "value_ev_curve": ev_curve,
+      "groups_drawn_per_step": float(np.mean(drawn)) if drawn else None,
+      "eval_curve": [[r["step"], r["eval_accuracy"]] for r in hist
+                     if "eval_accuracy" in r],
       "run_total_s": total_s,
   }
   return out
@@ -268,6 +300,9 @@ def summarise(results, target):
         "adv_raw_var": _mmm([r["adv_raw_var"] for r in rs]),
         "adv_var_norm": _mmm([r["adv_var_norm"] for r in rs]),
         "adv_var_norm (2nd half)": _mmm([r["adv_var_norm_late"] for r in rs]),
+        "value EV (1st quarter)": _mmm([r["value_ev_first_quarter"] for r in rs], "-"),
+        "value EV (last quarter)": _mmm([r["value_ev_last_quarter"] for r in rs], "-"),
+        "groups drawn / step": _mmm([r["groups_drawn_per_step"] for r in rs], "-"),
         f"steps to acc {target}": _mmm([r["steps_to_target"] for r in rs]),
         f"wall s to acc {target}": _mmm([r["wall_to_target_s"] for r in rs]),
         "final eval acc": _mmm([r["final_eval_accuracy"] for r in rs]),
@@ -399,6 +434,19 @@ def notes(table_rows, long_rows, results, target):
       f"{med('ppo', 'adv_raw_var'):.3g}, GRPO {med('grpo', 'adv_raw_var'):.3g}) are in "
       "different units (reward units vs group-std units) and are not comparable; the "
       "article does not say how its 0.14 vs 0.32 were normalised.")
+  have = {r["algo"] for r in results}
+  if "vapo" in have:
+    out.append(
+        f"VAPO vs PPO: adv_var_norm {med('vapo', 'adv_var_norm'):.3g} vs {ppo_n:.3g}; "
+        f"value EV over the last quarter {med('vapo', 'value_ev_last_quarter'):.3g} vs "
+        f"{med('ppo', 'value_ev_last_quarter'):.3g} (VAPO's value targets are "
+        "Monte-Carlo returns, lam_value=1, and its first steps only train the critic).")
+  if "dapo" in have:
+    out.append(
+        f"DAPO vs GRPO: adv_var_norm {med('dapo', 'adv_var_norm'):.3g} vs {grpo_n:.3g}; "
+        f"DAPO drew {med('dapo', 'groups_drawn_per_step'):.3g} groups per step for "
+        "its batch (dynamic sampling), a rollout cost the samples/s above do not "
+        "charge it.")
   conv = {a: [r["steps_to_target"] for r in results if r["algo"] == a] for a in ALGOS}
   out.append(
       f"Steps to eval accuracy {target} per seed: "
@@ -413,7 +461,9 @@ def notes(table_rows, long_rows, results, target):
 
 
 FULL = {"steps": 120, "prompts": 32, "group": 8, "eval_every": 10, "eval_size": 256}
-QUICK = {"steps": 4, "prompts": 4, "group": 4, "eval_every": 4, "eval_size": 16}
+# --quick uses the test-suite's training sizes (tests/test_trainer.py SMALL), so its
+# compiled programs come from the shared compilation cache.
+QUICK = {"steps": 4, "prompts": 4, "group": 2, "eval_every": 4, "eval_size": 8}
 
 
 def main(argv=None):
@@ -425,6 +475,8 @@ def main(argv=None):
   p.add_argument("--long-tokens", type=int, default=None, help="response length (2048)")
   p.add_argument("--long-batch", type=int, default=None, help="long-gen batch (4)")
   p.add_argument("--skip-long", action="store_true")
+  p.add_argument("--task", default="reverse", choices=TASKS,
+                 help="the built-in task (repeat: 200-token answers, reward at the end)")
   p.add_argument("--algos", default=",".join(ALGOS),
                  help=f"comma-separated recipes, of {ALGOS} (the adv_var_norm metric is "
                       "defined for these)")
@@ -441,8 +493,8 @@ def main(argv=None):
     if a not in ALGOS:
       raise SystemExit(f"--algos: unknown {a!r}; choose from {ALGOS}")
 
-  print(f"# PPO vs GRPO vs RLOO ({machine()})", flush=True)
-  print(f"task reverse, model tiny, {size['prompts']} prompts x {size['group']} samples "
+  print(f"# {' vs '.join(a.upper() for a in algos)} ({machine()})", flush=True)
+  print(f"task {args.task}, model tiny, {size['prompts']} prompts x {size['group']} samples "
         f"per step, {size['steps']} steps, {seeds} seed(s), eval every "
         f"{size['eval_every']} on {size['eval_size']} held-out prompts", flush=True)
   results = []
@@ -450,7 +502,8 @@ def main(argv=None):
     for algo in algos:
       for seed in range(seeds):
         train = {} if args.policy_loss is None else {"policy_loss": args.policy_loss}
-        r = run_one(algo, seed, size, tmp, args.target, 0 if args.quick else 10, train)
+        r = run_one(algo, seed, size, tmp, args.target, 0 if args.quick else 10, train,
+                    task=args.task)
         results.append(r)
         print(f"  {algo} seed {seed}: iter {r['iter_samples_s']:.0f} samples/s, "
               f"update {r['update_samples_s']:.0f} samples/s, adv_var_norm "
@@ -477,6 +530,7 @@ def main(argv=None):
   for line in note_lines:
     print(f"- {line}")
   payload = {"benchmark": "algorithms", "machine": machine(), "quick": args.quick,
+             "task": args.task,
              "size": size, "seeds": seeds, "target": args.target, "runs": results,
              "table": table, "long_generation": long_rows, "notes": note_lines,
              "article": ARTICLE}

@@ -42,7 +42,8 @@ TITLES = {
     "train_step": "PPO train step: tokens/s and model FLOP utilisation",
     "sampler": "KV-cache sampler vs full recompute",
     "sharding": "Sharded train step",
-    "algorithms": "PPO vs GRPO vs RLOO (reverse task) and 2048-token updates",
+    "algorithms": "PPO, VAPO, GRPO, DAPO, RLOO (reverse or repeat task) and 2048-token "
+                  "updates",
 }
 
 

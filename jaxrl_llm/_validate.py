@@ -1,21 +1,23 @@
 """Trace-time argument checks shared by every public function.
 
 All checks look only at static metadata (shape, dtype), so they are safe under
-``jax.jit`` and raise a ``ValueError`` that names the offending argument.
+``jax.jit`` and raise a ``ValueError`` that names the offending argument. JAX is
+imported inside the array checks, so the configs (which use :func:`check_choice`)
+import without it.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import jax.numpy as jnp
-
 
 def shape_of(x) -> tuple[int, ...]:
+  import jax.numpy as jnp
   return tuple(jnp.shape(x))
 
 
 def check_rank(name: str, x, rank: int) -> None:
+  import jax.numpy as jnp
   if jnp.ndim(x) != rank:
     raise ValueError(
         f"`{name}` must have rank {rank}, got shape {shape_of(x)} (rank {jnp.ndim(x)})."
@@ -34,6 +36,7 @@ def check_same_shape(names: Sequence[str], arrays: Sequence) -> None:
 
 
 def check_float(name: str, x) -> None:
+  import jax.numpy as jnp
   if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
     raise ValueError(
         f"`{name}` must be a floating-point array, got dtype {jnp.result_type(x)} "
@@ -53,11 +56,13 @@ def check_batch_vector(name: str, x, batch: int) -> None:
 
 
 def as_f32(x):
+  import jax.numpy as jnp
   return jnp.asarray(x, dtype=jnp.float32)
 
 
 def out_dtype(*xs):
   """The float dtype results are cast back to: that of the first float input."""
+  import jax.numpy as jnp
   for x in xs:
     if x is not None and jnp.issubdtype(jnp.result_type(x), jnp.floating):
       return jnp.result_type(x)

@@ -1,9 +1,11 @@
-"""The ``jaxrl-llm`` command: ``train``, ``eval`` and ``plot``.
+"""The ``jaxrl-llm`` command: ``train``, ``eval``, ``plot`` and ``export``.
 
 ``jaxrl-llm train`` with no flags trains the tiny built-in policy with GRPO on the
 default task (reverse a 3-digit string) and prints a summary; ``jaxrl-llm eval --out
 RUN`` re-evaluates a run's latest checkpoint; ``jaxrl-llm plot RUN [RUN ...]`` draws
-the learning curves of one or several runs into a PNG.
+the learning curves of one or several runs into a PNG; ``jaxrl-llm export RUN``
+writes the latest checkpoint of a run on a Hugging Face ``--model`` as Hugging Face
+folders (:mod:`jaxrl_llm.loop.export`; ``train --model PATH`` does it at the end).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ PLOT_KEYS = (("reward", "train reward"), ("eval_accuracy", "eval accuracy (greed
              ("entropy", "entropy"), ("adv_raw_var", "advantage variance"))
 
 
-# Earlier flag names kept as aliases.
+# Other flag names of a field (earlier names, and the papers' names).
 ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("--tensor",),
-           "clip_low": ("--clip",)}
+           "clip_low": ("--clip",), "algo": ("--recipe",), "lam": ("--lam-policy",),
+           "value_lr": ("--critic-lr",)}
 # TrainConfig fields that are not command-line values (set through other flags).
 NOT_FLAGS = ("clip_schedule", "loss_hparams")
 # Command-line behaviour beyond the field's own docstring.
@@ -106,13 +109,15 @@ def _add_field(group, cls, f, hints, docs, *, dest, default, shown, choices=None
                        metavar=(f.name.upper() if choices is None else None))
 
 
-def _recipe_note(name: str) -> str:
-  """``ppo=..., grpo=...`` for the recipes that set TrainConfig field ``name``."""
+def _recipe_note(name: str, part: str = "train") -> str:
+  """``ppo=..., grpo=...`` for the recipes that set field ``name`` (of TrainConfig,
+  ``part="train"``, or of RunConfig, ``part="run"``)."""
   from jaxrl_llm.recipes import RECIPES
   groups: dict = {}
   for r in RECIPES.values():
-    if name in r.train:
-      groups.setdefault(str(r.train[name]), []).append(r.name)
+    fields = getattr(r, part)
+    if name in fields:
+      groups.setdefault(str(fields[name]), []).append(r.name)
   if not groups:
     return ""
   if len(groups) == 1 and len(next(iter(groups.values()))) == len(RECIPES):
@@ -124,7 +129,7 @@ def _recipe_note(name: str) -> str:
 def add_train_args(p: argparse.ArgumentParser) -> None:
   """The ``train`` options, generated from RunConfig and TrainConfig fields."""
   from jaxrl_llm.loop.config import RunConfig
-  from jaxrl_llm.recipes import RECIPES
+  from jaxrl_llm.recipes import RECIPE_RUN_FIELDS, RECIPES
   from jaxrl_llm.tasks import TASKS
   from jaxrl_llm.train import TrainConfig
   from jaxrl_llm.train.registry import POLICY_LOSS_REGISTRY
@@ -137,8 +142,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
   for f in dataclasses.fields(RunConfig):
     if f.name == "train":
       continue
+    shown = (f"{RECIPE_RUN_FIELDS[f.name]}{_recipe_note(f.name, 'run')}"
+             if f.name in RECIPE_RUN_FIELDS else f.default)
     _add_field(run_group, RunConfig, f, hints, docs, dest=f.name, default=f.default,
-               shown=f.default, choices=run_choices.get(f.name))
+               shown=shown, choices=run_choices.get(f.name))
   step_group = p.add_argument_group(
       "train step (TrainConfig; unset options take the --algo recipe's value)")
   hints, docs = typing.get_type_hints(TrainConfig), attribute_docs(TrainConfig)
@@ -244,14 +251,9 @@ def _resume_config(args: argparse.Namespace, argv: list):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-  import jax
-
   from jaxrl_llm import run_folder as rf
-  from jaxrl_llm.checkpoint import CheckpointError
-  from jaxrl_llm.trainer import (RunFolderError, SkippedUpdatesError, format_summary,
-                                 run_training)
   argv = getattr(args, "argv", [])
-  try:
+  try:   # every flag is checked before JAX is imported (only the device count needs it)
     if args.resume and not args.overwrite and os.path.exists(
         os.path.join(args.out, rf.CONFIG_FILE)):
       run = _resume_config(args, argv)
@@ -260,10 +262,14 @@ def cmd_train(args: argparse.Namespace) -> int:
       if args.resume:
         print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
     run.validate()
+    import jax
     run.check_devices(jax.device_count())
   except (ValueError, OSError) as e:
     print(f"error: {_flags_in_message(str(e))}", file=sys.stderr)
     return 2
+  from jaxrl_llm.checkpoint import CheckpointError
+  from jaxrl_llm.trainer import (RunFolderError, SkippedUpdatesError, format_summary,
+                                 run_training)
   try:
     summary = run_training(run)
   except RunFolderError as e:
@@ -276,6 +282,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return e.exit_code
   except KeyboardInterrupt:
     return 130
+  from jaxrl_llm.loop.setup import is_checkpoint
+  if is_checkpoint(run.model):
+    from jaxrl_llm.loop.export import export_run
+    try:
+      summary.update(export_run(run.out))
+    except (ValueError, OSError, CheckpointError) as e:
+      print(f"error: exporting the trained model: {e}", file=sys.stderr)
+      return 1
   png = os.path.join(run.out, "curves.png")
   try:
     plot_runs([run.out], None, png)
@@ -327,6 +341,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return _fail("eval", str(e))
   result = {"step": extra.get("step"),
             **evaluate(policy, state.params, task, task.eval_problems(args.eval_size))}
+  print(json.dumps(result))
+  return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+  from jaxrl_llm.checkpoint import CheckpointError
+  from jaxrl_llm.loop.export import export_run
+  try:
+    result = export_run(args.run, args.out)
+  except (ValueError, OSError, CheckpointError) as e:
+    return _fail("export", str(e))
   print(json.dumps(result))
   return 0
 
@@ -414,6 +439,15 @@ def build_parser() -> argparse.ArgumentParser:
   p_plot.add_argument("--labels", nargs="*", default=None)
   p_plot.add_argument("--output", "-o", default="curves.png")
   p_plot.set_defaults(func=cmd_plot)
+  p_export = sub.add_parser(
+      "export", help="write a run's latest checkpoint as Hugging Face folders",
+      description="Write the trained policy of a run on a Hugging Face --model as a "
+      "Hugging Face folder DEST/hf (with the tokenizer files), and its value model as "
+      "DEST/value_head.safetensors or DEST/critic.")
+  p_export.add_argument("run", help="the run folder")
+  p_export.add_argument("--out", default=None, metavar="DEST",
+                        help="where to write (default: the run folder)")
+  p_export.set_defaults(func=cmd_export)
   return parser
 
 
@@ -421,11 +455,11 @@ def _early_note(argv: list) -> None:
   """One line before the slow imports: what is starting and where outputs go."""
   if any(a in ("-h", "--help") for a in argv) or "--no-progress" in argv:
     return
-  if argv and argv[0] in ("eval", "plot"):
+  if argv and argv[0] in ("eval", "plot", "export"):
     return
   p = argparse.ArgumentParser(add_help=False)
   p.add_argument("--out", default="runs/default")
-  p.add_argument("--algo", default="grpo")
+  p.add_argument("--algo", "--recipe", default="grpo")
   p.add_argument("--task", default="reverse")
   p.add_argument("--resume", action="store_true")
   known = p.parse_known_args(argv[1:] if argv and argv[0] == "train" else argv)[0]

@@ -71,19 +71,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import _validate as v
+from jaxrl_llm._names import AGGREGATION_MODES
 from jaxrl_llm.masked import masked_mean
 
 ArrayLike = jax.typing.ArrayLike
 Coef = float | jax.Array  # a coefficient: a Python number, or a (traced) scalar array
 LossAndMetrics = tuple[jax.Array, dict[str, jax.Array]]
 
-AGGREGATION_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
 
 _KL_ALIASES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2",
                "low_var_kl": "k3", "k3": "k3"}

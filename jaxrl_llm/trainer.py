@@ -129,11 +129,21 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
   if policy is None:
     policy = make_policy(run, task, config)
   step_fn = make_train_step(policy.apply, make_optimizer(run), config)
-  # A frozen copy: the train step donates (and so invalidates) the state's buffers.
-  ref_params = jax.tree_util.tree_map(jnp.copy, policy.init_params)
-  state = step_fn.init(policy.init_params, rng=jax.random.PRNGKey(run.seed))
+  # A frozen copy of the policy's weights (no value head, no critic): the train step
+  # donates (and so invalidates) the state's buffers.
+  ref_params = jax.tree_util.tree_map(jnp.copy, policy.ref_params(policy.init_params))
+  init_params = policy.init_params
+  if run.critic_init is not None:
+    from jaxrl_llm.loop.setup import warm_start_value_params
+    init_params = warm_start_value_params(run, init_params)
+  state = step_fn.init(init_params, rng=jax.random.PRNGKey(run.seed))
   step_fn, state, place = _compile_step(run, step_fn, state)
   eval_problems = task.eval_problems(run.eval_size)
+  warmup_steps = run.setting("critic_warmup_steps")
+  buffer = run.overlong_buffer_for(task.max_new_tokens)
+  if buffer > task.max_new_tokens:
+    raise ValueError(f"--overlong-buffer {buffer} is longer than the task's response "
+                     f"budget of {task.max_new_tokens} tokens")
   _write_run_folder(run)                      # everything built: the run starts here
   metrics_path = os.path.join(run.out, rf.METRICS_FILE)
   ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), max_to_keep=2, log=_say)
@@ -162,6 +172,8 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
         state, m = step_fn(state, place(batch))
         row = {"step": step, **stats, **{k: float(val) for k, val in m.items()},
                "time_s": time.time() - t_step}
+        if step <= warmup_steps:
+          row["critic_warmup"] = 1.0     # the policy is frozen (make_optimizer)
         if step % run.eval_every == 0 or step == run.steps:
           row.update(evaluate(policy, state.params, task, eval_problems))
         history.append(row)

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(HERE)
 REPO = "jaxrl-llm/jaxrl_llm"
 BRANCH = "main"
 NOTEBOOKS = ("01_advantages_and_losses.ipynb", "02_ppo_vs_grpo.ipynb",
-             "03_sharded_long_sequence_ppo.ipynb")
+             "03_sharded_long_sequence_ppo.ipynb", "04_hf_checkpoint_ppo.ipynb")
 
 
 def colab_intro(name: str) -> str:
@@ -389,6 +389,191 @@ def nb03():
   return cells
 
 
+# Notebook 04 reads Hugging Face folders: the [hf] extra (Colab has transformers).
+COLAB_HF = COLAB.replace("/content/jaxrl_llm[plot]", "/content/jaxrl_llm[plot,hf]")
+
+
+def nb04():
+  cells = [
+      new_markdown_cell(
+          "# 04 - A Hugging Face checkpoint: load, train with PPO, save back\n\n"
+          "Builds a tiny local Hugging Face model folder (a random Qwen3 with a byte-level "
+          "BPE tokenizer, a chat template and two end-of-turn ids, as Llama-3 and Qwen "
+          "checkpoints have), loads it with `jaxrl_llm.models.from_pretrained`, trains a "
+          "few PPO steps on a small JSONL dataset with the `math` reward through "
+          "`jaxrl_llm.trainer.run_training`, writes the trained policy back with "
+          "`save_pretrained` and reloads it to show the logits match. Everything is "
+          "local: with a real checkpoint, point `MODEL` at its folder (e.g. a downloaded "
+          "`Qwen/Qwen3-0.6B`) and skip the cell that builds the tiny one. transformers is "
+          "optional: when it is installed the notebook builds the model with it and "
+          "compares logits with it, else it writes the random model with "
+          "`save_pretrained`." + colab_intro(NOTEBOOKS[3])),
+      new_code_cell(COLAB_HF),
+      new_code_cell(SETUP),
+      new_code_cell(
+          "import json\nimport tempfile\n\n"
+          "import jax\nimport jax.numpy as jnp\nimport numpy as np\n" + PLOTS +
+          "from flax import nnx\n"
+          "from jaxrl_llm.models import from_pretrained, save_pretrained, split_model\n"
+          "from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer\n\n"
+          "try:\n"
+          "  import warnings\n"
+          "  warnings.filterwarnings('ignore', message='IProgress not found')  # tqdm, no widgets\n"
+          "  import torch\n"
+          "  import transformers\n"
+          "  transformers.utils.logging.disable_progress_bar()\n"
+          "except ImportError:\n"
+          "  transformers = None\n"
+          "# Full float32 matmuls, so the logit comparisons below hold on TPU/GPU too.\n"
+          "jax.config.update('jax_default_matmul_precision', 'highest')\n"
+          "tmp = tempfile.TemporaryDirectory(prefix='jaxrl_llm_nb04_')\n"
+          "MODEL = os.path.join(tmp.name, 'tiny-qwen3')\n"
+          "print(jax.devices(), '| transformers:', getattr(transformers, '__version__', None))"),
+      new_markdown_cell(
+          "## A tiny local checkpoint\n\n"
+          "A model folder as the Hub has them: `tokenizer.json` (here a byte-level BPE "
+          "trained on a few sentences with the `tokenizers` package), "
+          "`tokenizer_config.json` with the special tokens and the chat template, "
+          "`config.json` + `model.safetensors`, and `generation_config.json` whose "
+          "`eos_token_id` is a *list*: a completion ends at `<|endoftext|>` or at "
+          "`<|im_end|>`, and the sampler stops a row at either."),
+      new_code_cell(
+          "from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers\n\n"
+          "CHAT = ('{% for m in messages %}<|im_start|>{{ m[\"role\"] }}\\n'\n"
+          "        '{{ m[\"content\"] }}<|im_end|>\\n{% endfor %}'\n"
+          "        '{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}')\n"
+          "bpe = Tokenizer(models.BPE())\n"
+          "bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)\n"
+          "bpe.decoder = decoders.ByteLevel()\n"
+          "corpus = [f'what is {a} + {b}? The answer is {a + b}.' for a in range(20)\n"
+          "          for b in range(20)]\n"
+          "bpe.train_from_iterator(corpus, trainers.BpeTrainer(\n"
+          "    vocab_size=320, special_tokens=['<|endoftext|>', '<|im_start|>', '<|im_end|>'],\n"
+          "    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))\n"
+          "os.makedirs(MODEL, exist_ok=True)\n"
+          "bpe.save(os.path.join(MODEL, 'tokenizer.json'))\n"
+          "with open(os.path.join(MODEL, 'tokenizer_config.json'), 'w') as f:\n"
+          "  json.dump({'tokenizer_class': 'PreTrainedTokenizerFast',\n"
+          "             'eos_token': '<|endoftext|>', 'pad_token': '<|endoftext|>',\n"
+          "             'chat_template': CHAT}, f)\n\n"
+          "vocab = bpe.get_vocab_size()\n"
+          "eos_ids = [bpe.token_to_id('<|endoftext|>'), bpe.token_to_id('<|im_end|>')]\n"
+          "if transformers is not None:      # built (randomly initialised) by transformers\n"
+          "  torch.manual_seed(0)\n"
+          "  cfg = transformers.Qwen3Config(\n"
+          "      vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
+          "      num_attention_heads=4, num_key_value_heads=2, head_dim=16,\n"
+          "      max_position_embeddings=128, tie_word_embeddings=False,\n"
+          "      eos_token_id=eos_ids[0])\n"
+          "  transformers.Qwen3ForCausalLM(cfg).save_pretrained(MODEL)\n"
+          "else:                             # the same architecture, saved by jaxrl_llm\n"
+          "  from jaxrl_llm.models import Transformer, TransformerConfig\n"
+          "  cfg = TransformerConfig(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4,\n"
+          "                          n_kv_heads=2, d_ff=128, head_dim=16, max_seq_len=128,\n"
+          "                          qk_norm=True, tie_embeddings=False, value_head=False)\n"
+          "  save_pretrained(Transformer(cfg, rngs=nnx.Rngs(0)), MODEL,\n"
+          "                  extra_config={'eos_token_id': eos_ids[0]})\n"
+          "with open(os.path.join(MODEL, 'generation_config.json'), 'w') as f:\n"
+          "  json.dump({'eos_token_id': eos_ids}, f)       # two end-of-turn ids\n"
+          "print(sorted(os.listdir(MODEL)))"),
+      new_markdown_cell(
+          "## Load it\n\n"
+          "`from_pretrained` maps the Hugging Face tensors onto the reference "
+          "`Transformer` (pass `mesh=` to read each tensor straight into its sharded "
+          "layout); `HFTokenizer` reads the tokenizer, its chat template and every eos "
+          "id (tokenizer, `generation_config.json`, `config.json`)."),
+      new_code_cell(
+          "model = from_pretrained(MODEL, dtype=jnp.float32)\n"
+          "tok = HFTokenizer.from_pretrained(MODEL)\n"
+          "print(model.config)\n"
+          "print('eos ids:', tok.eos_ids)\n"
+          "prompt = tok.apply_chat_template([{'role': 'user', 'content': 'what is 2 + 3?'}])\n"
+          "print(repr(prompt))\n"
+          "tokens = jnp.asarray([tok.encode(prompt)])\n\n\n"
+          "def logits_of(m, tokens):\n"
+          "  hidden, _ = m(tokens)\n"
+          "  return np.asarray(m.logits(hidden))\n\n\n"
+          "def hf_logits(folder, tokens):\n"
+          "  hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()\n"
+          "  with torch.no_grad():\n"
+          "    return hf(torch.tensor(np.asarray(tokens))).logits.float().numpy()\n\n\n"
+          "initial_logits = logits_of(model, tokens)\n"
+          "if transformers is not None:\n"
+          "  diff = np.abs(initial_logits - hf_logits(MODEL, tokens)).max()\n"
+          "  print(f'max |ours - transformers| = {diff:.2e}')"),
+      new_markdown_cell(
+          "## A JSONL dataset and a few PPO steps\n\n"
+          "One `{\"prompt\": ..., \"answer\": ...}` per line; the prompts go through the "
+          "chat template, the `math` reward extracts the final answer of a completion "
+          "(`\\boxed{}`, `#### n`, or the last number) and compares it numerically. "
+          "`run_training` is what `jaxrl-llm train --model MODEL --dataset DATA "
+          "--reward math --algo ppo` runs: rollouts with the KV-cache sampler, GAE with "
+          "the value head (initialised to zeros), the clipped PPO update, a KL "
+          "reference that keeps only the policy's weights, and orbax checkpoints. A "
+          "random model rarely answers right: with a zero reward and a zero-initialised "
+          "value head GAE gives zero advantages, so the policy moves only on steps "
+          "where some completion earned a reward (with a real checkpoint, most steps)."),
+      new_code_cell(
+          "from jaxrl_llm.trainer import RunConfig, format_summary, run_training\n\n"
+          "DATA = os.path.join(tmp.name, 'train.jsonl')\n"
+          "rng = np.random.default_rng(0)\n"
+          "with open(DATA, 'w') as f:\n"
+          "  for a, b in rng.integers(0, 20, (20, 2)):\n"
+          "    f.write(json.dumps({'prompt': f'what is {a} + {b}?', 'answer': int(a + b)}) "
+          "+ '\\n')\n"
+          "size = (dict(steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4,\n"
+          "             eval_size=4, eval_every=2) if SMALL else\n"
+          "        dict(steps=20, prompts_per_step=8, group_size=4, max_new_tokens=8,\n"
+          "             eval_size=16, eval_every=5))\n"
+          "run = RunConfig(algo='ppo', model=MODEL, dataset=DATA, reward='math', lr=1e-3,\n"
+          "                out=os.path.join(tmp.name, 'run'), progress=False,\n"
+          "                save_every=10**9, **size)\n"
+          "summary = run_training(run)\n"
+          "print(format_summary(summary))"),
+      new_code_cell(
+          "with open(os.path.join(run.out, 'metrics.jsonl')) as f:\n"
+          "  rows = [json.loads(line) for line in f if line.strip()][1:]\n"
+          "keys = [('reward', 'train reward'), ('kl_ref', 'KL to reference'),\n"
+          "        ('vf_loss', 'value loss')]\n"
+          "fig, axes = plt.subplots(1, len(keys), figsize=(12, 2.8))\n"
+          "for ax, (key, title) in zip(axes, keys):\n"
+          "  ax.plot([r['step'] for r in rows], [r[key] for r in rows], marker='o')\n"
+          "  ax.set_title(title); ax.set_xlabel('step')\n"
+          "plt.tight_layout(); plt.show()"),
+      new_markdown_cell(
+          "## Save it back and reload\n\n"
+          "`restore_run` rebuilds the models of the run's last checkpoint. The Hugging "
+          "Face model is the policy alone, so the value head is dropped before "
+          "`save_pretrained` (`save_value_head` writes it to a file of its own). "
+          "`jaxrl-llm train --model` does all of this at the end of a run (the folder "
+          "`RUN/hf`, with the tokenizer files), and `jaxrl-llm export RUN` does it for "
+          "an existing run."),
+      new_code_cell(
+          "from jaxrl_llm.loop.export import restore_run\n"
+          "from jaxrl_llm.models.critic import drop_value_head\n\n"
+          "_, trained, _, step = restore_run(run.out)\n"
+          "policy = nnx.merge(*drop_value_head(*split_model(trained)))\n"
+          "OUT = os.path.join(tmp.name, 'trained-hf')\n"
+          "save_pretrained(policy, OUT, tokenizer=tok, extra_config={'eos_token_id': eos_ids})\n"
+          "print(f'step {step} ->', sorted(os.listdir(OUT)))\n\n"
+          "reloaded = from_pretrained(OUT, dtype=jnp.float32)\n"
+          "trained_logits = logits_of(policy, tokens)\n"
+          "diff = np.abs(logits_of(reloaded, tokens) - trained_logits).max()\n"
+          "print(f'max |reloaded - trained| = {diff:.2e}')\n"
+          "moved = np.abs(trained_logits - initial_logits).max()\n"
+          "print(f'max |trained - initial|  = {moved:.2e}  (rewarded steps: '\n"
+          "      f'{sum(r[\"reward\"] > 0 for r in rows)} of {len(rows)})')\n"
+          "assert diff < 1e-5\n"
+          "if transformers is not None:\n"
+          "  diff = np.abs(hf_logits(OUT, tokens) - trained_logits).max()\n"
+          "  print(f'max |transformers(OUT) - trained| = {diff:.2e}')\n"
+          "  hf_tok = transformers.AutoTokenizer.from_pretrained(OUT)\n"
+          "  print('AutoTokenizer ids match:', hf_tok(prompt)['input_ids'] == tok.encode(prompt))"),
+      new_code_cell("tmp.cleanup()"),
+  ]
+  return cells
+
+
 def build(name: str, cells) -> nbformat.NotebookNode:
   nb = new_notebook(cells=cells)
   for i, cell in enumerate(nb.cells):
@@ -405,7 +590,7 @@ def build(name: str, cells) -> nbformat.NotebookNode:
 def sources() -> dict:
   """``{file name: notebook without outputs}`` (the tests compare the saved cells)."""
   return {name: build(name, cells) for name, cells in zip(NOTEBOOKS, (nb01(), nb02(),
-                                                                      nb03()))}
+                                                                      nb03(), nb04()))}
 
 
 def execute(nb: nbformat.NotebookNode, *, small: bool, timeout: int = 1800) -> None:

@@ -53,4 +53,4 @@ def test_algorithms_benchmark_quick(tmp_path):
   assert {r["algo"] for r in alg["runs"]} == {"grpo", "ppo"}
   assert all(r["iter_samples_s"] > 0 and r["adv_var_norm"] >= 0 for r in alg["runs"])
   assert [r["algo"] for r in alg["long_generation"]] == ["ppo", "grpo"]
-  assert "## PPO vs GRPO vs RLOO" in text
+  assert "## PPO, VAPO, GRPO, DAPO, RLOO" in text

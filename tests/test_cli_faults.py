@@ -247,8 +247,9 @@ def test_resume_alone_continues_the_saved_run_and_names_contradictions(tmp_path)
 @pytest.mark.slow
 def test_training_that_skips_every_update_says_so_and_fails(tmp_path):
   out = tmp_path / "run"
+  # The sizes of test_trainer's SMALL runs: their compiled programs are cached.
   done = _cli("train", "--temperature", "1e-30", "--steps", "2", "--prompts-per-step",
-              "2", "--group-size", "2", "--eval-size", "4", "--eval-every", "2",
+              "4", "--group-size", "2", "--eval-size", "8", "--eval-every", "2",
               "--out", str(out), "--no-progress", timeout=900)
   assert done.returncode == 1, done.stderr[-3000:]
   assert "error: every update of steps 1-2 was skipped" in done.stderr, done.stderr[-3000:]

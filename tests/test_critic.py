@@ -122,3 +122,35 @@ def test_policy_update_equals_policy_only_step():
   state, _ = jax.jit(step)(step.init(pp), policy_only)
   np.testing.assert_allclose(_flat(new["policy"]), _flat(state.params), rtol=1e-6,
                              atol=1e-7)
+
+
+@pytest.mark.parametrize("critic", [None, "policy"])
+def test_reference_keeps_only_the_policy_and_its_logprobs_are_unchanged(critic):
+  """The trainer's frozen KL reference (``policy.ref_params``) holds no value-head or
+  critic leaves, and its log-probs are the policy's own (values aside)."""
+  from jaxrl_llm.loop import RunConfig
+  from jaxrl_llm.loop.setup import make_policy, make_task
+  run = RunConfig(algo="ppo", critic=critic, seed=3)
+  task = make_task(run)
+  config = run.train_config(task.max_new_tokens)
+  policy = make_policy(run, task, config)
+  ref = policy.ref_params(policy.init_params)
+  paths = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(ref)[0]]
+  assert paths and not [p for p in paths if "value_" in p or "'critic'" in p]
+  full_paths = jax.tree_util.tree_flatten_with_path(policy.init_params)[0]
+  assert any("value_" in jax.tree_util.keystr(p) for p, _ in full_paths)
+  # The reference shares the policy's leaves (no copy until the trainer makes one).
+  policy_part = policy.init_params if critic is None else policy.init_params["policy"]
+  policy_leaves = {id(x) for x in jax.tree_util.tree_leaves(policy_part)}
+  assert {id(x) for x in jax.tree_util.tree_leaves(ref)} <= policy_leaves
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, task.tokenizer.vocab_size, (3, 10)).astype(np.int32)
+  attn = np.ones((3, 10), np.float32)
+  attn[0, :3] = 0
+  batch = {"tokens": tokens, "attention_mask": attn}
+  logp, ent, values = policy.forward(policy.init_params, batch)
+  ref_logp, ref_ent, ref_values = policy.ref_forward(ref, batch)
+  assert values is not None and ref_values is None
+  np.testing.assert_array_equal(np.asarray(ref_logp), np.asarray(logp))
+  np.testing.assert_array_equal(np.asarray(ref_ent), np.asarray(ent))

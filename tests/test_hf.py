@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -146,8 +147,13 @@ def test_generation_config_eos_and_default_pad(tmp_path):
   im_end = HFTokenizer.from_pretrained(path).tokenizer.token_to_id("<|im_end|>")
   with open(os.path.join(path, "generation_config.json"), "w") as f:
     json.dump({"eos_token_id": [im_end, 1]}, f)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump({"eos_token_id": 5}, f)
   tok = HFTokenizer.from_pretrained(path)
   assert tok.eos_ids[0] == tok.eos_id and im_end in tok.eos_ids
+  assert set(tok.eos_ids) == {tok.eos_id, im_end, 1, 5}     # every source, once
+  from jaxrl_llm.loop.evaluation import stop_ids
+  assert stop_ids(tok) == tok.eos_ids                        # the sampler gets them all
   assert tok.pad_id == tok.eos_id          # no pad_token: pad with eos
   hello = tok.encode("hello")
   assert tok.decode([*hello, im_end, *hello]) == "hello"
@@ -338,6 +344,25 @@ def test_greedy_continuation_matches_generate(family, ckpt_root):
                             eos_token_id=None, pad_token_id=0)
   np.testing.assert_array_equal(np.asarray(out.completion),
                                 ref[:, prompts.shape[1]:].numpy())
+  # Two eos ids (a list, as Llama-3's generation_config.json gives): row 0 stops at
+  # the first, row 1 at the second, as generate(eos_token_id=[a, b]) stops them.
+  greedy = np.asarray(out.completion)
+  eos = [int(greedy[0, 3]), int(greedy[1, 2])]
+  pad = V - 1
+  stopped = sample(make_decode_fns(graphdef), params, jnp.asarray(prompts),
+                   jnp.asarray(mask), None, max_new_tokens=n, greedy=True, eos_id=eos,
+                   pad_id=pad)
+  with torch.no_grad():
+    ref = hf_model.generate(input_ids=torch.tensor(prompts, dtype=torch.long),
+                            attention_mask=torch.tensor(mask, dtype=torch.long),
+                            do_sample=False, max_new_tokens=n, eos_token_id=eos,
+                            pad_token_id=pad)[:, prompts.shape[1]:].numpy()
+  ours = np.asarray(stopped.completion)
+  np.testing.assert_array_equal(ours[:, :ref.shape[1]], ref)
+  np.testing.assert_array_equal(ours[:, ref.shape[1]:], pad)
+  assert np.asarray(stopped.finished).all()
+  for b in range(2):
+    assert int(stopped.lengths[b]) == np.nonzero(np.isin(greedy[b], eos))[0][0] + 1
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -362,6 +387,30 @@ def test_save_pretrained_roundtrip_through_transformers(family, ckpt_root, tmp_p
                                 np.asarray(model.value_w[...]))
   np.testing.assert_array_equal(_our_logits(again, tokens, mask),
                                 _our_logits(model, tokens, mask))
+
+
+def test_value_head_file_beside_a_plain_policy_folder(tmp_path):
+  """save_value_head + from_pretrained(value_head=file): the export layout."""
+  from flax import nnx
+
+  from jaxrl_llm.models import Transformer, TransformerConfig
+  from jaxrl_llm.models.critic import drop_value_head
+  from jaxrl_llm.models.hf import save_value_head
+  model = Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0))
+  model.value_b[...] = jnp.array([0.25])
+  folder, file = str(tmp_path / "hf"), str(tmp_path / "value_head.safetensors")
+  save_pretrained(nnx.merge(*drop_value_head(*split_model(model))), folder)
+  save_value_head(model, file)
+  assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
+  again = from_pretrained(folder, value_head=file)
+  tokens = jnp.array([[3, 4, 5, 6]])
+  np.testing.assert_allclose(np.asarray(again(tokens)[1]), np.asarray(model(tokens)[1]),
+                             rtol=1e-6, atol=1e-6)
+  assert from_pretrained(folder).config.value_head is False
+  with pytest.raises(ValueError, match="`value_head` file .* does not exist"):
+    from_pretrained(folder, value_head=str(tmp_path / "nope.safetensors"))
+  with pytest.raises(ValueError, match="has no value head"):
+    save_value_head(from_pretrained(folder), file)
 
 
 def test_sharded_checkpoint_and_bfloat16(ckpt_root, tmp_path):
@@ -591,7 +640,7 @@ def _tiny_hf_folder(tmp_path):
     ("ppo", []), ("grpo", []),
     ("ppo", ["--critic", "policy", "--critic-lr", "1e-4"]),   # a separate critic
 ])
-def test_cli_train_on_local_checkpoint_and_jsonl(tmp_path, algo, extra):
+def test_cli_train_on_local_checkpoint_and_jsonl(tmp_path, capsys, algo, extra):
   from jaxrl_llm import cli
   model_dir, data = _tiny_hf_folder(tmp_path)
   out = str(tmp_path / "run")
@@ -601,6 +650,9 @@ def test_cli_train_on_local_checkpoint_and_jsonl(tmp_path, algo, extra):
                  "--eval-every", "2", "--save-every", "2", "--out", out, "--no-progress",
                  *extra])
   assert rc == 0
+  printed = capsys.readouterr().out        # the summary names the exported folders
+  assert re.search(rf"hf_model +{re.escape(os.path.join(out, 'hf'))} \(step 2\)", printed)
+  assert ("value_model" in printed) == (algo == "ppo")
   with open(os.path.join(out, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f if line.strip()]
   assert [r["step"] for r in rows] == [0, 1, 2]
@@ -610,6 +662,44 @@ def test_cli_train_on_local_checkpoint_and_jsonl(tmp_path, algo, extra):
     assert all(np.isfinite(r["vf_loss"]) for r in rows[1:])
   # The eval command restores the run (model and task rebuilt from config.json).
   assert cli.main(["eval", "--out", out, "--eval-size", "2"]) == 0
+  _check_export(out, out, model_dir, algo, critic=bool(extra))
+  if extra:   # `jaxrl-llm export RUN --out DEST` writes the same folders elsewhere
+    dest = str(tmp_path / "exported")
+    assert cli.main(["export", out, "--out", dest]) == 0
+    _check_export(out, dest, model_dir, algo, critic=True)
+
+
+def _check_export(run_dir, dest, model_dir, algo, *, critic):
+  """``dest/hf`` is a plain HF folder of the trained policy (transformers loads it and
+  its tokenizer; its logits are our policy's), the value model is kept beside it."""
+  from jaxrl_llm.loop.export import restore_run
+  hf_dir = os.path.join(dest, "hf")
+  files = set(os.listdir(hf_dir))
+  assert {"config.json", "model.safetensors", "tokenizer.json",
+          "tokenizer_config.json"} <= files and "value_head.safetensors" not in files
+  _, model, critic_model, step = restore_run(run_dir)
+  assert step == 2
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+  tokens, mask = _padded_batch(seed=7, t=10)
+  tokens %= model.config.vocab_size
+  ours = _our_logits(model, tokens, mask)
+  _assert_logits_close(ours, _hf_logits(hf_model, tokens, mask), mask)
+  hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  assert hf_tok("what is 2 + 2?")["input_ids"] == HFTokenizer.from_pretrained(
+      model_dir).encode("what is 2 + 2?")
+  value_file = os.path.join(dest, "value_head.safetensors")
+  if critic:
+    again = from_pretrained(os.path.join(dest, "critic"), value_head=True)
+    np.testing.assert_array_equal(np.asarray(again.value_w[...]),
+                                  np.asarray(critic_model.value_w[...]))
+    assert not os.path.exists(value_file)
+  elif algo == "ppo":
+    again = from_pretrained(hf_dir, value_head=value_file)
+    _, ref_values = model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
+    _, values = again(jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(values), np.asarray(ref_values), atol=1e-6)
+  else:
+    assert not os.path.exists(value_file)
 
 
 def test_cli_rejects_checkpoint_without_dataset(tmp_path, capsys):

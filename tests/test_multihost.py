@@ -38,6 +38,7 @@ def _layout(arrays, prefix):
           if k.startswith(prefix + "/") and k.endswith(".value")}
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",

@@ -14,10 +14,6 @@ Two kinds of tests:
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +37,7 @@ from jaxrl_llm.parallel import (DEFAULT_RULES, MESH_AXES, batch_specs, host_loca
 from jaxrl_llm.parallel.sequence import _gae_shard
 from jaxrl_llm.train import TrainConfig, init_train_state
 from tests import parallel_setup as S
-from tests.utils import assert_close, assert_no_recompile, random_mask
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.utils import assert_close, assert_no_recompile, random_mask, run_worker
 
 
 def abstract_mesh(data=1, fsdp=1, tensor=1, sequence=1):
@@ -487,16 +481,7 @@ def on_8_devices(test):
 @pytest.fixture(scope="module")
 def multi(tmp_path_factory):
   """Runs tests/parallel_worker.py once on 8 forced CPU devices; returns its JSON."""
-  tmp = tmp_path_factory.mktemp("parallel")
-  out = tmp / "results.json"
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, "-m", "tests.parallel_worker", str(out),
-                         str(tmp / "ckpt")], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=900)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-  results = json.loads(out.read_text())
-  assert results["device_count"] == 8
-  return results
+  return run_worker("parallel_worker", str(tmp_path_factory.mktemp("parallel") / "ckpt"))
 
 
 def _no_error(multi, case):

@@ -9,11 +9,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,9 +19,7 @@ from jaxrl_llm.attention import ATTENTION_IMPLEMENTATIONS, dot_product_attention
 from jaxrl_llm.parallel import (MESH_AXES, make_mesh, ring_attention,
                                 ring_dot_product_attention)
 from tests import ring_setup as R
-from tests.utils import assert_close
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.utils import assert_close, run_worker
 
 
 def _mesh(sequence=8, data=1, tensor=1):
@@ -89,23 +82,23 @@ def test_bad_input_raises_naming_argument_and_shapes(shapes, kwargs, match):
 # ------------------------------------------------------------------ 8 forced devices
 
 
+def on_8_devices(test):
+  """The tests sharing the ``multi`` worker run: kept on one xdist worker, so the
+  8-device subprocess runs once per test session."""
+  return pytest.mark.slow(pytest.mark.xdist_group("ring_worker_8_devices")(test))
+
+
 @pytest.fixture(scope="module")
-def multi(tmp_path_factory):
+def multi():
   """Runs tests/ring_worker.py once on 8 forced CPU devices; returns its JSON."""
-  out = tmp_path_factory.mktemp("ring") / "results.json"
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, "-m", "tests.ring_worker", str(out)], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-  results = json.loads(out.read_text())
-  assert results["device_count"] == 8
-  return results
+  return run_worker("ring_worker")
 
 
 def _no_error(multi, case):
   assert case not in multi["errors"], multi["errors"][case]
 
 
+@on_8_devices
 @pytest.mark.parametrize("mesh", ["seq8", "data2_seq4", "tensor2_seq4"])
 @pytest.mark.parametrize("kind", ["causal", "full"])
 def test_ring_equals_single_device_attention(multi, mesh, kind):
@@ -118,12 +111,14 @@ def test_ring_equals_single_device_attention(multi, mesh, kind):
   assert "'sequence'" in r["spec"], r       # the output stays split over the tokens
 
 
+@on_8_devices
 def test_ambient_sequence_mesh_selects_ring(multi):
   _no_error(multi, "auto")
   assert multi["auto"]["value_diff"] < 2e-5
   assert multi["auto"]["collective_permutes"] > 0
 
 
+@on_8_devices
 def test_sequence_not_divisible_raises_on_a_real_mesh(multi):
   _no_error(multi, "nondividing")
   raised = multi["nondividing"]["raised"]
@@ -132,6 +127,7 @@ def test_sequence_not_divisible_raises_on_a_real_mesh(multi):
 
 @pytest.mark.parametrize("mesh,spec", [("seq8", "P(None, 'sequence')"),
                                        ("data2_seq4", "P('data', 'sequence')")])
+@on_8_devices
 def test_sequence_sharded_ppo_step_equals_single_device(multi, mesh, spec):
   _no_error(multi, "ppo")
   r = multi["ppo"][mesh]

@@ -154,6 +154,28 @@ def test_eos_stops_each_row_and_masks_the_rest():
   assert out.lengths[0] <= 3 and out.finished[0]
 
 
+def test_each_of_several_eos_ids_stops_a_row():
+  """Two eos ids (as Llama-3's generation config gives): row 0 stops at the first,
+  row 1 at the second; a list, a tuple and an int array give the same result."""
+  ref_tokens, ref_logps = GREEDY_REF
+  eos_a, eos_b = int(ref_tokens[0, 1]), int(ref_tokens[1, 2])
+  assert eos_a != eos_b
+  outs = [run(greedy=True, eos_id=ids, pad_id=V - 1)
+          for ids in ([eos_a, eos_b], (eos_a, eos_b), np.array([eos_a, eos_b]))]
+  for out in outs:
+    for b in range(B):
+      hits = np.nonzero(np.isin(ref_tokens[b], [eos_a, eos_b]))[0]
+      length = hits[0] + 1 if len(hits) else N
+      np.testing.assert_array_equal(out.completion[b, :length], ref_tokens[b, :length])
+      np.testing.assert_array_equal(out.completion[b, length:], V - 1)
+      assert out.lengths[b] == length and out.finished[b] == bool(len(hits))
+      assert_close(out.logprobs[b, :length], ref_logps[b, :length], atol=1e-4)
+    assert out.lengths[0] <= 2 and out.lengths[1] <= 3 and out.finished[:2].all()
+    np.testing.assert_array_equal(out.completion, outs[0].completion)
+  last = outs[0].completion[np.arange(B), outs[0].lengths - 1]
+  assert (int(last[0]), int(last[1])) == (eos_a, eos_b)    # each id stopped a row
+
+
 def test_all_rows_finish_at_the_first_token():
   """Every row emits EOS at step 0: the loop exits at once, everything after is pad."""
   first = GREEDY_REF[0][:, 0]
@@ -393,3 +415,6 @@ def test_bad_inputs_raise():
     call(PROMPTS, LEFT_MASK, key, top_p=np.ones((B, 2)))
   with pytest.raises(ValueError, match="logits"):
     filter_logits(np.ones(4), top_k=2)
+  for bad in ([], np.ones((2, 2), np.int32), 2.0, [1.5, 2.0]):
+    with pytest.raises(ValueError, match="eos_id"):
+      call(PROMPTS, LEFT_MASK, key, eos_id=bad)

@@ -78,8 +78,11 @@ def test_bad_input_is_refused_with_clear_messages(tmp_path):
 def test_cli_train_eval_plot_as_subprocess(tmp_path):
   out = str(tmp_path / "cli_run")
   # Two forced CPU devices and --data 2: the CLI trains on a data-parallel mesh.
-  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
+  # (the caller's own forced device count, e.g. 8, is replaced)
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  flags.append("--xla_force_host_platform_device_count=2")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
   cmd = [sys.executable, "-m", "jaxrl_llm", "train", "--steps", "2", "--prompts-per-step",
          "4", "--group-size", "2", "--eval-size", "8", "--eval-every", "2", "--data", "2",
          "--out", out]
@@ -214,6 +217,8 @@ def test_every_recipe_pushes_the_rewarded_completion_up(algo):
   recipe = get_recipe(algo)
   if config.use_value:
     batch["old_values"] = np.asarray(values)
+  if config.pos_nll_coef is not None:
+    batch["positive"] = scores
   if recipe.in_step:
     batch["rewards"] = rewards
   else:

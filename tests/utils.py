@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
 import jax
 import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def assert_close(actual, expected, atol=1e-5, rtol=1e-5, err_msg=""):
@@ -39,3 +47,25 @@ def random_mask(rng: np.random.Generator, batch: int, time: int, p_hole=0.15,
   if all_masked_row and batch > 1:
     mask[-1] = 0.0
   return mask
+
+
+def run_worker(module: str, *args: str, devices: int = 8, timeout: float = 900) -> dict:
+  """Runs ``python -m tests.<module> RESULTS.json *args`` and returns its JSON.
+
+  The worker scripts (``tests/*_worker.py``) force ``devices`` CPU devices before
+  importing jax, so they run as subprocesses; each runs every multi-device case of its
+  test file once and writes one JSON of results (``{"device_count": n, "errors":
+  {case: traceback}, case: {...}}``) that the tests assert on. A failed run shows the
+  worker's output tail.
+  """
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  with tempfile.TemporaryDirectory(prefix=f"{module}_") as tmp:
+    out = os.path.join(tmp, "results.json")
+    proc = subprocess.run([sys.executable, "-m", f"tests.{module}", out, *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out) as f:
+      results = json.load(f)
+  assert results["device_count"] == devices, results["device_count"]
+  return results

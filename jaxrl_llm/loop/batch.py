@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm.loop.config import RunConfig
-from jaxrl_llm.loop.evaluation import decode
+from jaxrl_llm.loop.evaluation import decode, stop_ids
 from jaxrl_llm.loop.policy import Policy
 from jaxrl_llm.recipes import get_recipe
 from jaxrl_llm.train import AdvantageInputs, TrainConfig, compute_advantages
@@ -28,42 +28,126 @@ def sequence_advantages(run: RunConfig, scores: Any, greedy_scores: Any = None) 
   return adv
 
 
-def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_params: Any,
-                rng_np: np.random.Generator, key: jax.Array,
-                config: Optional[TrainConfig] = None) -> tuple[dict, dict]:
-  """One rollout: ``(batch, stats)`` with ``stats`` reward, accuracy, response length.
+def _rollout(run: RunConfig, task: Any, policy: Policy, params: Any,
+             rng_np: np.random.Generator, key: jax.Array, config: TrainConfig,
+             num_prompts: int) -> tuple[dict, list]:
+  """Samples ``run.group_size`` completions of ``num_prompts`` prompts and scores them.
 
-  ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible
-  from ``(seed, step)``. ``config`` is the run's TrainConfig (built when None).
+  Returns ``(rows, problems)``: ``rows`` a dict of per-row numpy arrays (groups are
+  contiguous rows; ``problem`` indexes ``problems``).
   """
-  config = config or run.train_config(task.max_new_tokens)
-  recipe = get_recipe(run.algo)
   tok = task.tokenizer
-  problems = task.sample_prompts(rng_np, run.prompts_per_step)
+  problems = task.sample_prompts(rng_np, num_prompts)
   prompts, prompt_mask = tok.encode_batch([p.prompt for p in problems],
                                           task.max_prompt_len)
   rep = lambda x: np.repeat(x, run.group_size, axis=0)
   out = policy.generate(params, rep(prompts), rep(prompt_mask), key,
-                        max_new_tokens=task.max_new_tokens, eos_id=tok.eos_id,
+                        max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
                         temperature=config.temperature)
   texts = decode(tok, out.completion, out.completion_mask)
   group_problems = [p for p in problems for _ in range(run.group_size)]
-  scores = task.score(group_problems, texts)
-  exact = task.exact(group_problems, texts)
-
   prompt_len = prompts.shape[1]
   completion_mask = np.asarray(out.completion_mask, np.float32)
-  loss_mask = np.concatenate([np.zeros((len(texts), prompt_len), np.float32),
-                              completion_mask], axis=1)
-  batch = {"tokens": np.asarray(out.tokens, np.int32),
-           "attention_mask": np.asarray(out.mask, np.float32), "loss_mask": loss_mask}
+  pad = np.zeros((len(texts), prompt_len), np.float32)
+  rows = {"tokens": np.asarray(out.tokens, np.int32),
+          "attention_mask": np.asarray(out.mask, np.float32),
+          "loss_mask": np.concatenate([pad, completion_mask], axis=1),
+          "scores": np.asarray(task.score(group_problems, texts), np.float32),
+          "exact": np.asarray(task.exact(group_problems, texts), np.float32),
+          "lengths": np.asarray(out.lengths, np.int32),
+          "problem": rep(np.arange(num_prompts))}
+  if config.rollout_correction is not None:
+    # The sampler's log-probs of the distribution it drew from, aligned with tokens.
+    rows["rollout_logp"] = np.concatenate(
+        [pad, np.asarray(out.sampling_logprobs, np.float32) * completion_mask], axis=1)
+  return rows, problems
+
+
+def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_params: Any,
+                rng_np: np.random.Generator, key: jax.Array,
+                config: Optional[TrainConfig] = None, *,
+                info: Optional[dict] = None) -> tuple[dict, dict]:
+  """One rollout: ``(batch, stats)`` with ``stats`` reward, accuracy, response length.
+
+  ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible
+  from ``(seed, step)``. ``ref_params`` is ``policy.ref_params(...)`` of the frozen
+  reference weights (scored by ``policy.ref_forward``). ``config`` is the run's
+  TrainConfig (built when None).
+  ``info``: a dict that receives the batch rows' ``scores`` (``[B]``, as the
+  advantages see them: overlong penalty included) and ``task_scores`` / ``exact``
+  (the task's own), for benchmarks.
+
+  Run options read here: dynamic sampling (:func:`jaxrl_llm.rollout.dapo.dynamic_sampling`
+  over the task scores, draw ``i > 0`` sampled with ``fold_in(key, i)``; with no group
+  of varying score in ``max_sampling_draws`` draws the batch has an all-zero
+  ``loss_mask``, so the step is an exact no-op), the soft overlong penalty (added to
+  the scores the advantages use), the sampler's log-probs (``rollout_logp``, with
+  ``rollout_correction``) and the correct-response marks (``positive``, with
+  ``pos_nll_coef``). ``reward`` / ``accuracy`` / ``response_length`` in the stats
+  are over the first draw (the policy's unfiltered samples).
+  """
+  config = config or run.train_config(task.max_new_tokens)
+  recipe = get_recipe(run.algo)
+  tok = task.tokenizer
+  first, problems = _rollout(run, task, policy, params, rng_np, key, config,
+                             run.prompts_per_step)
+  stats = {"reward": float(np.mean(first["scores"])),
+           "accuracy": float(np.mean(first["exact"])),
+           "response_length": float(np.mean(first["lengths"]))}
+  rows = first
+  if run.setting("dynamic_sampling"):
+    from jaxrl_llm.rollout.dapo import dynamic_sampling
+    all_problems: list = []
+
+    def draw(n: int) -> dict:
+      if not all_problems:
+        drawn, probs = first, problems
+      else:
+        drawn, probs = _rollout(run, task, policy, params, rng_np,
+                                jax.random.fold_in(key, len(all_problems)), config, n)
+      drawn = {**drawn, "problem": drawn["problem"] + sum(map(len, all_problems))}
+      all_problems.append(probs)
+      return drawn
+
+    kept, ds = dynamic_sampling(draw, num_groups=run.prompts_per_step,
+                                group_size=run.group_size,
+                                max_draws=run.max_sampling_draws)
+    problems = [p for probs in all_problems for p in probs]
+    if kept is None:     # no group with signal: an exact no-op update
+      rows = {**first, "loss_mask": np.zeros_like(first["loss_mask"])}
+    else:
+      rows = kept
+    stats.update(sampling_draws=float(ds.draws), groups_drawn=float(ds.groups_drawn),
+                 groups_kept=float(ds.groups_kept),
+                 groups_repeated=float(ds.groups_repeated))
+  problems = [problems[i] for i in rows["problem"][::run.group_size]]
+  scores = rows["scores"]
+  buffer = run.overlong_buffer_for(task.max_new_tokens)
+  if buffer > 0:
+    from jaxrl_llm.rollout.dapo import overlong_penalty
+    penalty = np.asarray(overlong_penalty(rows["lengths"], max_length=task.max_new_tokens,
+                                          buffer_length=buffer,
+                                          penalty=run.overlong_penalty))
+    scores = scores + penalty
+    stats["overlong_penalty"] = float(np.mean(penalty))
+
+  if info is not None:
+    info.update(scores=np.asarray(scores, np.float32), task_scores=rows["scores"],
+                exact=rows["exact"])
+  loss_mask = rows["loss_mask"]
+  batch = {k: rows[k] for k in ("tokens", "attention_mask", "loss_mask")}
   old_logp, _, old_values = policy.forward(params, batch)
-  ref_logp, _, _ = policy.forward(ref_params, batch)
+  ref_logp, _, _ = policy.ref_forward(ref_params, batch)
   batch.update(old_logp=np.asarray(old_logp), ref_logp=np.asarray(ref_logp))
+  if "rollout_logp" in rows:
+    batch["rollout_logp"] = rows["rollout_logp"]
+  if config.pos_nll_coef is not None:
+    batch["positive"] = rows["exact"]
   # The score is the reward of the last generated token (EOS, or the last one).
-  last = prompt_len + np.maximum(np.asarray(out.lengths), 1) - 1
+  prompt_len = task.max_prompt_len        # prompts are encoded to this width
+  last = prompt_len + np.maximum(rows["lengths"], 1) - 1
   rewards = np.zeros(loss_mask.shape, np.float32)
-  rewards[np.arange(len(texts)), last] = scores
+  rewards[np.arange(len(scores)), last] = scores
   if config.use_value:
     batch["old_values"] = np.asarray(old_values)
   if recipe.in_step:
@@ -71,18 +155,19 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
   else:
     greedy_scores = None
     if get_advantage_estimator(recipe.estimator).needs_greedy:
+      prompts, prompt_mask = tok.encode_batch([p.prompt for p in problems],
+                                              task.max_prompt_len)
       g = policy.generate(params, prompts, prompt_mask, None,
-                          max_new_tokens=task.max_new_tokens, eos_id=tok.eos_id,
+                          max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
                           greedy=True)
-      greedy_scores = rep(task.score(problems, decode(tok, g.completion,
-                                                      g.completion_mask)))
+      greedy_scores = np.repeat(task.score(problems, decode(tok, g.completion,
+                                                            g.completion_mask)),
+                                run.group_size, axis=0)
     adv, _ = compute_advantages(recipe.estimator, AdvantageInputs(
         rewards=rewards, mask=loss_mask, scores=np.asarray(scores, np.float32),
         greedy_scores=greedy_scores, group_size=run.group_size),
         config.hparam_values())
     batch["advantages"] = np.asarray(adv)
-  stats = {"reward": float(np.mean(scores)), "accuracy": float(np.mean(exact)),
-           "response_length": float(np.mean(np.asarray(out.lengths)))}
   return batch, stats
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import optax
+from jaxrl_llm.recipes import OVERLONG_QUARTER, RECIPE_RUN_FIELDS, RECIPES, get_recipe
+from jaxrl_llm.train.state import TrainConfig
 
-from jaxrl_llm.recipes import RECIPES, get_recipe
-from jaxrl_llm.train import TrainConfig
+if TYPE_CHECKING:   # optax (and JAX) are imported where used: the CLI checks flags first
+  import optax
 
 MODELS = ("tiny", "small")
 # Fields that may differ between a run and its resumption.
@@ -67,7 +68,24 @@ class RunConfig:
     critic: a separate critic (its own parameters and Adam optimizer) for recipes with
       a value model: a Hugging Face model folder it is initialised from, or "policy"
       (a copy of the policy's initial weights); None: the policy's value head.
-    critic_lr: the separate critic's learning rate (default: --lr).
+    critic_init: a run folder of this trainer whose newest checkpoint's value
+      parameters (the separate critic, or the value head) initialise this run's:
+      a critic warmed up once serves many runs (the model layout must match).
+    value_lr: learning rate of the value parameters (the separate critic with
+      --critic, else the value head; the trunk trains at --lr). None: --lr times the
+      recipe's value_lr_scale (vapo: 2, else 1).
+    critic_warmup_steps: first steps that train only the value function on rollouts
+      of the frozen policy (generation, scoring and evaluation still run; with a
+      shared trunk only the value head trains). None: the recipe's (vapo: 20, else 0).
+    dynamic_sampling: DAPO dynamic sampling: drop groups whose rewards are all equal
+      and draw more to refill the batch (at most --max-sampling-draws rollouts).
+      None: the recipe's (dapo: on).
+    max_sampling_draws: bound on the rollouts one step of dynamic sampling draws
+      (the first included); too few groups with signal are repeated cyclically.
+    overlong_buffer: DAPO's soft overlong penalty: responses in the last this many
+      tokens of the budget get a reward penalty growing linearly to
+      --overlong-penalty (0: off; None: the recipe's, dapo: a quarter of the budget).
+    overlong_penalty: the overlong penalty at the full budget.
     train: TrainConfig fields set on top of the recipe's (e.g. ``{"kl_coef": 0.01,
       "policy_loss": "gspo"}``).
   """
@@ -95,7 +113,13 @@ class RunConfig:
   reward: str = "math"
   max_new_tokens: int = 64
   critic: Optional[str] = None
-  critic_lr: Optional[float] = None
+  critic_init: Optional[str] = None
+  value_lr: Optional[float] = None
+  critic_warmup_steps: Optional[int] = None
+  dynamic_sampling: Optional[bool] = None
+  max_sampling_draws: int = 4
+  overlong_buffer: Optional[int] = None
+  overlong_penalty: float = 1.0
   train: dict = dataclasses.field(default_factory=dict)
 
   @classmethod
@@ -104,7 +128,8 @@ class RunConfig:
 
     Keys that are TrainConfig fields go into ``train`` (so the flat form of earlier
     versions, e.g. ``{"kl_coef": 0.01}``, still loads); ``clip`` is read as
-    ``clip_low`` and ``hybrid_n`` as the hybrid estimator (earlier names).
+    ``clip_low``, ``critic_lr`` as ``value_lr`` and ``hybrid_n`` as the hybrid
+    estimator (earlier names).
 
     Examples:
       >>> RunConfig.from_dict({"algo": "ppo", "kl_coef": 0.01}).train
@@ -121,6 +146,8 @@ class RunConfig:
         run[key] = val
       elif key == "clip":
         train["clip_low"] = val
+      elif key == "critic_lr":
+        run["value_lr"] = val
       elif key == "hybrid_n":
         if val is not None:
           train.update(hybrid_n=val, advantage_estimator="hybrid")
@@ -130,6 +157,32 @@ class RunConfig:
         raise ValueError(f"unknown run setting {key!r} (not a RunConfig or TrainConfig "
                          "field).")
     return cls(**run, train=train)
+
+  def setting(self, name: str) -> Any:
+    """A recipe-defaulted run field: its value, else the recipe's, else the fallback
+    of :data:`RECIPE_RUN_FIELDS`.
+
+    Examples:
+      >>> RunConfig(algo="dapo").setting("dynamic_sampling")
+      True
+      >>> RunConfig(algo="dapo", dynamic_sampling=False).setting("dynamic_sampling")
+      False
+    """
+    val = getattr(self, name)
+    if val is not None:
+      return val
+    return get_recipe(self.algo).run.get(name, RECIPE_RUN_FIELDS[name])
+
+  def overlong_buffer_for(self, max_new_tokens: int) -> int:
+    """The overlong buffer in tokens (the recipe's ``MAX_NEW_TOKENS // 4`` filled)."""
+    val = self.setting("overlong_buffer")
+    return max_new_tokens // 4 if val == OVERLONG_QUARTER else int(val)
+
+  def value_learning_rate(self) -> float:
+    """``value_lr``, else ``lr`` times the recipe's ``value_lr_scale``."""
+    if self.value_lr is not None:
+      return self.value_lr
+    return self.lr * get_recipe(self.algo).value_lr_scale
 
   def validate(self) -> None:
     """Raises ``ValueError`` with a one-line message for a bad setting."""
@@ -166,6 +219,26 @@ class RunConfig:
       if getattr(self, name) < 1:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got "
                          f"{getattr(self, name)})")
+    warmup = self.setting("critic_warmup_steps")
+    if not isinstance(warmup, int) or warmup < 0:
+      raise ValueError(f"--critic-warmup-steps must be an int >= 0 (got {warmup!r})")
+    buffer = self.setting("overlong_buffer")
+    if buffer != OVERLONG_QUARTER and (not isinstance(buffer, int) or buffer < 0):
+      raise ValueError(f"--overlong-buffer must be an int >= 0 (got {buffer!r})")
+    if self.overlong_penalty < 0:
+      raise ValueError(f"--overlong-penalty must be >= 0 (got {self.overlong_penalty})")
+    if self.max_sampling_draws < 1:
+      raise ValueError(f"--max-sampling-draws must be >= 1 (got "
+                       f"{self.max_sampling_draws})")
+    if self.setting("dynamic_sampling") and self.group_size < 2:
+      raise ValueError("--dynamic-sampling drops groups whose rewards are all equal and "
+                       f"needs --group-size >= 2 (got {self.group_size})")
+    if self.critic_init is not None and not os.path.isfile(
+        os.path.join(self.critic_init, "config.json")):
+      raise ValueError(f"--critic-init {self.critic_init!r} is not a run folder (no "
+                       "config.json)")
+    if self.value_lr is not None and self.value_lr <= 0:
+      raise ValueError(f"--value-lr must be > 0 (got {self.value_lr})")
     for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
       size = getattr(self, name)
       if size == 0 or size < -1:
@@ -176,6 +249,12 @@ class RunConfig:
     if self.resume and self.overwrite:
       raise ValueError("--resume and --overwrite are exclusive")
     config = self.train_config(1)   # TrainConfig's own checks (ranges, choices, names)
+    if self.critic_init is not None and not config.use_value:
+      raise ValueError(f"--critic-init needs a recipe with a value model (--algo "
+                       f"{self.algo} has none)")
+    if warmup and not config.use_value:
+      raise ValueError(f"--critic-warmup-steps {warmup} needs a recipe with a value "
+                       f"model (--algo {self.algo} has none; e.g. --algo ppo or vapo)")
     batch = self.prompts_per_step * self.group_size
     chunks = config.num_minibatches * config.num_microbatches
     if batch % chunks:
@@ -224,6 +303,7 @@ class RunConfig:
     """The :class:`TrainConfig` of the run: the recipe's fields, then ``train``."""
     fields = {**get_recipe(self.algo).train_fields(max_new_tokens), **self.train}
     if self.clip_end is not None:
+      import optax
       start = TrainConfig(**fields).clip_range()[0]
       fields["clip_schedule"] = optax.linear_schedule(start, self.clip_end, self.steps)
     return TrainConfig(**fields)
@@ -252,15 +332,21 @@ def train_config_for(run: RunConfig, max_new_tokens: int) -> TrainConfig:
 def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
   """The run's optimizer (Adam at ``run.lr``): the one place it is built.
 
-  With a separate critic (``run.critic``): Adam at ``run.lr`` for the policy and at
-  ``run.critic_lr`` (default ``run.lr``) for the critic
-  (:func:`jaxrl_llm.models.critic.actor_critic_optimizer`).
+  With a separate critic (``run.critic``), a value learning rate other than ``lr``
+  (:meth:`RunConfig.value_learning_rate`) or a critic warm-up: Adam at ``run.lr`` for
+  the policy and at the value learning rate for the value parameters, the policy's
+  frozen for the warm-up's ``critic_warmup_steps * num_epochs * num_minibatches``
+  optimizer updates (:func:`jaxrl_llm.models.critic.policy_value_optimizer`).
   """
-  if run.critic is not None:
-    from jaxrl_llm.models.critic import actor_critic_optimizer
-    critic_lr = run.lr if run.critic_lr is None else run.critic_lr
-    return actor_critic_optimizer(optax.adam(run.lr), optax.adam(critic_lr))
-  return optax.adam(run.lr)
+  import optax
+  value_lr = run.value_learning_rate()
+  config = run.train_config(1)
+  warmup = run.setting("critic_warmup_steps") * config.num_epochs * config.num_minibatches
+  if run.critic is None and (not config.use_value or (value_lr == run.lr and not warmup)):
+    return optax.adam(run.lr)
+  from jaxrl_llm.models.critic import policy_value_optimizer
+  return policy_value_optimizer(optax.adam(run.lr), optax.adam(value_lr),
+                                warmup_updates=warmup)
 
 
 def algos() -> tuple:

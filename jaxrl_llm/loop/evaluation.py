@@ -14,6 +14,20 @@ def decode(tokenizer: Any, completion: Any, completion_mask: Any) -> list:
   return tokenizer.decode_batch(np.asarray(completion), np.asarray(completion_mask))
 
 
+def stop_ids(tokenizer: Any) -> Any:
+  """The ids that end a completion: ``tokenizer.eos_ids`` when it has several (a
+  Hugging Face tokenizer: its ``eos_token`` and the ``eos_token_id`` s of the model's
+  ``generation_config.json`` and ``config.json``), else ``tokenizer.eos_id``.
+
+  Examples:
+    >>> from jaxrl_llm.tasks.tokenizer import CharTokenizer
+    >>> stop_ids(CharTokenizer())
+    2
+  """
+  ids = tuple(getattr(tokenizer, "eos_ids", ()) or ())
+  return ids if len(ids) > 1 else tokenizer.eos_id
+
+
 def evaluate(policy: Policy, params: Any, task: Any, problems: Sequence[Any]) -> dict:
   """Greedy accuracy (exact match) and mean reward on ``problems``.
 
@@ -23,10 +37,10 @@ def evaluate(policy: Policy, params: Any, task: Any, problems: Sequence[Any]) ->
   tok = task.tokenizer
   tokens, mask = tok.encode_batch([p.prompt for p in problems], task.max_prompt_len)
   out = policy.generate(params, tokens, mask, None, max_new_tokens=task.max_new_tokens,
-                        eos_id=tok.eos_id, greedy=True)
+                        eos_id=stop_ids(tok), greedy=True)
   texts = decode(tok, out.completion, out.completion_mask)
   return {"eval_accuracy": float(np.mean(task.exact(problems, texts))),
           "eval_reward": float(np.mean(task.score(problems, texts)))}
 
 
-__all__ = ["evaluate", "decode"]
+__all__ = ["evaluate", "decode", "stop_ids"]

@@ -68,7 +68,8 @@ def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
   With ``run.critic`` (and a recipe with a value model) the parameters are
   ``{"policy": ..., "critic": ...}`` (:mod:`jaxrl_llm.models.critic`): the critic is
   loaded from ``run.critic`` (or the policy's initial weights for ``"policy"``) with a
-  zero-initialised value head; sampling uses the policy part only.
+  zero-initialised value head; sampling and the KL reference use the policy part
+  only (the reference keeps no value head either: :meth:`Policy.ref_params`).
   """
   from jaxrl_llm.models import DecodeFns, make_apply_fn, make_decode_fns
   tok = task.tokenizer
@@ -80,9 +81,9 @@ def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
                             temperature=config.temperature)
   graphdef, params = _load(run, task, value_head=config.use_value and not separate)
   if not separate:
-    return Policy(make_apply_fn(graphdef), make_decode_fns(graphdef), params,
-                  pad_id=tok.pad_id, temperature=config.temperature)
-  from jaxrl_llm.models.critic import actor_critic_apply, actor_critic_params
+    return Policy.of_transformer(graphdef, params, pad_id=tok.pad_id,
+                                 temperature=config.temperature)
+  from jaxrl_llm.models.critic import POLICY, actor_critic_apply, actor_critic_params
   critic_path = run.model if run.critic == "policy" else run.critic
   critic_graphdef, critic_params = _load(run, task, value_head=True, path=critic_path)
   fns = make_decode_fns(graphdef)
@@ -90,9 +91,65 @@ def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
       init_cache=lambda p, batch, max_len: fns.init_cache(p["policy"], batch, max_len),
       prefill=lambda p, tokens, mask, cache: fns.prefill(p["policy"], tokens, mask, cache),
       decode=lambda p, tokens, cache: fns.decode(p["policy"], tokens, cache))
+  # The KL reference is the policy part alone (no critic).
   return Policy(actor_critic_apply(graphdef, critic_graphdef), decode,
                 actor_critic_params(params, critic_params), pad_id=tok.pad_id,
-                temperature=config.temperature)
+                temperature=config.temperature, ref_apply_fn=make_apply_fn(graphdef),
+                ref_part=lambda p: p[POLICY])
 
 
-__all__ = ["is_checkpoint", "make_policy", "make_task"]
+def warm_start_value_params(run: RunConfig, params: Any) -> Any:
+  """``params`` with its value parameters taken from the newest checkpoint of the run
+  folder ``run.critic_init`` (NeMo-RL's ``warm_start_value_checkpoint``: a critic
+  warmed up once, offline, serves many runs).
+
+  The value parameters are those of :func:`jaxrl_llm.models.critic.value_param_labels`:
+  the separate critic, or the shared-trunk value head. The source run is rebuilt from
+  its ``config.json`` (to read its checkpoint); each value leaf must exist there at
+  the same path with the same shape (``ValueError`` naming the first that does not).
+  Everything else (the policy, the optimizer state) is ``params``' own.
+  """
+  import jax
+
+  from jaxrl_llm import run_folder as rf
+  from jaxrl_llm.checkpoint import Checkpointer
+  from jaxrl_llm.loop.config import make_optimizer
+  from jaxrl_llm.models.critic import CRITIC, value_param_labels
+  from jaxrl_llm.train import make_train_step
+
+  folder = str(run.critic_init)
+  src = RunConfig.from_dict(rf.read_json(os.path.join(folder, rf.CONFIG_FILE)))
+  src_task = make_task(src)
+  src_config = src.train_config(src_task.max_new_tokens)
+  src_policy = make_policy(src, src_task, src_config)
+  template = make_train_step(src_policy.apply, make_optimizer(src),
+                             src_config).init(src_policy.init_params)
+  ckpt = Checkpointer(os.path.join(folder, "checkpoints"))
+  try:
+    restored, _ = ckpt.restore(template)
+  finally:
+    ckpt.close()
+  name = lambda path: jax.tree_util.keystr(path)
+  source = {name(path): leaf for path, leaf in
+            jax.tree_util.tree_flatten_with_path(restored.params)[0]}
+  labels = value_param_labels(params)
+  flat_labels = dict((name(p), lab) for p, lab in
+                     jax.tree_util.tree_flatten_with_path(labels)[0])
+  if CRITIC not in flat_labels.values():
+    raise ValueError(f"--critic-init {folder!r}: this run has no value parameters.")
+
+  def take(path, leaf):
+    key = name(path)
+    if flat_labels[key] != CRITIC:
+      return leaf
+    if key not in source or tuple(source[key].shape) != tuple(leaf.shape):
+      got = "missing" if key not in source else f"shape {tuple(source[key].shape)}"
+      raise ValueError(f"--critic-init {folder!r}: value parameter {key} of shape "
+                       f"{tuple(leaf.shape)} is {got} in that run's checkpoint (the "
+                       "model and the critic layout must match).")
+    return source[key].astype(leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(take, params)
+
+
+__all__ = ["is_checkpoint", "make_policy", "make_task", "warm_start_value_params"]

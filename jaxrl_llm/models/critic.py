@@ -41,14 +41,19 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+
+import dataclasses
 
 import jax
+import jax.numpy as jnp
 import optax
+from flax import nnx
 
-from jaxrl_llm.models.transformer import make_apply_fn
+from jaxrl_llm.models.transformer import Transformer, make_apply_fn, split_model
 
 POLICY, CRITIC = "policy", "critic"
+VALUE_HEAD_PARAMS = ("value_w", "value_b")
 
 
 def actor_critic_params(policy_params: Any, critic_params: Any) -> dict:
@@ -87,6 +92,36 @@ def actor_critic_apply(policy_graphdef, critic_graphdef) -> Callable:
   return apply
 
 
+def drop_value_head(graphdef, params) -> tuple[Any, Any]:
+  """``(graphdef, params)`` of the same :class:`~jaxrl_llm.models.Transformer` without
+  its value head: what the policy's log-probs (e.g. a frozen KL reference) need.
+
+  ``make_apply_fn`` of the returned graphdef over the returned params gives the same
+  hidden states and LM head as the full model, and ``values`` None. A model without a
+  value head is returned as is. No parameter is copied (the leaves are shared).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxrl_llm.models import Transformer, TransformerConfig, split_model
+    >>> graphdef, params = split_model(Transformer(TransformerConfig.tiny(32)))
+    >>> ref_graphdef, ref_params = drop_value_head(graphdef, params)
+    >>> sorted(ref_params.keys())
+    ['blocks', 'embed', 'final_norm']
+    >>> tokens = jnp.ones((1, 4), jnp.int32)
+    >>> h, values, _ = make_apply_fn(ref_graphdef)(ref_params, tokens)
+    >>> values is None, bool(jnp.all(h == make_apply_fn(graphdef)(params, tokens)[0]))
+    (True, True)
+  """
+  config = nnx.merge(graphdef, params).config
+  if not config.value_head:
+    return graphdef, params
+  policy_config = dataclasses.replace(config, value_head=False)
+  ref_graphdef, _ = split_model(nnx.eval_shape(
+      lambda: Transformer(policy_config, rngs=nnx.Rngs(0))))
+  keep = nnx.Not(nnx.Any(*(nnx.PathContains(name) for name in VALUE_HEAD_PARAMS)))
+  return ref_graphdef, nnx.filter_state(params, keep)
+
+
 def _labels(params):
   if not isinstance(params, dict) or set(params) != {POLICY, CRITIC}:
     keys = sorted(params) if isinstance(params, dict) else type(params).__name__
@@ -109,4 +144,100 @@ def actor_critic_optimizer(policy_optimizer: optax.GradientTransformation,
                                _labels)
 
 
-__all__ = ["actor_critic_apply", "actor_critic_optimizer", "actor_critic_params"]
+def value_param_labels(params: Any) -> Any:
+  """``"policy"`` / ``"critic"`` per leaf: which parameters are the value function's.
+
+  Actor-critic parameters (:func:`actor_critic_params`): the ``critic`` part. Any
+  other pytree (a shared-trunk model): the value head (the top-level entries
+  ``value_w`` / ``value_b`` of :class:`~jaxrl_llm.models.Transformer`); the trunk is
+  the policy's, trained by both losses.
+
+  Examples:
+    >>> value_param_labels({"value_w": 1.0, "embed": 2.0})
+    {'embed': 'policy', 'value_w': 'critic'}
+  """
+  if isinstance(params, dict) and set(params) == {POLICY, CRITIC}:
+    return _labels(params)
+
+  def label(path, _):
+    first = path[0] if path else None
+    name = getattr(first, "key", getattr(first, "name", None))
+    return CRITIC if name in VALUE_HEAD_PARAMS else POLICY
+
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+class FrozenState(NamedTuple):
+  """State of :func:`freeze_for`: updates seen (saturating at n) and the inner state."""
+  updates: jax.Array
+  inner: Any
+
+
+def freeze_for(inner: optax.GradientTransformation,
+               num_updates: int) -> optax.GradientTransformation:
+  """``inner``, but its first ``num_updates`` updates are exact no-ops.
+
+  During them the parameters it updates stay bit-identical (the update is ``-0.0``,
+  the exact additive identity) and ``inner``'s state does not move, so ``inner``
+  starts afterwards as if fresh (Adam's moments and bias correction from zero).
+  Used for critic warm-up (:func:`policy_value_optimizer`).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> opt = freeze_for(optax.sgd(1.0), 1)
+    >>> state = opt.init(jnp.ones(2))
+    >>> u, state = opt.update(jnp.ones(2), state)
+    >>> u2, _ = opt.update(jnp.ones(2), state)
+    >>> u.tolist(), u2.tolist()
+    ([-0.0, -0.0], [-1.0, -1.0])
+  """
+  if not isinstance(num_updates, int) or num_updates < 0:
+    raise ValueError(f"`num_updates` must be an int >= 0, got {num_updates!r}.")
+
+  def init(params):
+    return FrozenState(jnp.zeros((), jnp.int32), inner.init(params))
+
+  def update(updates, state, params=None):
+    new_updates, new_inner = inner.update(updates, state.inner, params)
+    active = state.updates >= num_updates
+    out = jax.tree_util.tree_map(lambda u: jnp.where(active, u, jnp.full_like(u, -0.0)),
+                                 new_updates)
+    kept = jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), new_inner,
+                                  state.inner)
+    return out, FrozenState(jnp.minimum(state.updates + 1, num_updates), kept)
+
+  return optax.GradientTransformation(init, update)
+
+
+def policy_value_optimizer(policy_optimizer: optax.GradientTransformation,
+                           value_optimizer: optax.GradientTransformation, *,
+                           warmup_updates: int = 0) -> optax.GradientTransformation:
+  """One optimizer for the policy and one for the value parameters
+  (:func:`value_param_labels`), the policy's frozen for ``warmup_updates`` updates.
+
+  Critic warm-up: during the first ``warmup_updates`` optimizer updates only the
+  value parameters move (the separate critic; or, with a shared trunk, the value head
+  alone: the trunk is the policy's and stays frozen too); the policy parameters stay
+  bit-identical and the policy optimizer starts fresh afterwards
+  (:func:`freeze_for`). With ``warmup_updates=0`` and actor-critic parameters this
+  is :func:`actor_critic_optimizer`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> params = {"value_w": jnp.ones(1), "embed": jnp.ones(1)}
+    >>> opt = policy_value_optimizer(optax.sgd(1.0), optax.sgd(0.5), warmup_updates=1)
+    >>> state = opt.init(params)
+    >>> grads = {"value_w": jnp.ones(1), "embed": jnp.ones(1)}
+    >>> u, state = opt.update(grads, state, params)
+    >>> float(u["embed"][0]), float(u["value_w"][0])
+    (-0.0, -0.5)
+  """
+  if warmup_updates:
+    policy_optimizer = freeze_for(policy_optimizer, warmup_updates)
+  return optax.multi_transform({POLICY: policy_optimizer, CRITIC: value_optimizer},
+                               value_param_labels)
+
+
+__all__ = ["actor_critic_apply", "actor_critic_optimizer", "actor_critic_params",
+           "drop_value_head", "value_param_labels", "freeze_for", "policy_value_optimizer",
+           "VALUE_HEAD_PARAMS"]

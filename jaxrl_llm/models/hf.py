@@ -46,8 +46,10 @@ fine-tuning runs without it, as verl and OpenRLHF do).
 
 The value head (``value_head=True``) is not part of a Hugging Face model: it is read
 from ``value_head.safetensors`` in the folder when present (written there by
-:func:`save_pretrained`), and otherwise initialised to zeros (``values`` start at 0;
-its gradient is the final hidden state, so it learns from the first step).
+:func:`save_pretrained`), or from the file passed as ``value_head=path`` (written by
+:func:`save_value_head`, e.g. beside a plain policy folder, as ``jaxrl-llm train``
+exports a run), and otherwise initialised to zeros (``values`` start at 0; its
+gradient is the final hidden state, so it learns from the first step).
 """
 
 from __future__ import annotations
@@ -461,7 +463,7 @@ def _place(shape, dtype, sharding, read: Callable[[Any], np.ndarray]):
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh=None, rules=None,
-                    value_head: bool = False) -> Transformer:
+                    value_head: bool | str | os.PathLike = False) -> Transformer:
   """Loads a local Hugging Face Llama / Qwen2 / Qwen3 folder into a :class:`Transformer`.
 
   Args:
@@ -474,8 +476,9 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
       process's devices hold.
     rules: logical-axis rule overrides for ``mesh`` (see
       :func:`jaxrl_llm.parallel.make_rules`).
-    value_head: add the scalar value head: read from ``value_head.safetensors`` when
-      the folder has one, else zeros.
+    value_head: add the scalar value head: ``True`` reads it from
+      ``value_head.safetensors`` when the folder has one, else zeros; a file path
+      reads it from that file (written by :func:`save_value_head`; it must exist).
 
   Returns:
     The model; ``model(tokens)`` -> ``(hidden, values)``, ``model.logits(hidden)``,
@@ -498,7 +501,13 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
   """
   _require_safetensors()
   path = os.fspath(path)
-  config = config_from_hf(read_hf_config(path), dtype=dtype, value_head=value_head)
+  value_file = os.path.join(path, VALUE_HEAD_FILE)
+  if not isinstance(value_head, bool):
+    value_file = os.fspath(value_head)
+    if not os.path.isfile(value_file):
+      raise ValueError(f"`value_head` file {value_file!r} does not exist.")
+  config = config_from_hf(read_hf_config(path), dtype=dtype,
+                          value_head=value_head is not False)
   layout = hf_layout(config)
   graphdef, abstract = _abstract_params(config)
   shardings = None
@@ -509,7 +518,6 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
   flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
   shard_leaves = (jax.tree_util.tree_leaves(shardings) if shardings is not None
                   else [None] * len(flat))
-  value_file = os.path.join(path, VALUE_HEAD_FILE)
   with _Checkpoint(path) as ckpt:
     leaves = []
     used = set()
@@ -682,6 +690,35 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
     _save_tokenizer(tokenizer, path)
 
 
+def save_value_head(model: Transformer, file: str | os.PathLike, *, dtype=None) -> None:
+  """Writes the value head of ``model`` alone to the safetensors ``file``.
+
+  Tensors ``value_head.weight`` ``[1, D]`` (an ``nn.Linear`` layout) and
+  ``value_head.bias`` ``[1]``, as :func:`save_pretrained` writes them beside the
+  model; ``from_pretrained(folder, value_head=file)`` reads them back onto the same
+  trunk. Keeping the head out of the model folder leaves that folder a plain Hugging
+  Face model (vLLM reads every ``*.safetensors`` of a folder without an index).
+  With several processes every process must call this and process 0 writes.
+
+  Raises:
+    ValueError: if ``model`` has no value head.
+  """
+  _require_safetensors()
+  from safetensors.numpy import save_file
+  if not model.config.value_head:
+    raise ValueError("`model` has no value head (build it with value_head=True).")
+  out_dtype = jnp.dtype(model.config.dtype if dtype is None else dtype)
+  w = _host(model.value_w[...]).astype(out_dtype)
+  b = _host(model.value_b[...]).astype(out_dtype)
+  if jax.process_index() != 0:
+    return
+  file = os.fspath(file)
+  os.makedirs(os.path.dirname(file) or ".", exist_ok=True)
+  save_file({_VALUE_NAMES["value_w"]: np.ascontiguousarray(w.T),
+             _VALUE_NAMES["value_b"]: np.ascontiguousarray(b)}, file,
+            metadata={"format": "pt"})
+
+
 def _write_json(file: str, obj) -> None:
   with open(file, "w", encoding="utf-8") as f:
     json.dump(obj, f, indent=2, sort_keys=False)
@@ -708,4 +745,4 @@ def num_params(config: TransformerConfig) -> int:
 
 __all__ = ["ARCHITECTURES", "VALUE_HEAD_FILE", "config_from_hf", "config_model_type",
            "from_pretrained", "hf_config_from", "hf_layout", "num_params",
-           "read_hf_config", "save_pretrained"]
+           "read_hf_config", "save_pretrained", "save_value_head"]

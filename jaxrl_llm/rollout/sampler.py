@@ -61,8 +61,8 @@ class SampleOutput(NamedTuple):
     logprobs: ``[B, N]`` float32 sampler log-probs (see the module docstring); 0 where
       ``completion_mask`` is 0.
     lengths: ``[B]`` int32, number of generated tokens (EOS included).
-    finished: ``[B]`` bool, the row emitted ``eos_id`` (False when it was cut at
-      ``max_new_tokens`` or no ``eos_id`` was given).
+    finished: ``[B]`` bool, the row emitted one of the ``eos_id`` s (False when it was
+      cut at ``max_new_tokens`` or no ``eos_id`` was given).
     sampling_logprobs: ``[B, N]`` float32 log-probs under the filtered distribution
       the tokens were drawn from (see the module docstring); 0 where
       ``completion_mask`` is 0 and under greedy decoding.
@@ -143,6 +143,22 @@ def _pick(logits, rng, step, temperature, *, top_k, top_p, greedy):
   return token, logp, sampling_logp
 
 
+def _eos_array(eos_id) -> jax.Array:
+  """``eos_id`` (an int, a sequence of ints or an int array of rank <= 1) as ``[E]``
+  int32; raises ``ValueError`` naming it otherwise."""
+  if isinstance(eos_id, (list, tuple)):
+    if not eos_id:
+      raise ValueError("`eos_id` must be an int, a non-empty sequence of ints or None, "
+                       "got an empty sequence.")
+    eos_id = jnp.stack([jnp.asarray(i) for i in eos_id])
+  dtype = jnp.result_type(eos_id)
+  shape = v.shape_of(eos_id)
+  if not jnp.issubdtype(dtype, jnp.integer) or len(shape) > 1 or 0 in shape:
+    raise ValueError(f"`eos_id` must be an int, a non-empty sequence of ints or None, "
+                     f"got dtype {dtype} with shape {shape}.")
+  return jnp.atleast_1d(jnp.asarray(eos_id, jnp.int32))
+
+
 def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
            max_new_tokens: int, temperature=1.0, top_k: int | None = None, top_p=None,
            greedy: bool = False, eos_id=None, pad_id=0) -> SampleOutput:
@@ -150,7 +166,7 @@ def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
 
   One ``fns.prefill`` over the prompt, then up to ``max_new_tokens - 1``
   ``fns.decode`` calls inside a ``lax.while_loop`` that stops early once every row has
-  emitted ``eos_id``. Step ``n`` draws
+  emitted an end-of-sequence id. Step ``n`` draws
 
   .. math::
 
@@ -160,15 +176,18 @@ def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
   with the key ``fold_in(rng, n)``, and records
   :math:`\log \mathrm{softmax}(z_n / \tau)[y_n]` (the unfiltered, temperature-scaled
   distribution, so it matches train-side log-probs of the same tokens). A row stops at
-  its first ``eos_id`` (kept, with mask 1); later tokens are ``pad_id`` with mask 0 and
+  its first token in ``eos_id`` (one id, or several: Llama-3 ends a turn with either
+  ``<|end_of_text|>`` or ``<|eot_id|>``, its ``generation_config.json`` lists both); the
+  stop token is kept, with mask 1; later tokens are ``pad_id`` with mask 0 and
   log-prob 0. Rows that finished keep being fed ``pad_id`` (their results are
   discarded), so the batch stays rectangular.
 
-  Static: ``max_new_tokens``, ``top_k``, ``greedy`` and whether ``top_p`` / ``eos_id``
-  are None. Traced: ``temperature`` and ``top_p`` (scalars or ``[B]``), ``eos_id``,
-  ``pad_id``. Data faults: ``temperature <= 0`` is treated as ``1e-6`` (effectively
-  greedy, finite log-probs); a row with an empty prompt samples from whatever logits
-  the model gives there (all-zero, i.e. uniform, for the reference transformer).
+  Static: ``max_new_tokens``, ``top_k``, ``greedy``, whether ``top_p`` / ``eos_id``
+  are None and how many eos ids there are. Traced: ``temperature`` and ``top_p``
+  (scalars or ``[B]``), the eos id values, ``pad_id``. Data faults: ``temperature <= 0``
+  is treated as ``1e-6`` (effectively greedy, finite log-probs); a row with an empty
+  prompt samples from whatever logits the model gives there (all-zero, i.e. uniform,
+  for the reference transformer).
 
   Args:
     fns: :class:`~jaxrl_llm.models.DecodeFns` (``init_cache``, ``prefill``,
@@ -182,7 +201,8 @@ def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
     top_k: keep only the k most likely tokens when sampling (static int or None).
     top_p: nucleus mass, scalar or ``[B]``, or None.
     greedy: take the argmax instead of sampling (``rng``, ``top_k``, ``top_p`` unused).
-    eos_id: int end-of-sequence id, or None for fixed-length completions.
+    eos_id: the end-of-sequence id: an int, a sequence of ints or an int array
+      ``[E]`` (a row stops at any of them), or None for fixed-length completions.
     pad_id: id written after EOS.
 
   Returns:
@@ -202,6 +222,11 @@ def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
     ...           temperature=0.7, top_p=0.9, eos_id=2)
     >>> out.tokens.shape, out.completion_mask.shape, out.lengths.shape
     ((2, 10), (2, 6), (2,))
+    >>> out = run(params, prompts, prompts > 0, None, max_new_tokens=6, greedy=True,
+    ...           eos_id=(2, 7))                        # stop at either id
+    >>> stops = (out.completion == 2) | (out.completion == 7)
+    >>> bool(jnp.all(out.finished == jnp.any(stops, axis=1)))
+    True
   """
   v.check_rank("prompt_tokens", prompt_tokens, 2)
   if not jnp.issubdtype(jnp.result_type(prompt_tokens), jnp.integer):
@@ -214,6 +239,7 @@ def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
   if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
     raise ValueError(f"`top_k` must be a static int >= 1 or None, got {top_k!r}.")
   batch, prompt_len = v.shape_of(prompt_tokens)
+  eos_ids = None if eos_id is None else _eos_array(eos_id)
   for name, value in (("temperature", temperature), ("top_p", top_p)):
     if value is not None and v.shape_of(value) not in ((), (batch,)):
       raise ValueError(
@@ -241,8 +267,8 @@ def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
     logps = put(logps, jnp.where(live, logp, 0.0))
     masks = put(masks, live.astype(jnp.float32))
     sampling_logps = put(sampling_logps, jnp.where(live, sampling_logp, 0.0))
-    if eos_id is not None:
-      done = done | (token == jnp.asarray(eos_id, jnp.int32))
+    if eos_ids is not None:
+      done = done | jnp.any(token[:, None] == eos_ids[None, :], axis=1)
     return token, done, (toks, logps, masks, sampling_logps)
 
   cache = fns.init_cache(params, batch, prompt_len + n - 1)
@@ -269,7 +295,7 @@ def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
       jax.lax.while_loop(
           cond, body, carry))
 
-  finished = done if eos_id is not None else jnp.zeros((batch,), bool)
+  finished = done if eos_ids is not None else jnp.zeros((batch,), bool)
   return SampleOutput(
       tokens=jnp.concatenate([prompt_tokens, completion], axis=1),
       mask=jnp.concatenate([prompt_mask, completion_mask], axis=1),

@@ -18,7 +18,9 @@ Conventions:
   ``add_special_tokens=False``, as ``apply_chat_template(tokenize=True)`` does): chat
   templates write their own ``bos``; pass ``add_bos=True`` for raw text.
 * ``decode`` stops at the first end-of-sequence id (any of ``eos_ids``: the
-  tokenizer's ``eos_token`` and the ``eos_token_id`` (s) of ``generation_config.json``),
+  tokenizer's ``eos_token``, then the ``eos_token_id`` (an int or a list) of
+  ``generation_config.json`` and of ``config.json``; the trainer's sampler stops a
+  completion at any of them too),
   skips special tokens, and writes :data:`~jaxrl_llm.tasks.tokenizer.UNKNOWN_CHAR` for
   ids outside the tokenizer's vocabulary (models pad their embedding tables).
 * ``pad_id``: the ``pad_token`` when set, else ``eos_id`` (the usual choice for
@@ -97,7 +99,8 @@ class HFTokenizer:
     special_tokens: ``{"bos_token": "<s>", "eos_token": "</s>", ...}`` (strings; they
       are also chat-template variables).
     chat_template: the Jinja source of the chat template, or ``None``.
-    extra_eos_ids: more ids that end a completion (``generation_config.json``).
+    extra_eos_ids: more ids that end a completion (``generation_config.json``,
+      ``config.json``).
 
   Examples:
     >>> from tokenizers import Tokenizer, models
@@ -137,7 +140,8 @@ class HFTokenizer:
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike) -> HFTokenizer:
     """Loads ``tokenizer.json``, ``tokenizer_config.json`` (special tokens, chat
-    template), ``chat_template.jinja`` and ``generation_config.json`` from a folder.
+    template) and ``chat_template.jinja`` from a folder, with the ``eos_token_id`` s
+    (an int or a list) of its ``generation_config.json`` and ``config.json``.
 
     Raises:
       ValueError: if ``path`` has no ``tokenizer.json``.
@@ -163,8 +167,10 @@ class HFTokenizer:
     if os.path.isfile(jinja_file):
       with open(jinja_file, encoding="utf-8") as f:
         template = f.read()
-    gen = _read_json(os.path.join(path, "generation_config.json")).get("eos_token_id")
-    extra = [] if gen is None else [gen] if isinstance(gen, int) else list(gen)
+    extra: list[int] = []
+    for file in ("generation_config.json", "config.json"):
+      ids = _read_json(os.path.join(path, file)).get("eos_token_id")
+      extra += [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     return cls(tokenizer, special_tokens=specials, chat_template=template,
                extra_eos_ids=extra)
 

@@ -12,6 +12,10 @@ Adding an advantage estimator is one function with the common signature
 ``fn(inputs: AdvantageInputs, hparams) -> (advantages, returns or None)`` and one
 :func:`register_advantage_estimator` line.
 
+The module imports without JAX (the ``jaxrl-llm`` command lists and checks the
+registered names before importing it): the built-in losses are registered by their
+name in :mod:`jaxrl_llm.losses`, imported on first use of ``spec.fn``.
+
 Examples:
   >>> sorted(POLICY_LOSS_REGISTRY)
   ['cispo', 'gmpo', 'gspo', 'ppo', 'reinforce', 'sapo']
@@ -28,11 +32,7 @@ import dataclasses
 import inspect
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
-import jax
-import jax.numpy as jnp
-
-from jaxrl_llm import advantages as A
-from jaxrl_llm import losses as L
+import importlib
 
 CLIP_OPTIONS = ("clip_low", "clip_high", "dual_clip")
 
@@ -43,7 +43,8 @@ class PolicyLossSpec:
 
   Attributes:
     name: the registry key (``TrainConfig.policy_loss``, ``--policy-loss``).
-    fn: ``fn(logp, old_logp, advantages, mask, **kwargs) -> (per_token, metrics)``.
+    target: the loss function, or the name of one in :mod:`jaxrl_llm.losses`
+      (imported on first use of :attr:`fn`).
     defaults: the loss's own defaults of its traced hyperparameters: the clip options
       it uses (``clip_low``, ``clip_high``; ``clip_high=None`` = symmetric) and its
       extra ones (e.g. SAPO's ``tau_pos``).
@@ -51,10 +52,16 @@ class PolicyLossSpec:
     doc: one line for ``--help``.
   """
   name: str
-  fn: Callable[..., Any]
+  target: Callable[..., Any] | str
   defaults: Mapping[str, Optional[float]]
   static: Mapping[str, Any]
   doc: str
+
+  @property
+  def fn(self) -> Callable[..., Any]:
+    """``fn(logp, old_logp, advantages, mask, **kwargs) -> (per_token, metrics)``."""
+    return _loss_function(self.name, self.target, tuple(self.defaults),
+                          tuple(self.static))
 
   @property
   def uses_clip(self) -> bool:
@@ -74,14 +81,36 @@ class PolicyLossSpec:
 POLICY_LOSS_REGISTRY: dict[str, PolicyLossSpec] = {}
 
 
-def register_policy_loss(name: str, fn: Callable[..., Any], *, doc: str = "",
+_RESOLVED: dict = {}
+
+
+def _loss_function(name: str, target: Callable[..., Any] | str, keywords: tuple,
+                   static: tuple) -> Callable[..., Any]:
+  """The loss function of ``target`` (a name in :mod:`jaxrl_llm.losses` is imported),
+  checked once to take every registered keyword."""
+  key = (name, target if isinstance(target, str) else id(target))
+  if key not in _RESOLVED:
+    fn = (getattr(importlib.import_module("jaxrl_llm.losses"), target)
+          if isinstance(target, str) else target)
+    params = inspect.signature(fn).parameters
+    unknown = [k for k in keywords + static if k not in params]
+    if unknown:
+      raise ValueError(f"register_policy_loss({name!r}): {fn.__name__} has no "
+                       f"keyword(s) {unknown}.")
+    _RESOLVED[key] = fn
+  return _RESOLVED[key]
+
+
+def register_policy_loss(name: str, fn: Callable[..., Any] | str, *, doc: str = "",
                          static: Optional[Mapping[str, Any]] = None,
                          **defaults: Optional[float]) -> PolicyLossSpec:
   """Registers ``fn`` under ``name`` with its traced hyperparameter defaults.
 
   Args:
     name: registry key.
-    fn: ``fn(logp, old_logp, advantages, mask, **hparams) -> (per_token, metrics)``.
+    fn: ``fn(logp, old_logp, advantages, mask, **hparams) -> (per_token, metrics)``,
+      or the name of such a function in :mod:`jaxrl_llm.losses` (imported on first
+      use, so registering imports no JAX).
     doc: a one-line description (shown by ``jaxrl-llm train --help``).
     static: static keyword arguments passed on every call.
     **defaults: traced hyperparameters and their defaults; ``clip_low`` (and
@@ -90,13 +119,10 @@ def register_policy_loss(name: str, fn: Callable[..., Any], *, doc: str = "",
   Returns:
     The :class:`PolicyLossSpec` (also stored in ``POLICY_LOSS_REGISTRY``).
   """
-  params = inspect.signature(fn).parameters
-  unknown = [k for k in list(defaults) + list(static or {}) if k not in params]
-  if unknown:
-    raise ValueError(f"register_policy_loss({name!r}): {fn.__name__} has no keyword(s) "
-                     f"{unknown}.")
-  spec = PolicyLossSpec(name=name, fn=fn, defaults=dict(defaults),
+  spec = PolicyLossSpec(name=name, target=fn, defaults=dict(defaults),
                         static=dict(static or {}), doc=doc)
+  if not isinstance(fn, str):   # a function given here is checked now
+    _loss_function(name, fn, tuple(spec.defaults), tuple(spec.static))
   POLICY_LOSS_REGISTRY[name] = spec
   return spec
 
@@ -109,19 +135,20 @@ def get_policy_loss(name: str) -> PolicyLossSpec:
 def _reinforce(logp, old_logp, advantages, mask, **kwargs):
   """On-policy REINFORCE in the common signature (``old_logp`` unused)."""
   del old_logp
+  from jaxrl_llm import losses as L
   return L.reinforce_policy_loss(logp, advantages, mask, **kwargs)
 
 
-register_policy_loss("ppo", L.ppo_policy_loss, clip_low=0.2, clip_high=None,
+register_policy_loss("ppo", "ppo_policy_loss", clip_low=0.2, clip_high=None,
                      doc="PPO clipped surrogate (clip-higher, dual clip)")
-register_policy_loss("gspo", L.gspo_policy_loss, clip_low=3e-4, clip_high=4e-4,
+register_policy_loss("gspo", "gspo_policy_loss", clip_low=3e-4, clip_high=4e-4,
                      doc="GSPO sequence-ratio clip (epsilons at the 3e-4 scale)")
-register_policy_loss("cispo", L.cispo_policy_loss, clip_low=0.2, clip_high=None,
+register_policy_loss("cispo", "cispo_policy_loss", clip_low=0.2, clip_high=None,
                      static={"mode": "verl"},
                      doc="CISPO clipped stop-gradient IS weight (verl form)")
-register_policy_loss("sapo", L.sapo_policy_loss, tau_pos=1.0, tau_neg=1.05,
+register_policy_loss("sapo", "sapo_policy_loss", tau_pos=1.0, tau_neg=1.05,
                      doc="SAPO sigmoid gate (temperatures tau_pos / tau_neg)")
-register_policy_loss("gmpo", L.gmpo_policy_loss, clip_low=0.4, clip_high=0.4,
+register_policy_loss("gmpo", "gmpo_policy_loss", clip_low=0.4, clip_high=0.4,
                      doc="GMPO geometric-mean ratio, log-space clip")
 register_policy_loss("reinforce", _reinforce,
                      doc="on-policy REINFORCE / GPG (-A log pi)")
@@ -191,45 +218,55 @@ def get_advantage_estimator(name: str) -> AdvantageEstimatorSpec:
 
 
 def _f32(x):
+  import jax.numpy as jnp
   return jnp.asarray(x, jnp.float32)
 
 
 def _gae(x: AdvantageInputs, hp, method="scan"):
+  from jaxrl_llm import advantages as A
   return A.gae(x.rewards, x.values, x.mask, gamma=hp["gamma"], lam=hp["lam"],
                method=method)
 
 
 def _hybrid(x: AdvantageInputs, hp, method="scan", n=4):
+  from jaxrl_llm import advantages as A
   return A.hybrid_advantages(x.rewards, x.values, x.mask, n=n, gamma=hp["gamma"],
                              lam=hp["lam"], mix=hp["hybrid_mix"], method=method)
 
 
 def _decoupled_gae(x: AdvantageInputs, hp, method="scan"):
+  from jaxrl_llm import advantages as A
   return A.decoupled_gae(x.rewards, x.values, x.mask, gamma=hp["gamma"],
                          lam_policy=hp["lam"], lam_value=hp.get("lam_value", 1.0),
                          method=method)
 
 
 def _vapo_gae(x: AdvantageInputs, hp, method="scan"):
+  from jaxrl_llm import advantages as A
   return A.decoupled_gae(x.rewards, x.values, x.mask, gamma=hp["gamma"],
-                         lam_policy=A.length_adaptive_lambda(x.mask),
+                         lam_policy=A.length_adaptive_lambda(
+                             x.mask, alpha=hp.get("lam_alpha", 0.05)),
                          lam_value=hp.get("lam_value", 1.0), method=method)
 
 
-def _group(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
+def _group(name: str) -> Callable[..., Any]:
+  """The estimator of the group baseline ``jaxrl_llm.advantages.<name>``."""
   def estimator(x: AdvantageInputs, hp):
     del hp
+    fn = getattr(importlib.import_module("jaxrl_llm.advantages"), name)
     return fn(_f32(x.scores), group_size=x.group_size), None
-  estimator.__doc__ = f"{fn.__name__} of the sequence scores."
+  estimator.__doc__ = f"{name} of the sequence scores."
   return estimator
 
 
 def _self_critical(x: AdvantageInputs, hp):
+  from jaxrl_llm import advantages as A
   del hp
   return A.self_critical_advantages(_f32(x.scores), _f32(x.greedy_scores)), None
 
 
 def _reinforce_pp(x: AdvantageInputs, hp):
+  from jaxrl_llm import advantages as A
   return A.reinforce_pp_advantages(x.rewards, x.mask, gamma=hp.get("gamma", 1.0)), None
 
 
@@ -242,12 +279,12 @@ register_advantage_estimator("decoupled_gae", _decoupled_gae, needs_values=True,
                                  "for the critic's targets (VC-PPO)")
 register_advantage_estimator("vapo_gae", _vapo_gae, needs_values=True,
                              doc="decoupled GAE with VAPO's length-adaptive policy "
-                                 "lambda (alpha 0.05)")
-register_advantage_estimator("grpo", _group(A.grpo_advantages), group=True,
+                                 "lambda (lam_alpha, default 0.05)")
+register_advantage_estimator("grpo", _group("grpo_advantages"), group=True,
                              doc="group mean baseline / group std")
-register_advantage_estimator("dr_grpo", _group(A.dr_grpo_advantages), group=True,
+register_advantage_estimator("dr_grpo", _group("dr_grpo_advantages"), group=True,
                              doc="group mean baseline, no std (Dr. GRPO)")
-register_advantage_estimator("rloo", _group(A.rloo_advantages), group=True,
+register_advantage_estimator("rloo", _group("rloo_advantages"), group=True,
                              doc="leave-one-out group baseline")
 register_advantage_estimator("self_critical", _self_critical, needs_greedy=True,
                              doc="score minus the greedy completion's score")

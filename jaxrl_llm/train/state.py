@@ -1,19 +1,17 @@
-"""The train state pytree and the train-step configuration."""
+"""The train-step configuration (importable without JAX: the ``jaxrl-llm`` command
+builds its flags and checks them from here before importing JAX).
+
+:class:`TrainState` and :func:`init_train_state` live in
+:mod:`jaxrl_llm.train.train_state`; they are importable from here as before.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional
-
-import flax.struct
-import jax
-import jax.numpy as jnp
-import optax
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from jaxrl_llm import _validate as v
-from jaxrl_llm.control import (AdaptiveClipState, AdaptiveKLState, adaptive_clip_init,
-                               adaptive_kl_init)
-from jaxrl_llm.losses import AGGREGATION_MODES
+from jaxrl_llm._names import AGGREGATION_MODES
 from jaxrl_llm.train.registry import (ADVANTAGE_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY,
                                       get_policy_loss)
 
@@ -25,7 +23,10 @@ KL_KINDS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
 # Float fields of TrainConfig that live in TrainState.hparams as traced scalars.
 TRACED_HPARAMS = ("clip_low", "clip_high", "dual_clip", "vf_coef", "vf_clip",
                   "entropy_coef", "kl_coef", "gamma", "lam", "hybrid_mix", "temperature",
-                  "lam_value")
+                  "lam_value", "lam_alpha", "pos_nll_coef")
+# Traced only while ``rollout_correction`` is on (else left out of ``hparams``).
+ROLLOUT_HPARAMS = ("rollout_is_threshold", "rollout_is_lower")
+ROLLOUT_LEVELS = ("token", "sequence")
 ADVANTAGE_ESTIMATORS = ("gae", "hybrid")  # built-in in-step estimators
 
 
@@ -83,6 +84,10 @@ class TrainConfig:
     logprob_chunk_size: vocabulary-projection chunk for log-probs from hidden states.
     skip_nonfinite: skip updates whose inputs, loss, gradients or results are not
       finite (counted in ``metrics["skipped"]``).
+    rollout_correction: correct the rollout/trainer mismatch (None: off; ``token`` or
+      ``sequence``): the per-token policy loss is multiplied by
+      :func:`jaxrl_llm.rollout_correction_weights` of ``old_logp - rollout_logp``
+      (the batch must carry the sampler's ``rollout_logp``).
     clip_low: clip epsilon (lower side); None = the policy loss's default (PPO 0.2,
       GSPO 3e-4, GMPO 0.4).
     clip_high: clip epsilon (upper side, DAPO clip-higher); None = symmetric when
@@ -99,6 +104,15 @@ class TrainConfig:
     temperature: sampling temperature the log-probs are computed at.
     lam_value: the critic's GAE lambda of the ``decoupled_gae`` / ``vapo_gae``
       estimators (None: 1.0, VC-PPO's Monte-Carlo value targets).
+    lam_alpha: alpha of the ``vapo_gae`` estimator's length-adaptive policy lambda
+      ``1 - 1 / (alpha * length)`` (None: 0.05, VAPO's).
+    pos_nll_coef: weight mu of VAPO's positive-example NLL, the token-mean negative
+      log-likelihood of the responses marked ``positive`` (correct) in the batch,
+      added to the loss (None: off; VAPO uses 0.1).
+    rollout_is_threshold: upper bound of the rollout-correction weights (truncated
+      IS; verl's ``rollout_is_threshold``).
+    rollout_is_lower: with it, weights outside ``[lower, threshold]`` are zeroed
+      instead of truncated (IcePop); None: truncation.
     loss_hparams: overrides of the policy loss's own hyperparameters (e.g.
       ``{"tau_pos": 2.0}`` for SAPO); traced like the fields above.
   """
@@ -128,6 +142,7 @@ class TrainConfig:
   clip_max: float = 0.3
   logprob_chunk_size: Optional[int] = None
   skip_nonfinite: bool = True
+  rollout_correction: Optional[str] = None
   # --- traced hyperparameters (see TRACED_HPARAMS)
   clip_low: Optional[float] = None
   clip_high: Optional[float] = None
@@ -141,6 +156,10 @@ class TrainConfig:
   hybrid_mix: float = 0.5
   temperature: float = 1.0
   lam_value: Optional[float] = None
+  lam_alpha: Optional[float] = None
+  pos_nll_coef: Optional[float] = None
+  rollout_is_threshold: float = 2.0
+  rollout_is_lower: Optional[float] = None
   loss_hparams: Optional[Mapping[str, float]] = None
 
   def __post_init__(self):
@@ -168,6 +187,14 @@ class TrainConfig:
     _check_range("hybrid_mix", self.hybrid_mix, low=0.0, high=1.0, inclusive=True)
     _check_range("lam_value", self.lam_value, low=0.0, high=1.0, inclusive=True)
     _check_range("temperature", self.temperature, low=0.0)
+    _check_range("lam_alpha", self.lam_alpha, low=0.0)
+    _check_range("pos_nll_coef", self.pos_nll_coef, low=0.0, inclusive=True)
+    _check_range("rollout_is_threshold", self.rollout_is_threshold, low=0.0)
+    _check_range("rollout_is_lower", self.rollout_is_lower, low=0.0, inclusive=True)
+    if (self.rollout_is_lower is not None
+        and self.rollout_is_lower > self.rollout_is_threshold):
+      raise ValueError(f"`rollout_is_lower` must be <= `rollout_is_threshold` "
+                       f"({self.rollout_is_threshold!r}), got {self.rollout_is_lower!r}.")
     _check_range("kl_target", self.kl_target, low=0.0)
     _check_range("kl_horizon", self.kl_horizon, low=0.0)
     if self.norm_length is not None and (not isinstance(self.norm_length, int)
@@ -207,6 +234,8 @@ class TrainConfig:
   def hparam_values(self) -> dict:
     """The traced hyperparameters as Python floats (None-valued ones left out)."""
     vals: dict = {k: getattr(self, k) for k in TRACED_HPARAMS}
+    if self.rollout_correction is not None:
+      vals.update({k: getattr(self, k) for k in ROLLOUT_HPARAMS})
     vals["clip_low"], vals["clip_high"] = self.clip_range()
     spec = get_policy_loss(self.policy_loss)
     vals.update(spec.extra_hparams)
@@ -219,6 +248,7 @@ class TrainConfig:
 
   def hparams(self) -> dict:
     """The traced hyperparameters as float32 scalars (None fields are left out)."""
+    import jax.numpy as jnp
     return {k: jnp.asarray(val, jnp.float32) for k, val in self.hparam_values().items()}
 
 
@@ -251,7 +281,7 @@ def field_choices(name: str) -> Optional[tuple]:
     return advantage_estimators()
   return {"loss_agg_mode": tuple(AGGREGATION_MODES), "kl_mode": KL_MODES,
           "kl_kind": KL_KINDS, "reward_kl_kind": KL_KINDS,
-          "gae_method": ("scan", "associative"),
+          "gae_method": ("scan", "associative"), "rollout_correction": (None,) + ROLLOUT_LEVELS,
           "adaptive_clip_metric": ("kl", "clipfrac")}.get(name)
 
 
@@ -260,58 +290,17 @@ def advantage_estimators() -> tuple:
   return tuple(k for k, spec in ADVANTAGE_ESTIMATOR_REGISTRY.items() if spec.needs_values)
 
 
-@flax.struct.dataclass
-class TrainState:
-  """Everything a train step reads and writes; a pytree (jit, shard, checkpoint it).
+# TrainConfig fields of the GRPO family (critic-free, KL in the loss).
+GRPO_DEFAULTS: dict[str, Any] = dict(use_value=False, whiten_advantages=False,
+                                     kl_mode="loss", kl_kind="k3", vf_clip=None)
 
-  Attributes:
-    params: model parameters (any pytree; e.g. an ``nnx.State``).
-    opt_state: the optax state of ``params``.
-    step: int32 number of completed train steps.
-    hparams: dict of float32 scalars (traced hyperparameters, see :class:`TrainConfig`).
-    kl_ctrl: adaptive KL controller state (its ``coef`` is the live KL coefficient
-      when ``adaptive_kl``).
-    clip_ctrl: adaptive clip controller state.
-    rng: a raw ``uint32[2]`` PRNG key for minibatch shuffling.
-  """
-  params: Any
-  opt_state: Any
-  step: jax.Array
-  hparams: dict
-  kl_ctrl: AdaptiveKLState
-  clip_ctrl: AdaptiveClipState
-  rng: jax.Array
+if TYPE_CHECKING:   # the lazy names below, for type checkers
+  from jaxrl_llm.train.train_state import TrainState, init_train_state  # noqa: F401
 
 
-def init_train_state(params: Any, optimizer: optax.GradientTransformation,
-                     config: TrainConfig, rng: Optional[jax.Array] = None) -> TrainState:
-  """Builds the initial :class:`TrainState` for ``params``.
-
-  Use the same ``config`` (and optimizer) as the train step; ``step.init(params)`` of a
-  step from :func:`jaxrl_llm.train.make_train_step` does exactly that.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> state = init_train_state({"w": jnp.zeros(2)}, optax.sgd(0.1), TrainConfig())
-    >>> int(state.step), sorted(state.hparams)[:3]
-    (0, ['clip_low', 'entropy_coef', 'gamma'])
-  """
-  if rng is None:
-    rng = jax.random.PRNGKey(0)
-  clip_kwargs = {} if config.adaptive_clip_target is None else {
-      "target": config.adaptive_clip_target}
-  return TrainState(
-      params=params,
-      opt_state=optimizer.init(params),
-      step=jnp.zeros((), jnp.int32),
-      hparams=config.hparams(),
-      kl_ctrl=adaptive_kl_init(max(config.kl_coef, 1e-8), target=config.kl_target,
-                               horizon=config.kl_horizon),
-      # The controller's epsilon lives in [clip_min, clip_max] (adaptive_clip_init
-      # rejects a start outside it); a loss's own clip_low (GSPO 3e-4) may not.
-      clip_ctrl=adaptive_clip_init(min(max(config.clip_range()[0], config.clip_min),
-                                       config.clip_max),
-                                   eps_min=config.clip_min, eps_max=config.clip_max,
-                                   metric=config.adaptive_clip_metric, **clip_kwargs),
-      rng=jnp.asarray(rng, jnp.uint32),
-  )
+def __getattr__(name: str) -> Any:
+  """``TrainState`` and ``init_train_state`` (they import JAX) load on first use."""
+  if name in ("TrainState", "init_train_state"):
+    from jaxrl_llm.train import train_state
+    return getattr(train_state, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

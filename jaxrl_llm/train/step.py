@@ -20,6 +20,8 @@ key                 shape       meaning
 ``returns``         [B, L]      optional value targets (computed by GAE if absent)
 ``ref_logp``        [B, L]      reference-model log-probs (``kl_mode`` loss/reward)
 ``positions``       [B, L] int  optional; default ``cumsum(attention_mask) - 1``
+``rollout_logp``    [B, L]      the sampler's log-probs (``rollout_correction``)
+``positive``        [B]         1 for correct responses (``pos_nll_coef``)
 ==================  ==========  =====================================================
 
 One step runs ``num_epochs`` x ``num_minibatches`` optimizer updates as nested
@@ -65,10 +67,11 @@ from jaxrl_llm.control import adaptive_clip_update, adaptive_kl_update
 from jaxrl_llm.logprobs import token_logprobs, token_logprobs_from_hidden
 from jaxrl_llm.masked import explained_variance
 from jaxrl_llm.train.registry import AdvantageInputs, compute_advantages, get_policy_loss
-from jaxrl_llm.train.state import TrainConfig, TrainState, init_train_state
+from jaxrl_llm.train.state import GRPO_DEFAULTS, TrainConfig
+from jaxrl_llm.train.train_state import TrainState, init_train_state
 
 TOKEN_KEYS = ("attention_mask", "loss_mask", "old_logp", "rewards", "old_values",
-              "returns", "ref_logp", "positions")
+              "returns", "ref_logp", "positions", "rollout_logp")
 
 
 # ------------------------------------------------------------------------------ batch
@@ -88,6 +91,10 @@ def validate_batch(batch: dict, config: TrainConfig) -> None:
     required.append("old_values")
   if config.kl_mode != "none":
     required.append("ref_logp")
+  if config.rollout_correction is not None:
+    required.append("rollout_logp")
+  if config.pos_nll_coef is not None:
+    required.append("positive")
   missing = [k for k in required if k not in batch]
   if missing:
     raise ValueError(f"batch is missing key(s) {missing} (has {sorted(batch)}).")
@@ -100,13 +107,17 @@ def validate_batch(batch: dict, config: TrainConfig) -> None:
     if key in batch and v.shape_of(batch[key]) != shape:
       raise ValueError(f"batch['{key}'] must have the shape of batch['tokens'] {shape}, "
                        f"got {v.shape_of(batch[key])}.")
-  for key in ("old_logp", "rewards", "old_values", "returns", "ref_logp", "advantages"):
+  for key in ("old_logp", "rewards", "old_values", "returns", "ref_logp", "advantages",
+              "rollout_logp", "positive"):
     if key in batch and not jnp.issubdtype(jnp.result_type(batch[key]), jnp.floating):
       raise ValueError(f"batch['{key}'] must be floating point, got dtype "
                        f"{jnp.result_type(batch[key])}.")
   if "advantages" in batch and v.shape_of(batch["advantages"]) not in (shape, shape[:1]):
     raise ValueError(f"batch['advantages'] must have shape {shape} or {shape[:1]}, got "
                      f"{v.shape_of(batch['advantages'])}.")
+  if "positive" in batch and v.shape_of(batch["positive"]) != shape[:1]:
+    raise ValueError(f"batch['positive'] must have shape {shape[:1]}, got "
+                     f"{v.shape_of(batch['positive'])}.")
   if not config.use_value and "advantages" not in batch:
     raise ValueError("batch['advantages'] is required without a value model "
                      "(use_value=False): compute them with a group estimator.")
@@ -331,8 +342,18 @@ def _denominators(mb, config, axis_name=None):
                             norm_length=config.norm_length)
   tokens = jnp.sum(v.as_f32(mask))
   pg, tokens = _psum(pg, axis_name), _psum(tokens, axis_name)
-  return {"pg": jnp.maximum(pg, 1.0), "tokens": jnp.maximum(tokens, 1.0),
-          "count": tokens}
+  out = {"pg": jnp.maximum(pg, 1.0), "tokens": jnp.maximum(tokens, 1.0),
+         "count": tokens}
+  if config.pos_nll_coef is not None:
+    pos = _positive_mask(mb)
+    out["pos_tokens"] = jnp.maximum(_psum(jnp.sum(pos), axis_name), 1.0)
+  return out
+
+
+def _positive_mask(mb):
+  """``loss_mask`` on the rows marked ``positive`` (correct responses), else 0."""
+  positive = v.as_f32(mb["positive"])[:, None] > 0
+  return jnp.where(positive, v.as_f32(mb["loss_mask"]), 0.0)
 
 
 def _loss_fn(params, mb, denoms, state, config, apply_fn, eps_low, eps_high):
@@ -345,6 +366,14 @@ def _loss_fn(params, mb, denoms, state, config, apply_fn, eps_low, eps_high):
   agg = lambda x: L.aggregate_parts(x, mask, config.loss_agg_mode,
                                     norm_length=config.norm_length)[0] / denoms["pg"]
   pg_tok, pg_metrics = _policy_loss(config, logp, mb, eps_low, eps_high, hp)
+  if config.rollout_correction is not None:
+    lower = None if config.rollout_is_lower is None else hp["rollout_is_lower"]
+    weights, is_metrics = L.rollout_correction_weights(
+        v.as_f32(mb["old_logp"]) - v.as_f32(mb["rollout_logp"]), mask,
+        level=config.rollout_correction, threshold=hp["rollout_is_threshold"],
+        lower=lower)
+    pg_tok = pg_tok * weights
+    pg_metrics = {**pg_metrics, **is_metrics}
   pg_loss = agg(pg_tok)
   entropy = agg(ent)
   loss = pg_loss - hp["entropy_coef"] * entropy
@@ -359,6 +388,12 @@ def _loss_fn(params, mb, denoms, state, config, apply_fn, eps_low, eps_high):
     loss = loss + hp["vf_coef"] * vf_loss
     terms["vf_loss"] = vf_loss
     pg_metrics = {**pg_metrics, **vf_metrics}
+  if config.pos_nll_coef is not None:
+    # VAPO's positive-example NLL: token mean over the correct responses' tokens.
+    pos = _positive_mask(mb)
+    pos_nll = -jnp.sum(jnp.where(pos > 0, logp, 0.0)) / denoms["pos_tokens"]
+    loss = loss + hp["pos_nll_coef"] * pos_nll
+    terms["pos_nll"] = pos_nll
   if config.kl_mode == "loss":
     kl = agg(L.kl_penalty(logp, mb["ref_logp"], config.kl_kind, mask=mask))
     loss = loss + _kl_coef(state, config) * kl
@@ -442,7 +477,8 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
   are averaged over the ``num_epochs * num_minibatches`` updates: ``loss``, ``pg_loss``,
   ``entropy``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``approx_kl``, ``grad_norm``,
   (``vf_loss``, ``vf_clipfrac``, ``explained_variance``), (``kl_loss``, ``kl_ref``),
-  ``adv_mean``, ``adv_std``, ``clip_eps``, ``kl_coef``; ``skipped`` (non-finite) and
+  ``adv_mean``, ``adv_std``, ``clip_eps``, ``kl_coef``, (``pos_nll``), (``rollout_is_mean``,
+  ``rollout_is_max``, ``rollout_is_clipfrac``, ``rollout_is_ess``); ``skipped`` (non-finite) and
   ``skipped_empty`` (no trainable token) are counts of skipped updates.
 
   Examples:
@@ -579,11 +615,6 @@ def _with_overrides(config: Optional[TrainConfig], defaults: dict,
   if unknown:
     raise ValueError(f"unknown TrainConfig field(s) {unknown}.")
   return dataclasses.replace(config, **overrides) if overrides else config
-
-
-# TrainConfig fields of the GRPO family (critic-free, KL in the loss).
-GRPO_DEFAULTS = dict(use_value=False, whiten_advantages=False, kl_mode="loss",
-                     kl_kind="k3", vf_clip=None)
 
 
 def make_ppo_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,

@@ -1,0 +1,12 @@
+"""Mode names shared by the numerical modules and the configs, importable without JAX
+(the ``jaxrl-llm`` command lists them in ``--help`` and checks flags against them
+before importing JAX)."""
+
+# The reductions of per-token losses (jaxrl_llm.losses.aggregate).
+AGGREGATION_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)

@@ -1,0 +1,137 @@
+"""A trained run on a Hugging Face model, written back as Hugging Face folders.
+
+:func:`export_run` restores the latest checkpoint of a run folder whose ``--model``
+was a local Hugging Face checkpoint and writes, under ``dest`` (default: the run
+folder):
+
+* ``hf/``: the trained **policy** alone, a plain Hugging Face model folder
+  (:func:`~jaxrl_llm.models.save_pretrained`: ``config.json`` with the original
+  ``bos``/``eos``/``pad`` token ids, safetensors) plus the original tokenizer files
+  (``tokenizer.json``, ``tokenizer_config.json`` with its chat template,
+  ``generation_config.json``, ...) copied as they were, so
+  ``transformers.AutoModelForCausalLM.from_pretrained(dest + "/hf")``,
+  ``AutoTokenizer.from_pretrained`` and vLLM load it directly;
+* the **value model**, kept out of ``hf/`` (it is not part of a Hugging Face causal
+  LM), for recipes with one: ``value_head.safetensors`` for the policy's shared value
+  head (``from_pretrained(dest + "/hf", value_head=dest + "/value_head.safetensors")``
+  rebuilds the trained model with its head), or ``critic/`` for a separate critic (a
+  model folder with its ``value_head.safetensors``: ``--critic dest/critic`` or
+  ``from_pretrained(dest + "/critic", value_head=True)`` loads it).
+
+``jaxrl-llm train --model PATH`` calls it at the end of the run (the summary names
+the folders); ``jaxrl-llm export RUN [--out DEST]`` calls it on a finished or
+interrupted run (its latest checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+# Files of a model folder that describe its tokenizer and generation, copied as is.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json", "tokenizer.model", "vocab.json",
+                   "merges.txt")
+# config.json fields carried over from the original model (not architecture fields).
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
+  """``(run, model, critic, step)``: a run's latest checkpoint as models.
+
+  ``model`` is the policy :class:`~jaxrl_llm.models.Transformer` (with its value head
+  when the recipe shares one) and ``critic`` the separate critic (or None).
+
+  Raises:
+    ValueError: ``run_dir`` is not a run folder, has no checkpoint, or its model is
+      not a Hugging Face folder.
+  """
+  import jax
+  from flax import nnx
+
+  from jaxrl_llm import run_folder as rf
+  from jaxrl_llm.checkpoint import Checkpointer
+  from jaxrl_llm.loop.config import RunConfig, make_optimizer
+  from jaxrl_llm.loop.setup import _load, is_checkpoint, make_task
+  from jaxrl_llm.models.critic import CRITIC, POLICY, actor_critic_params
+  from jaxrl_llm.train import init_train_state
+
+  cfg = os.path.join(run_dir, rf.CONFIG_FILE)
+  if not os.path.isfile(cfg):
+    raise ValueError(f"{run_dir} is not a run folder ({cfg} is missing).")
+  run = RunConfig.from_dict(rf.read_json(cfg))
+  if not is_checkpoint(run.model):
+    raise ValueError(f"the run in {run_dir} trained the preset model {run.model!r}; "
+                     "export needs a run of a Hugging Face --model folder.")
+  ckpt_dir = os.path.join(run_dir, "checkpoints")
+  if not os.path.isdir(ckpt_dir) or not any(n.isdigit() for n in os.listdir(ckpt_dir)):
+    raise ValueError(f"{run_dir} has no checkpoint yet ({ckpt_dir} is empty or missing).")
+  task = make_task(run)
+  config = run.train_config(task.max_new_tokens)
+  separate = run.critic is not None and config.use_value
+  graphdef, params = _load(run, task, value_head=config.use_value and not separate)
+  critic_graphdef: Any = None
+  if separate:
+    critic_path = run.model if run.critic == "policy" else run.critic
+    critic_graphdef, critic_params = _load(run, task, value_head=True, path=critic_path)
+    params = actor_critic_params(params, critic_params)
+  template = init_train_state(params, make_optimizer(run), config,
+                              rng=jax.random.PRNGKey(run.seed))
+  with Checkpointer(ckpt_dir) as ckpt:
+    state, extra = ckpt.restore(template)
+  params = state.params
+  if not separate:
+    return run, nnx.merge(graphdef, params), None, int(extra["step"])
+  return (run, nnx.merge(graphdef, params[POLICY]),
+          nnx.merge(critic_graphdef, params[CRITIC]), int(extra["step"]))
+
+
+def export_run(run_dir: str, dest: str | None = None) -> dict:
+  """Writes a run's latest checkpoint as Hugging Face folders (see the module doc).
+
+  Args:
+    run_dir: the run folder of a ``--model PATH`` run.
+    dest: where to write (default ``run_dir``): ``dest/hf/`` and, with a value model,
+      ``dest/value_head.safetensors`` or ``dest/critic/``.
+
+  Returns:
+    ``{"hf_model": ..., "value_model": ...}`` (paths; ``value_model`` only when the
+    recipe has one), for the run summary.
+
+  Raises:
+    ValueError: as :func:`restore_run`.
+  """
+  import jax
+  from flax import nnx
+
+  from jaxrl_llm.models.critic import drop_value_head
+  from jaxrl_llm.models.hf import read_hf_config, save_pretrained, save_value_head
+  from jaxrl_llm.models.transformer import split_model
+
+  run, model, critic, step = restore_run(run_dir)
+  dest = run_dir if dest is None else dest
+  hf_dir = os.path.join(dest, "hf")
+  original = read_hf_config(run.model)
+  extra = {k: original[k] for k in TOKEN_ID_FIELDS if original.get(k) is not None}
+  policy = nnx.merge(*drop_value_head(*split_model(model)))
+  save_pretrained(policy, hf_dir, extra_config=extra)
+  if jax.process_index() == 0:
+    for name in TOKENIZER_FILES:
+      src = os.path.join(run.model, name)
+      if os.path.isfile(src):
+        shutil.copyfile(src, os.path.join(hf_dir, name))
+  out = {"hf_model": f"{hf_dir} (step {step})"}
+  if critic is not None:
+    critic_dir = os.path.join(dest, "critic")
+    save_pretrained(critic, critic_dir, extra_config=extra)
+    out["value_model"] = f"{critic_dir} (separate critic)"
+  elif model.config.value_head:
+    value_file = os.path.join(dest, "value_head.safetensors")
+    save_value_head(model, value_file)
+    out["value_model"] = f"{value_file} (value head of {hf_dir})"
+  return out
+
+
+__all__ = ["TOKENIZER_FILES", "export_run", "restore_run"]

@@ -1,0 +1,71 @@
+"""The train state pytree and its initialisation."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrl_llm.control import (AdaptiveClipState, AdaptiveKLState, adaptive_clip_init,
+                               adaptive_kl_init)
+from jaxrl_llm.train.state import TrainConfig
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a train step reads and writes; a pytree (jit, shard, checkpoint it).
+
+  Attributes:
+    params: model parameters (any pytree; e.g. an ``nnx.State``).
+    opt_state: the optax state of ``params``.
+    step: int32 number of completed train steps.
+    hparams: dict of float32 scalars (traced hyperparameters, see :class:`TrainConfig`).
+    kl_ctrl: adaptive KL controller state (its ``coef`` is the live KL coefficient
+      when ``adaptive_kl``).
+    clip_ctrl: adaptive clip controller state.
+    rng: a raw ``uint32[2]`` PRNG key for minibatch shuffling.
+  """
+  params: Any
+  opt_state: Any
+  step: jax.Array
+  hparams: dict
+  kl_ctrl: AdaptiveKLState
+  clip_ctrl: AdaptiveClipState
+  rng: jax.Array
+
+
+def init_train_state(params: Any, optimizer: optax.GradientTransformation,
+                     config: TrainConfig, rng: Optional[jax.Array] = None) -> TrainState:
+  """Builds the initial :class:`TrainState` for ``params``.
+
+  Use the same ``config`` (and optimizer) as the train step; ``step.init(params)`` of a
+  step from :func:`jaxrl_llm.train.make_train_step` does exactly that.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> state = init_train_state({"w": jnp.zeros(2)}, optax.sgd(0.1), TrainConfig())
+    >>> int(state.step), sorted(state.hparams)[:3]
+    (0, ['clip_low', 'entropy_coef', 'gamma'])
+  """
+  if rng is None:
+    rng = jax.random.PRNGKey(0)
+  clip_kwargs = {} if config.adaptive_clip_target is None else {
+      "target": config.adaptive_clip_target}
+  return TrainState(
+      params=params,
+      opt_state=optimizer.init(params),
+      step=jnp.zeros((), jnp.int32),
+      hparams=config.hparams(),
+      kl_ctrl=adaptive_kl_init(max(config.kl_coef, 1e-8), target=config.kl_target,
+                               horizon=config.kl_horizon),
+      # The controller's epsilon lives in [clip_min, clip_max] (adaptive_clip_init
+      # rejects a start outside it); a loss's own clip_low (GSPO 3e-4) may not.
+      clip_ctrl=adaptive_clip_init(min(max(config.clip_range()[0], config.clip_min),
+                                       config.clip_max),
+                                   eps_min=config.clip_min, eps_max=config.clip_max,
+                                   metric=config.adaptive_clip_metric, **clip_kwargs),
+      rng=jnp.asarray(rng, jnp.uint32),
+  )
