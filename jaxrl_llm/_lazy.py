@@ -12,23 +12,25 @@ import importlib
 from typing import Any, Callable, Mapping, Sequence
 
 
-def lazy_namespace(package: str, table: Mapping[str, str], names: Sequence[str],
+def lazy_namespace(package: str, exports: Mapping[str, Sequence[str]],
                    namespace: dict) -> tuple[Callable[[str], Any], Callable[[], list]]:
   """``(__getattr__, __dir__)`` for a package whose public names load on first use.
 
   Args:
     package: the package's ``__name__`` (for the error message).
-    table: ``{public name: module that defines it}``.
-    names: the package's ``__all__`` (listed by ``dir()`` with the loaded globals).
+    exports: ``{module: the public names it defines}``; the package's ``__all__`` is
+      :func:`public_names` of it.
     namespace: the package's ``globals()``; a resolved name is cached there, so
       ``__getattr__`` runs once per name.
 
   Examples:
     >>> ns = {"__name__": "pkg"}
-    >>> getattr_, dir_ = lazy_namespace("pkg", {"sqrt": "math"}, ["sqrt"], ns)
+    >>> getattr_, dir_ = lazy_namespace("pkg", {"math": ["sqrt"]}, ns)
     >>> getattr_("sqrt")(9.0), "sqrt" in ns, "sqrt" in dir_()
     (3.0, True, True)
   """
+  table = {name: module for module, names in exports.items() for name in names}
+
   def __getattr__(name: str) -> Any:
     module = table.get(name)
     if module is None:
@@ -38,6 +40,16 @@ def lazy_namespace(package: str, table: Mapping[str, str], names: Sequence[str],
     return value
 
   def __dir__() -> list:
-    return sorted(set(namespace) | set(names))
+    return sorted(set(namespace) | set(table))
 
   return __getattr__, __dir__
+
+
+def public_names(exports: Mapping[str, Sequence[str]]) -> list[str]:
+  """The package's ``__all__``: every name of ``exports``, in order.
+
+  Examples:
+    >>> public_names({"math": ["sqrt", "pi"], "os": ["sep"]})
+    ['sqrt', 'pi', 'sep']
+  """
+  return [name for names in exports.values() for name in names]

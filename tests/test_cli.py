@@ -81,12 +81,28 @@ def test_user_mistakes_end_in_one_line_errors_naming_the_flag(probe):
   assert not os.path.exists(probe["missing"])   # a refused start writes nothing
 
 
+def static_imports(pkg) -> dict:
+  """``{module: names}`` imported under ``if TYPE_CHECKING:`` in a package's source."""
+  import ast
+  with open(pkg.__file__) as f:
+    tree = ast.parse(f.read())
+  out: dict = {}
+  for node in tree.body:
+    if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+      for imp in node.body:
+        assert isinstance(imp, ast.ImportFrom), ast.dump(imp)
+        out.setdefault(imp.module, set()).update(a.name for a in imp.names)
+  return out
+
+
 def test_lazy_package_namespace_is_the_eager_one():
   import jaxrl_llm
   import jaxrl_llm.loop
   import jaxrl_llm.train
   for pkg in (jaxrl_llm, jaxrl_llm.train, jaxrl_llm.loop):
-    assert set(pkg.__all__) == set(pkg._LAZY), pkg.__name__
+    # The lazy table names what the static (TYPE_CHECKING) imports name, module by module.
+    assert static_imports(pkg) == {m: set(n) for m, n in pkg._EXPORTS.items()}, pkg
+    assert len(pkg.__all__) == len(set(pkg.__all__)), pkg.__name__
     assert set(pkg.__all__) <= set(dir(pkg)), pkg.__name__
     for name in pkg.__all__:
       assert getattr(pkg, name) is not None, (pkg.__name__, name)

@@ -11,7 +11,7 @@
 
 from typing import TYPE_CHECKING
 
-from jaxrl_llm._lazy import lazy_namespace
+from jaxrl_llm._lazy import lazy_namespace, public_names
 
 if TYPE_CHECKING:  # the names as static imports, for type checkers and IDEs
   from jaxrl_llm.loop.batch import build_batch, sequence_advantages
@@ -21,19 +21,15 @@ if TYPE_CHECKING:  # the names as static imports, for type checkers and IDEs
   from jaxrl_llm.loop.policy import Policy
   from jaxrl_llm.loop.progress import report_progress
 
-__all__ = ["RunConfig", "MODELS", "RESUMABLE_FIELDS", "algos", "make_optimizer",
-           "train_config_for", "Policy", "build_batch", "sequence_advantages", "evaluate",
-           "decode", "report_progress"]
-
-# Public name -> its module, imported on first access (see jaxrl_llm._lazy).
-_LAZY = {
-    "build_batch": "jaxrl_llm.loop.batch", "sequence_advantages": "jaxrl_llm.loop.batch",
-    "MODELS": "jaxrl_llm.loop.config", "RESUMABLE_FIELDS": "jaxrl_llm.loop.config",
-    "RunConfig": "jaxrl_llm.loop.config", "algos": "jaxrl_llm.loop.config",
-    "make_optimizer": "jaxrl_llm.loop.config", "train_config_for": "jaxrl_llm.loop.config",
-    "decode": "jaxrl_llm.loop.evaluation", "evaluate": "jaxrl_llm.loop.evaluation",
-    "Policy": "jaxrl_llm.loop.policy",
-    "report_progress": "jaxrl_llm.loop.progress",
+# Module -> its public names, imported on first access (see jaxrl_llm._lazy).
+_EXPORTS = {
+    "jaxrl_llm.loop.config": ("RunConfig", "MODELS", "RESUMABLE_FIELDS", "algos",
+                              "make_optimizer", "train_config_for"),
+    "jaxrl_llm.loop.policy": ("Policy",),
+    "jaxrl_llm.loop.batch": ("build_batch", "sequence_advantages"),
+    "jaxrl_llm.loop.evaluation": ("evaluate", "decode"),
+    "jaxrl_llm.loop.progress": ("report_progress",),
 }
+__all__ = public_names(_EXPORTS)
 
-__getattr__, __dir__ = lazy_namespace(__name__, _LAZY, __all__, globals())
+__getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS, globals())

@@ -7,7 +7,7 @@ checkpoints) is :func:`jaxrl_llm.trainer.run_training`.
 
 from typing import TYPE_CHECKING
 
-from jaxrl_llm._lazy import lazy_namespace
+from jaxrl_llm._lazy import lazy_namespace, public_names
 
 if TYPE_CHECKING:  # the names as static imports, for type checkers and IDEs
   from jaxrl_llm.train.registry import (ADVANTAGE_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY,
@@ -24,35 +24,20 @@ if TYPE_CHECKING:  # the names as static imports, for type checkers and IDEs
                                     make_ppo_train_step, make_train_step, policy_forward,
                                     prepare_batch, validate_batch)
 
-__all__ = ["TrainConfig", "TrainState", "init_train_state", "make_train_step",
-           "make_ppo_train_step", "make_grpo_train_step", "policy_forward",
-           "prepare_batch", "validate_batch", "default_positions", "check_hparams", "TrainStep",
-           "ModelOutput", "as_model_output",
-           "POLICY_LOSSES", "TRACED_HPARAMS", "GRPO_DEFAULTS", "POLICY_LOSS_REGISTRY",
-           "ADVANTAGE_ESTIMATOR_REGISTRY", "AdvantageInputs", "register_policy_loss",
-           "register_advantage_estimator", "get_policy_loss", "get_advantage_estimator",
-           "compute_advantages"]
-
-# Public name -> its module, imported on first access (see jaxrl_llm._lazy).
-_LAZY = {
-    "ADVANTAGE_ESTIMATOR_REGISTRY": "jaxrl_llm.train.registry",
-    "POLICY_LOSS_REGISTRY": "jaxrl_llm.train.registry",
-    "AdvantageInputs": "jaxrl_llm.train.registry",
-    "compute_advantages": "jaxrl_llm.train.registry",
-    "get_advantage_estimator": "jaxrl_llm.train.registry",
-    "get_policy_loss": "jaxrl_llm.train.registry",
-    "register_advantage_estimator": "jaxrl_llm.train.registry",
-    "register_policy_loss": "jaxrl_llm.train.registry",
-    "POLICY_LOSSES": "jaxrl_llm.train.state", "TRACED_HPARAMS": "jaxrl_llm.train.state",
-    "TrainConfig": "jaxrl_llm.train.state", "TrainState": "jaxrl_llm.train.train_state",
-    "init_train_state": "jaxrl_llm.train.train_state",
-    "GRPO_DEFAULTS": "jaxrl_llm.train.state", "ModelOutput": "jaxrl_llm.train.step",
-    "TrainStep": "jaxrl_llm.train.step", "as_model_output": "jaxrl_llm.train.step",
-    "check_hparams": "jaxrl_llm.train.step", "default_positions": "jaxrl_llm.train.step",
-    "make_grpo_train_step": "jaxrl_llm.train.step",
-    "make_ppo_train_step": "jaxrl_llm.train.step",
-    "make_train_step": "jaxrl_llm.train.step", "policy_forward": "jaxrl_llm.train.step",
-    "prepare_batch": "jaxrl_llm.train.step", "validate_batch": "jaxrl_llm.train.step",
+# Module -> its public names, imported on first access (see jaxrl_llm._lazy).
+_EXPORTS = {
+    "jaxrl_llm.train.state": ("TrainConfig", "POLICY_LOSSES", "TRACED_HPARAMS",
+                              "GRPO_DEFAULTS"),
+    "jaxrl_llm.train.train_state": ("TrainState", "init_train_state"),
+    "jaxrl_llm.train.step": (
+        "make_train_step", "make_ppo_train_step", "make_grpo_train_step",
+        "policy_forward", "prepare_batch", "validate_batch", "default_positions",
+        "check_hparams", "TrainStep", "ModelOutput", "as_model_output"),
+    "jaxrl_llm.train.registry": (
+        "POLICY_LOSS_REGISTRY", "ADVANTAGE_ESTIMATOR_REGISTRY", "AdvantageInputs",
+        "register_policy_loss", "register_advantage_estimator", "get_policy_loss",
+        "get_advantage_estimator", "compute_advantages"),
 }
+__all__ = public_names(_EXPORTS)
 
-__getattr__, __dir__ = lazy_namespace(__name__, _LAZY, __all__, globals())
+__getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS, globals())
