@@ -2,8 +2,6 @@
 value learning rate, positive-example NLL, rollout-mismatch correction, dynamic
 sampling and the overlong penalty, the vapo / dapo recipes and their flags."""
 
-import json
-import os
 import types
 
 import jax
@@ -16,6 +14,7 @@ from jaxrl_llm.loop.config import RunConfig, make_optimizer
 from jaxrl_llm.models.critic import (actor_critic_params, policy_value_optimizer,
                                      value_param_labels)
 from jaxrl_llm.train import TrainConfig, make_train_step, policy_forward
+from tests.utils import train_two_steps
 
 V = 5
 
@@ -329,19 +328,8 @@ def test_recipes_vapo_and_dapo_and_flags_override_them():
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["vapo", "dapo"])
 def test_cli_recipe_trains_two_steps_without_nan(recipe, tmp_path):
-  from jaxrl_llm.cli import main
-  out = str(tmp_path / recipe)
-  rc = main(["train", "--recipe", recipe, "--steps", "2", "--prompts-per-step", "2",
-             "--group-size", "2", "--eval-size", "4", "--eval-every", "2", "--out", out,
-             "--no-progress", "--critic-warmup-steps", "1"][:None if recipe == "vapo"
-                                                           else -2])
-  assert rc == 0
-  with open(os.path.join(out, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f]
-  assert [r["step"] for r in rows] == [0, 1, 2]
-  for row in rows[1:]:
-    for key in ("loss", "pg_loss", "entropy", "grad_norm"):
-      assert np.isfinite(row[key]), (recipe, key)
+  warmup = ["--critic-warmup-steps", "1"] if recipe == "vapo" else []
+  rows = train_two_steps(str(tmp_path / recipe), "--recipe", recipe, *warmup)
   if recipe == "vapo":
     assert rows[1]["critic_warmup"] == 1.0 and "critic_warmup" not in rows[2]
     assert np.isfinite(rows[2]["pos_nll"]) and np.isfinite(rows[2]["vf_loss"])

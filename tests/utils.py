@@ -69,3 +69,21 @@ def run_worker(module: str, *args: str, devices: int = 8, timeout: float = 900) 
       results = json.load(f)
   assert results["device_count"] == devices, results["device_count"]
   return results
+
+
+def train_two_steps(out: str, *flags: str) -> list[dict]:
+  """Runs ``jaxrl-llm train FLAGS`` in-process for 2 tiny steps (2 prompts x 2 samples,
+  eval on 4 prompts at step 2) into ``out``; returns the ``metrics.jsonl`` rows after
+  checking the exit code, the steps and that loss, pg_loss, entropy and grad_norm are
+  finite at every update."""
+  from jaxrl_llm.cli import main
+  rc = main(["train", *flags, "--steps", "2", "--prompts-per-step", "2", "--group-size",
+             "2", "--eval-size", "4", "--eval-every", "2", "--out", out, "--no-progress"])
+  assert rc == 0, flags
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  assert [r["step"] for r in rows] == [0, 1, 2], flags
+  for row in rows[1:]:
+    for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+      assert row[key] is not None and np.isfinite(row[key]), (flags, key)
+  return rows
