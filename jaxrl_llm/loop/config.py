@@ -76,7 +76,7 @@ class RunConfig:
       recipe's value_lr_scale (vapo: 2, else 1).
     critic_warmup_steps: first steps that train only the value function on rollouts
       of the frozen policy (generation, scoring and evaluation still run; with a
-      shared trunk only the value head trains). None: the recipe's (vapo: 20, else 0).
+      shared trunk only the value head trains). None: the recipe's (vapo: 10, else 0).
     dynamic_sampling: DAPO dynamic sampling: drop groups whose rewards are all equal
       and draw more to refill the batch (at most --max-sampling-draws rollouts).
       None: the recipe's (dapo: on).

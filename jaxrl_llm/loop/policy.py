@@ -47,9 +47,8 @@ class Policy:
     self._ref_part = ref_part
     self.forward = jax.jit(lambda params, batch: policy_forward(
         apply_fn, params, batch, temperature=temperature))
-    ref_apply = apply_fn if ref_apply_fn is None else ref_apply_fn
     self.ref_forward = self.forward if ref_apply_fn is None else jax.jit(
-        lambda params, batch: policy_forward(ref_apply, params, batch,
+        lambda params, batch: policy_forward(ref_apply_fn, params, batch,
                                              temperature=temperature))
     self._sample = jax.jit(sample, static_argnums=0,
                            static_argnames=("max_new_tokens", "greedy", "top_k"))
