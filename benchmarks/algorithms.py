@@ -45,7 +45,9 @@ throughput counts the ``B`` trained samples) and the soft overlong penalty. Over
   times the group std: the division is a rescaling, not variance reduction) and the
   leave-one-out difference for RLOO. It is the fraction of the reward variance left
   in the policy-gradient weight by the baseline: 1 = no baseline, lower = the baseline
-  explains more. Measured on every rollout of the run and averaged over steps.
+  explains more. Both variances are measured on every rollout of the run and summed
+  over steps before dividing (a ratio of sums: a step whose scores are all equal adds
+  its advantage variance and nothing to the denominator, instead of a division by ~0).
   For VAPO :math:`\tilde A` is its own estimator's (decoupled GAE, length-adaptive
   lambda); for DAPO the group-centred score including the overlong penalty.
 * ``value EV``: the explained variance of the critic's values for the returns (the
@@ -53,8 +55,9 @@ throughput counts the ``B`` trained samples) and the soft overlong penalty. Over
   the steps (value recipes only; the whole curve is in the JSON).
 * steps and training wall time (sum of ``time_s``; evals excluded, the first step
   counted at the median step time so compile time is excluded) to reach
-  ``--target`` greedy eval accuracy (evaluated every ``eval_every`` steps), or "not
-  reached"; and the final eval accuracy.
+  ``--target`` greedy eval accuracy (or eval reward with ``--target-metric reward``;
+  evaluated every ``eval_every`` steps), or "not reached"; and the final eval accuracy
+  and reward.
 
 Part 2 (long generation). A full RL run with 2048-token responses is not feasible on a
 small machine, so on synthetic batches (random tokens, ``max_new_tokens`` response
@@ -130,8 +133,8 @@ def _in_step_raw_advantages(config, batch, mask):
   return np.asarray(adv)
 
 
-def normalised_adv_var(run, task, batch, scores):
-  """``Var_t[A~] / Var_t[R]`` over the batch's response tokens (see module docstring)."""
+def token_variances(run, task, batch, scores):
+  """``(Var_t[A~], Var_t[R])`` over the batch's response tokens (see module docstring)."""
   mask = np.asarray(batch["loss_mask"], np.float32)
   s = np.asarray(scores, np.float32)
   config = run.train_config(task.max_new_tokens)
@@ -145,8 +148,15 @@ def normalised_adv_var(run, task, batch, scores):
     adv = adv[:, None] * mask
   else:
     raise ValueError(run.algo)
-  score_var = _token_var(s[:, None] * mask, mask)
-  return _token_var(adv, mask) / max(score_var, 1e-12), score_var
+  return _token_var(adv, mask), _token_var(s[:, None] * mask, mask)
+
+
+def _variance_ratio(rows):
+  """``sum(adv_var) / sum(score_var)`` over ``rows`` (NaN when no step had any score
+  variance): a ratio of sums, so a step whose scores were all equal adds its advantage
+  variance without dividing by ~0."""
+  den = sum(r["score_var"] for r in rows)
+  return sum(r["adv_var"] for r in rows) / den if den > 0 else float("nan")
 
 
 class _Recorder:
@@ -170,9 +180,9 @@ class _Recorder:
     t1 = time.perf_counter()
     if self.first_batch is None:
       self.first_batch = {k: np.array(val) for k, val in batch.items()}
-    norm, score_var = normalised_adv_var(run, task, batch, info["scores"])
+    adv_var, score_var = token_variances(run, task, batch, info["scores"])
     # Our own bookkeeping is subtracted from the trainer's step time.
-    self.rows.append({"adv_var_norm": norm, "score_var": score_var, "rollout_s": t1 - t0,
+    self.rows.append({"adv_var": adv_var, "score_var": score_var, "rollout_s": t1 - t0,
                       "overhead_s": time.perf_counter() - t1})
     return batch, stats
 
@@ -214,7 +224,7 @@ def _quarter_means(values):
 
 
 def run_one(algo, seed, size, out_dir, target, update_repeats, train=None,
-            task="reverse"):
+            task="reverse", target_metric="accuracy"):
   run = T.RunConfig(algo=algo, seed=seed, steps=size["steps"], train=dict(train or {}),
                     task=task,
                     prompts_per_step=size["prompts"], group_size=size["group"],
@@ -238,7 +248,7 @@ def run_one(algo, seed, size, out_dir, target, update_repeats, train=None,
     elapsed += med if r["step"] == 1 else t
     cum[r["step"]] = elapsed
   late = rec.rows[len(rec.rows) // 2:]
-  reached = [r for r in hist if r.get("eval_accuracy", -1.0) >= target]
+  reached = [r for r in hist if r.get(f"eval_{target_metric}", -1.0) >= target]
   first = reached[0]["step"] if reached else None
   ev_curve = [[r["step"], r["explained_variance"]] for r in steps
               if "explained_variance" in r]
@@ -254,12 +264,13 @@ def run_one(algo, seed, size, out_dir, target, update_repeats, train=None,
       "rollout_samples_s": b / statistics.median(
           [x["rollout_s"] for x in rec.rows[1:]] or [rec.rows[0]["rollout_s"]]),
       "adv_raw_var": float(np.mean([r["adv_raw_var"] for r in steps])),
-      "adv_var_norm": float(np.mean([r["adv_var_norm"] for r in rec.rows])),
-      "adv_var_norm_late": float(np.mean([r["adv_var_norm"] for r in late])),
+      "adv_var_norm": _variance_ratio(rec.rows),
+      "adv_var_norm_late": _variance_ratio(late),
       "score_var": float(np.mean([r["score_var"] for r in rec.rows])),
       "steps_to_target": first,
       "wall_to_target_s": (cum.get(first, 0.0) if first is not None else None),
       "final_eval_accuracy": summary["eval_accuracy_end"],
+      "final_eval_reward": summary["eval_reward_end"],
       "final_kl_ref": steps[-1].get("kl_ref"),
       "value_ev_first_quarter": ev_first,
       "value_ev_last_quarter": ev_last,
@@ -267,6 +278,8 @@ def run_one(algo, seed, size, out_dir, target, update_repeats, train=None,
       "groups_drawn_per_step": float(np.mean(drawn)) if drawn else None,
       "eval_curve": [[r["step"], r["eval_accuracy"]] for r in hist
                      if "eval_accuracy" in r],
+      "eval_reward_curve": [[r["step"], r["eval_reward"]] for r in hist
+                            if "eval_reward" in r],
       "run_total_s": total_s,
   }
   return out
@@ -283,7 +296,7 @@ def _mmm(values, missing="not reached"):
   return f"{fmt(min(vals))} / {fmt(statistics.median(vals))} / {fmt(max(vals))}{note}"
 
 
-def summarise(results, target):
+def summarise(results, target, metric="accuracy"):
   table = []
   for algo in ALGOS:
     rs = [r for r in results if r["algo"] == algo]
@@ -303,9 +316,10 @@ def summarise(results, target):
         "value EV (1st quarter)": _mmm([r["value_ev_first_quarter"] for r in rs], "-"),
         "value EV (last quarter)": _mmm([r["value_ev_last_quarter"] for r in rs], "-"),
         "groups drawn / step": _mmm([r["groups_drawn_per_step"] for r in rs], "-"),
-        f"steps to acc {target}": _mmm([r["steps_to_target"] for r in rs]),
-        f"wall s to acc {target}": _mmm([r["wall_to_target_s"] for r in rs]),
+        f"steps to {metric} {target}": _mmm([r["steps_to_target"] for r in rs]),
+        f"wall s to {metric} {target}": _mmm([r["wall_to_target_s"] for r in rs]),
         "final eval acc": _mmm([r["final_eval_accuracy"] for r in rs]),
+        "final eval reward": _mmm([r["final_eval_reward"] for r in rs]),
         "article adv var (theirs)": art["adv_var"] if art["adv_var"] is not None else "-",
         "article convergence (theirs)": art["convergence"] or "-",
     })
@@ -380,7 +394,7 @@ def long_generation(model, batch, prompt_len, new_tokens, repeats, vocab=64):
 # ------------------------------------------------------------------------------ notes
 
 
-def notes(table_rows, long_rows, results, target):
+def notes(table_rows, long_rows, results, target, metric="accuracy"):
   """Plain-language reading of the figures (conditional on what was measured)."""
   med = lambda algo, key: statistics.median(
       [r[key] for r in results if r["algo"] == algo and r[key] is not None]
@@ -449,7 +463,7 @@ def notes(table_rows, long_rows, results, target):
         "charge it.")
   conv = {a: [r["steps_to_target"] for r in results if r["algo"] == a] for a in ALGOS}
   out.append(
-      f"Steps to eval accuracy {target} per seed: "
+      f"Steps to eval {metric} {target} per seed: "
       + ", ".join(f"{a} {['-' if x is None else x for x in v]}" for a, v in conv.items()
                   if v)
       + " ('-' = not reached). The article's '42% faster convergence' is its own claim "
@@ -471,7 +485,15 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true", help="a few steps, 1 seed, tiny sizes")
   p.add_argument("--seeds", type=int, default=None, help="seeds per algorithm (3)")
   p.add_argument("--steps", type=int, default=None)
-  p.add_argument("--target", type=float, default=0.3, help="eval accuracy target")
+  p.add_argument("--target", type=float, default=0.3,
+                 help="eval target: accuracy (or reward with --target-metric reward)")
+  p.add_argument("--target-metric", default="accuracy", choices=("accuracy", "reward"),
+                 help="the eval metric --target applies to (reward: the task's partial "
+                      "credit, for tasks where exact answers come late)")
+  p.add_argument("--prompts", type=int, default=None, help="prompts per step (32)")
+  p.add_argument("--group", type=int, default=None, help="samples per prompt (8)")
+  p.add_argument("--eval-every", type=int, default=None, help="steps between evals (10)")
+  p.add_argument("--eval-size", type=int, default=None, help="held-out prompts (256)")
   p.add_argument("--long-tokens", type=int, default=None, help="response length (2048)")
   p.add_argument("--long-batch", type=int, default=None, help="long-gen batch (4)")
   p.add_argument("--skip-long", action="store_true")
@@ -485,8 +507,9 @@ def main(argv=None):
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
   size = dict(QUICK if args.quick else FULL)
-  if args.steps:
-    size["steps"] = args.steps
+  for key in ("steps", "prompts", "group", "eval_every", "eval_size"):
+    if getattr(args, key):
+      size[key] = getattr(args, key)
   seeds = args.seeds or (1 if args.quick else 3)
   algos = [a for a in args.algos.split(",") if a]
   for a in algos:
@@ -503,13 +526,13 @@ def main(argv=None):
       for seed in range(seeds):
         train = {} if args.policy_loss is None else {"policy_loss": args.policy_loss}
         r = run_one(algo, seed, size, tmp, args.target, 0 if args.quick else 10, train,
-                    task=args.task)
+                    task=args.task, target_metric=args.target_metric)
         results.append(r)
         print(f"  {algo} seed {seed}: iter {r['iter_samples_s']:.0f} samples/s, "
               f"update {r['update_samples_s']:.0f} samples/s, adv_var_norm "
               f"{r['adv_var_norm']:.3f}, final acc {r['final_eval_accuracy']:.3f} "
               f"({r['run_total_s']:.0f}s)", flush=True)
-  table = summarise(results, args.target)
+  table = summarise(results, args.target, args.target_metric)
   cols = list(table[0]) if table else []
   print("\nmin / median / max over seeds")
   print(markdown_table(table, cols))
@@ -525,13 +548,15 @@ def main(argv=None):
     print(f"\nLong generation ({tokens} response tokens, synthetic batch)")
     print(markdown_table(long_rows, lcols))
 
-  note_lines = notes(table, long_rows, results, args.target) if results else []
+  note_lines = (notes(table, long_rows, results, args.target, args.target_metric)
+                if results else [])
   print("\nNotes:")
   for line in note_lines:
     print(f"- {line}")
   payload = {"benchmark": "algorithms", "machine": machine(), "quick": args.quick,
              "task": args.task,
-             "size": size, "seeds": seeds, "target": args.target, "runs": results,
+             "size": size, "seeds": seeds, "target": args.target,
+             "target_metric": args.target_metric, "runs": results,
              "table": table, "long_generation": long_rows, "notes": note_lines,
              "article": ARTICLE}
   write_json(args.json, payload)

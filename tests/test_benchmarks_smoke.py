@@ -54,3 +54,11 @@ def test_algorithms_benchmark_quick(tmp_path):
   assert all(r["iter_samples_s"] > 0 and r["adv_var_norm"] >= 0 for r in alg["runs"])
   assert [r["algo"] for r in alg["long_generation"]] == ["ppo", "grpo"]
   assert "## PPO, VAPO, GRPO, DAPO, RLOO" in text
+
+
+def test_adv_var_norm_is_a_ratio_of_summed_variances():
+  from benchmarks.algorithms import _variance_ratio
+  rows = [{"adv_var": 0.5, "score_var": 1.0}, {"adv_var": 0.25, "score_var": 0.0},
+          {"adv_var": 0.25, "score_var": 1.0}]
+  assert _variance_ratio(rows) == 0.5      # (0.5 + 0.25 + 0.25) / (1 + 0 + 1)
+  assert _variance_ratio(rows[1:2]) != _variance_ratio(rows[1:2])   # NaN, not 2.5e11
