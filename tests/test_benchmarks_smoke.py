@@ -7,6 +7,7 @@ runs and the long-generation update) on its own.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -51,7 +52,10 @@ def test_algorithms_benchmark_quick(tmp_path):
   with open(tmp_path / "algorithms.json") as f:
     alg = json.load(f)
   assert {r["algo"] for r in alg["runs"]} == {"grpo", "ppo"}
-  assert all(r["iter_samples_s"] > 0 and r["adv_var_norm"] >= 0 for r in alg["runs"])
+  assert all(r["iter_samples_s"] > 0 for r in alg["runs"])
+  # A ratio of summed variances: NaN exactly when no rollout had any score variance.
+  assert all(r["adv_var_norm"] >= 0 if r["score_var"] > 0 else math.isnan(r["adv_var_norm"])
+             for r in alg["runs"])
   assert [r["algo"] for r in alg["long_generation"]] == ["ppo", "grpo"]
   assert "## PPO, VAPO, GRPO, DAPO, RLOO" in text
 
