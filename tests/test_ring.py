@@ -20,7 +20,7 @@ from jax.sharding import AbstractMesh
 from jaxrl_llm.attention import ATTENTION_IMPLEMENTATIONS, dot_product_attention
 from jaxrl_llm.parallel import (MESH_AXES, make_mesh, ring_attention,
                                 ring_dot_product_attention)
-from jaxrl_llm.parallel.ring import LAYOUTS, _case, _CAUSAL_BRANCHES, _chunks
+from jaxrl_llm.parallel.ring import _LAYOUTS, LAYOUTS, _case
 from tests import ring_setup as R
 from tests.utils import assert_close, run_worker
 
@@ -92,7 +92,7 @@ def test_causal_branch_table_is_exact_and_zigzag_balances_work(layout, n):
   non-causal branch only pairs keys strictly before queries, and the work per device,
   in ``[T/n, T/n]`` blocks, is ``i + 1`` (contiguous) or ``1 + (n - 1) / 2`` on every
   device (zig-zag)."""
-  branches = _CAUSAL_BRANCHES[layout]
+  branches, chunks = _LAYOUTS[layout].branches, _LAYOUTS[layout].chunks
   covered, work = Counter(), []
   for i in range(n):
     blocks = 0.0
@@ -102,8 +102,8 @@ def test_causal_branch_table_is_exact_and_zigzag_balances_work(layout, n):
       assert (part is not None and part.causal) == (s == 0)
       if part is None:
         continue
-      queries = _chunks(layout, n, i)[slice(*part.q)]
-      keys = _chunks(layout, n, j)[slice(*part.k)]
+      queries = chunks(n, i)[slice(*part.q)]
+      keys = chunks(n, j)[slice(*part.k)]
       blocks += len(queries) * len(keys) / 4
       for qc in queries:
         for kc in keys:

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -107,23 +107,16 @@ _WHOLE = (0, 2)
 _DIAGONAL = _Part(_WHOLE, _WHOLE, True)
 _FULL = _Part(_WHOLE, _WHOLE, False)
 
-# The branch table of each layout: what device i computes with the key chunk of device
-# j in the cases (j == i, j < i, j > i) of a causal ring (None: fully masked, skipped).
+# The branch table of a causal ring: what device i computes with the key chunk of
+# device j in the cases (j == i, j < i, j > i) (None: fully masked, skipped).
 # Contiguous chunks i, j: j < i is fully visible, j > i fully masked. Zig-zag chunks
 # (i, 2n-1-i) and (j, 2n-1-j): for j < i both local query halves see the first key half
 # (sub-chunk j) and not the second; for j > i only the second query half (sub-chunk
 # 2n-1-i) sees keys, and it sees both halves.
-_CAUSAL_BRANCHES: dict[str, tuple[_Part | None, ...]] = {
-    "contiguous": (_DIAGONAL, _FULL, None),
-    "zigzag": (_DIAGONAL, _Part(_WHOLE, (0, 1), False), _Part((1, 2), _WHOLE, False)),
-}
+_CONTIGUOUS_BRANCHES: tuple[_Part | None, ...] = (_DIAGONAL, _FULL, None)
+_ZIGZAG_BRANCHES: tuple[_Part | None, ...] = (
+    _DIAGONAL, _Part(_WHOLE, (0, 1), False), _Part((1, 2), _WHOLE, False))
 _NONCAUSAL_BRANCHES: tuple[_Part | None, ...] = (_FULL,)   # every step, every layout
-LAYOUTS = tuple(_CAUSAL_BRANCHES)
-
-
-def _chunks(layout: str, n: int, i: int) -> tuple[int, int]:
-  """The global half-chunks (of ``2n``) that device ``i`` holds, in local order."""
-  return (2 * i, 2 * i + 1) if layout == "contiguous" else (i, 2 * n - 1 - i)
 
 
 def _case(s, idx, branches):
@@ -279,16 +272,41 @@ def _from_zigzag(x, axis, n):
                           lax.ppermute(b, axis, back(second))], 1)
 
 
+class _Layout(NamedTuple):
+  """A token layout of the causal ring.
+
+  ``chunks(n, i)``: the global half-chunks (of ``2n``) device ``i`` holds, in local
+  order; ``enter`` / ``leave``: ``(x, axis, n) ->`` the permutation from the contiguous
+  chunks into the layout and back; ``branches``: the branch table.
+  """
+
+  chunks: Callable[[int, int], tuple[int, int]]
+  enter: Callable
+  leave: Callable
+  branches: tuple[_Part | None, ...]
+
+
+def _stay(x, axis, n):
+  return x
+
+
+_LAYOUTS = {
+    "contiguous": _Layout(lambda n, i: (2 * i, 2 * i + 1), _stay, _stay,
+                          _CONTIGUOUS_BRANCHES),
+    "zigzag": _Layout(lambda n, i: (i, 2 * n - 1 - i), _to_zigzag, _from_zigzag,
+                      _ZIGZAG_BRANCHES),
+}
+LAYOUTS = tuple(_LAYOUTS)
+
+
 def _ring_body(q, k, val, m, axis, n, layout, causal, impl):
   """The per-device ring in ``layout``; takes and returns contiguous chunks."""
   if not causal:
     return _ring(q, k, val, m, axis, n, _NONCAUSAL_BRANCHES, impl)
-  if layout == "contiguous":
-    return _ring(q, k, val, m, axis, n, _CAUSAL_BRANCHES[layout], impl)
+  lay = _LAYOUTS[layout]
   # Outside the custom_vjp: JAX transposes the ppermutes (inverse permutations).
-  q, k, val, m = (_to_zigzag(x, axis, n) for x in (q, k, val, m))
-  return _from_zigzag(_ring(q, k, val, m, axis, n, _CAUSAL_BRANCHES[layout], impl),
-                      axis, n)
+  q, k, val, m = (lay.enter(x, axis, n) for x in (q, k, val, m))
+  return lay.leave(_ring(q, k, val, m, axis, n, lay.branches, impl), axis, n)
 
 
 # ------------------------------------------------------------------------- public API
