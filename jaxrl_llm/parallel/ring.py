@@ -347,7 +347,7 @@ def ring_attention(query, key, value, *, mesh, axis: str = "sequence", key_mask=
   ``n - 1`` half blocks. The zig-zag order is internal: inputs and output keep the
   contiguous layout (device ``i`` holds tokens ``[i T/n, (i+1) T/n)``), at the cost of
   moving ``q, k, v`` and the key mask once into the zig-zag order (two half-chunk
-  ``ppermute`` s each) and the output once back. Non-causal attention does the same
+  ``ppermute`` calls each) and the output once back. Non-causal attention does the same
   work in both layouts and runs contiguous; so does a ``T`` that is not divisible by
   ``2n`` (only ``T % n == 0`` is required).
 
