@@ -35,7 +35,11 @@ from jaxrl_llm.train import init_train_state, make_train_step  # noqa: E402
 from tests import ring_setup as R  # noqa: E402
 
 MESHES = {"seq8": dict(data=1, sequence=8), "data2_seq4": dict(data=2, sequence=4),
-          "tensor2_seq4": dict(data=1, tensor=2, sequence=4)}
+          "tensor2_seq4": dict(data=1, tensor=2, sequence=4),
+          "data4_seq2": dict(data=4, sequence=2)}
+# (causal, layout) per case kind; "causal" is the default (zig-zag) layout.
+KINDS = {"causal": (True, "zigzag"), "causal_contiguous": (True, "contiguous"),
+         "full": (False, "zigzag")}
 
 
 def _max_diff(a, b):
@@ -45,10 +49,11 @@ def _max_diff(a, b):
 
 
 def case_ring(results):
-  """ring_attention == single-device attention: values (vs NumPy) and gradients."""
+  """ring_attention == single-device attention: values (vs NumPy) and gradients, in
+  both layouts; ``layout_diff``: zig-zag against contiguous (values and gradients)."""
   q, k, val, mask, weights = R.attention_inputs(seed=0)
-  out = {}
-  for causal in (True, False):
+  out, layouts = {}, {}
+  for kind, (causal, layout) in KINDS.items():
     expected = R.numpy_attention(q, k, val, mask, causal)
 
     def loss(fn, q_, k_, v_, mask_):
@@ -60,8 +65,8 @@ def case_ring(results):
         q, k, val, mask)
     for name, sizes in MESHES.items():
       mesh = make_mesh(**sizes)
-      ring = lambda q_, k_, v_, m_, c=causal, mesh=mesh: ring_attention(
-          q_, k_, v_, mesh=mesh, key_mask=m_, is_causal=c)
+      ring = lambda q_, k_, v_, m_, c=causal, mesh=mesh, lay=layout: ring_attention(
+          q_, k_, v_, mesh=mesh, key_mask=m_, is_causal=c, layout=lay)
       fwd = jax.jit(ring)
       got = fwd(q, k, val, mask)
       grads = jax.jit(jax.grad(lambda *a, ring=ring: loss(ring, *a), argnums=(0, 1, 2)))(
@@ -69,7 +74,8 @@ def case_ring(results):
       # New values, same shapes: no recompilation.
       q2, k2, v2, mask2, _ = R.attention_inputs(seed=1)
       got2 = fwd(q2, k2, v2, mask2)
-      out[f"{name}/{'causal' if causal else 'full'}"] = dict(
+      layouts[name, kind] = (got, grads)
+      out[f"{name}/{kind}"] = dict(
           value_diff=_max_diff(got, expected),
           value_diff_new_inputs=_max_diff(got2, R.numpy_attention(q2, k2, v2, mask2,
                                                                   causal)),
@@ -78,7 +84,19 @@ def case_ring(results):
           empty_row_zero=bool(np.all(np.asarray(got)[R.EMPTY_ROW] == 0)),
           finite=bool(all(np.all(np.isfinite(g)) for g in grads)),
           cache_size=fwd._cache_size(), spec=str(got.sharding.spec))
+  for name in MESHES:
+    out[f"{name}/causal"]["layout_diff"] = _max_diff(layouts[name, "causal"],
+                                                     layouts[name, "causal_contiguous"])
   results["ring"] = out
+
+
+def case_fallback(results):
+  """T = 56 on sequence=8: 56 % 16 != 0, so the zig-zag default runs contiguous."""
+  q, k, val, mask, _ = (x[:, :56] for x in R.attention_inputs(seed=0))
+  got = jax.jit(lambda *a: ring_attention(*a[:3], mesh=make_mesh(data=1, sequence=8),
+                                          key_mask=a[3]))(q, k, val, mask)
+  results["fallback"] = dict(value_diff=_max_diff(got, R.numpy_attention(q, k, val, mask,
+                                                                         True)))
 
 
 def case_auto(results):
@@ -145,7 +163,8 @@ def case_ppo(results):
 def run(out_path):
   results = {"device_count": jax.device_count(), "errors": {}, "seconds": {}}
   for name, fn in (("ring", case_ring), ("auto", case_auto),
-                   ("nondividing", case_nondividing), ("ppo", case_ppo)):
+                   ("nondividing", case_nondividing), ("fallback", case_fallback),
+                   ("ppo", case_ppo)):
     start = time.perf_counter()
     try:
       fn(results)

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from jax.sharding import AbstractMesh
 from jaxrl_llm.attention import ATTENTION_IMPLEMENTATIONS, dot_product_attention
 from jaxrl_llm.parallel import (MESH_AXES, make_mesh, ring_attention,
                                 ring_dot_product_attention)
+from jaxrl_llm.parallel.ring import _LAYOUTS, LAYOUTS, _case
 from tests import ring_setup as R
 from tests.utils import assert_close, run_worker
 
@@ -69,6 +72,8 @@ def test_bf16_inputs_give_bf16_outputs():
     (((2, 16, 4, 8), (2, 16, 2, 8)), {"axis": "context"},
      r"`axis` 'context' is not an axis of the mesh"),
     (((2, 16, 4), (2, 16, 2, 8)), {}, r"`query` must have rank 4"),
+    (((2, 16, 4, 8), (2, 16, 2, 8)), {"layout": "striped"},
+     r"`layout` must be one of \['contiguous', 'zigzag'\], got 'striped'"),
 ])
 def test_bad_input_raises_naming_argument_and_shapes(shapes, kwargs, match):
   q_shape, k_shape = shapes
@@ -77,6 +82,40 @@ def test_bad_input_raises_naming_argument_and_shapes(shapes, kwargs, match):
   with pytest.raises(ValueError, match=match):
     ring_attention(jnp.ones(q_shape), jnp.ones(k_shape), jnp.ones(k_shape),
                    mesh=_mesh(8), **kwargs)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_causal_branch_table_is_exact_and_zigzag_balances_work(layout, n):
+  """Pure Python over the branch rule: in half-chunks of ``2n`` (global ids), every
+  causally visible (query, key) pair is computed exactly once over the ring, a
+  non-causal branch only pairs keys strictly before queries, and the work per device,
+  in ``[T/n, T/n]`` blocks, is ``i + 1`` (contiguous) or ``1 + (n - 1) / 2`` on every
+  device (zig-zag)."""
+  branches, chunks = _LAYOUTS[layout].branches, _LAYOUTS[layout].chunks
+  covered, work = Counter(), []
+  for i in range(n):
+    blocks = 0.0
+    for s in range(n):
+      j = (i - s) % n
+      part = branches[int(_case(s, i, branches))]
+      assert (part is not None and part.causal) == (s == 0)
+      if part is None:
+        continue
+      queries = chunks(n, i)[slice(*part.q)]
+      keys = chunks(n, j)[slice(*part.k)]
+      blocks += len(queries) * len(keys) / 4
+      for qc in queries:
+        for kc in keys:
+          assert part.causal or kc < qc, (i, s, qc, kc)
+          if kc <= qc:        # on the diagonal (causal, local order = global) pairs
+            covered[qc, kc] += 1   # with kc > qc are masked away inside the block
+    work.append(blocks)
+  assert covered == Counter({(qc, kc): 1 for qc in range(2 * n) for kc in range(qc + 1)})
+  if layout == "contiguous":
+    assert work == [i + 1 for i in range(n)]
+  else:
+    assert work == [1 + (n - 1) / 2] * n
 
 
 # ------------------------------------------------------------------ 8 forced devices
@@ -99,9 +138,10 @@ def _no_error(multi, case):
 
 
 @on_8_devices
-@pytest.mark.parametrize("mesh", ["seq8", "data2_seq4", "tensor2_seq4"])
-@pytest.mark.parametrize("kind", ["causal", "full"])
+@pytest.mark.parametrize("mesh", ["seq8", "data2_seq4", "tensor2_seq4", "data4_seq2"])
+@pytest.mark.parametrize("kind", ["causal", "causal_contiguous", "full"])
 def test_ring_equals_single_device_attention(multi, mesh, kind):
+  """``causal``: the default zig-zag layout; ``causal_contiguous``: layout="contiguous"."""
   _no_error(multi, "ring")
   r = multi["ring"][f"{mesh}/{kind}"]
   assert r["value_diff"] < 2e-5 and r["value_diff_new_inputs"] < 2e-5, r
@@ -109,6 +149,20 @@ def test_ring_equals_single_device_attention(multi, mesh, kind):
   assert r["empty_row_zero"] and r["finite"], r
   assert r["cache_size"] == 1, r            # new values, same shapes: no recompile
   assert "'sequence'" in r["spec"], r       # the output stays split over the tokens
+
+
+@on_8_devices
+@pytest.mark.parametrize("mesh", ["seq8", "data2_seq4", "tensor2_seq4", "data4_seq2"])
+def test_zigzag_equals_contiguous(multi, mesh):
+  _no_error(multi, "ring")
+  r = multi["ring"][f"{mesh}/causal"]
+  assert r["layout_diff"] < 2e-5 * max(1.0, r["grad_scale"]), r
+
+
+@on_8_devices
+def test_zigzag_falls_back_to_contiguous_when_2n_does_not_divide_t(multi):
+  _no_error(multi, "fallback")
+  assert multi["fallback"]["value_diff"] < 2e-5, multi["fallback"]
 
 
 @on_8_devices

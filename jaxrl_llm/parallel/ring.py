@@ -23,15 +23,32 @@ the next chunk do not depend on the current block's compute, so XLA may overlap 
 **Causality and work balance.** With ``is_causal`` (self-attention, :math:`S = T`)
 chunk :math:`j` is, for the queries of chunk :math:`i`: the diagonal block
 (:math:`j = i`, step 0; causal inside the block), fully visible (:math:`j < i`), or
-fully masked (:math:`j > i`). A fully masked block is skipped with ``lax.cond`` (no
-FLOPs), so with this *contiguous* layout device :math:`i` computes :math:`i + 1` of the
+fully masked (:math:`j > i`). A fully masked block is skipped with ``lax.switch`` (no
+FLOPs), so with the *contiguous* layout device :math:`i` computes :math:`i + 1` of the
 :math:`n` blocks: the last device does :math:`n` blocks and sets the pace, the first
-does one, and the ring runs at about :math:`2n / (n + 1)` times the ideal time. The
-known fix is the zig-zag layout (device :math:`i` holds chunks :math:`i` and
-:math:`2n - 1 - i` of :math:`2n`, so every device does the same work); it needs the
-whole step's token order permuted (RoPE positions, masks, GAE), which this module does
-not do: it keeps the contiguous layout that
-:func:`jaxrl_llm.parallel.sequence_parallel_gae` and the batch shardings use.
+does one, and the ring runs at about :math:`2n / (n + 1)` times the ideal time.
+
+The *zig-zag* layout (``layout="zigzag"``, the default) balances it: split the tokens
+into :math:`2n` half-chunks; device :math:`i` holds half-chunks :math:`i` and
+:math:`2n - 1 - i` (an early and a late one). Against the keys of device :math:`j`:
+
+* :math:`j = i`: causal attention of the local :math:`[i \,|\, 2n-1-i]` queries over
+  the same keys (local order is global order, so the plain causal mask is exact);
+* :math:`j < i`: both query halves see key half-chunk :math:`j` fully and
+  :math:`2n - 1 - j` not at all: all queries over the first half of the keys;
+* :math:`j > i`: only query half-chunk :math:`2n - 1 - i` sees keys, and it sees both
+  halves: the second half of the queries over all keys.
+
+So every device computes one diagonal block and :math:`n - 1` half blocks. The
+permutation is internal to :func:`ring_attention`: its inputs and output keep the
+contiguous layout of :func:`jaxrl_llm.parallel.sequence_parallel_gae`, the batch
+shardings, RoPE positions and masks (device :math:`i` holds tokens
+:math:`[i T/n, (i+1) T/n)`); inside, ``q, k, v`` and the key mask move once into the
+zig-zag order and the output once back (``lax.ppermute`` of half-chunks, outside the
+``custom_vjp``, so their transposes are the inverse permutations). Each layout is a
+table of three branches (diagonal, earlier, later chunk) shared by the forward and
+the recomputing backward. Non-causal attention does the same work in any layout and
+runs contiguous, as does a ``T`` not divisible by :math:`2n`.
 
 **Memory.** Forward and backward are one ``custom_vjp``: the forward keeps only this
 device's ``q, k, v, mask`` chunks and its merged output and log-sum-exp
@@ -52,7 +69,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +89,44 @@ _HEAD_AXIS = "tensor"
 # ------------------------------------------------------------------- per-device ring
 
 
+class _Part(NamedTuple):
+  """What one ring step computes: the local queries ``q`` over the received keys ``k``.
+
+  ``q`` and ``k`` are ranges ``(start, stop)`` of the chunk in half-chunks (units of
+  ``T_c / 2``; ``(0, 2)`` is the whole chunk), ``causal`` masks ``key > query`` inside
+  (only the diagonal block, where local order is global order). Queries outside ``q``
+  see no key of this chunk.
+  """
+
+  q: tuple[int, int]
+  k: tuple[int, int]
+  causal: bool
+
+
+_WHOLE = (0, 2)
+_DIAGONAL = _Part(_WHOLE, _WHOLE, True)
+_FULL = _Part(_WHOLE, _WHOLE, False)
+
+# The branch table of a causal ring: what device i computes with the key chunk of
+# device j in the cases (j == i, j < i, j > i) (None: fully masked, skipped).
+# Contiguous chunks i, j: j < i is fully visible, j > i fully masked. Zig-zag chunks
+# (i, 2n-1-i) and (j, 2n-1-j): for j < i both local query halves see the first key half
+# (sub-chunk j) and not the second; for j > i only the second query half (sub-chunk
+# 2n-1-i) sees keys, and it sees both halves.
+_CONTIGUOUS_BRANCHES: tuple[_Part | None, ...] = (_DIAGONAL, _FULL, None)
+_ZIGZAG_BRANCHES: tuple[_Part | None, ...] = (
+    _DIAGONAL, _Part(_WHOLE, (0, 1), False), _Part((1, 2), _WHOLE, False))
+_NONCAUSAL_BRANCHES: tuple[_Part | None, ...] = (_FULL,)   # every step, every layout
+
+
+def _case(s, idx, branches):
+  """Index into ``branches`` at ring step ``s`` on device ``idx`` (keys of device
+  ``j = idx - s mod n``): 0 if ``j == idx``, 1 if ``j < idx``, 2 if ``j > idx``."""
+  if len(branches) == 1:
+    return jnp.int32(0)
+  return jnp.where(s == 0, 0, jnp.where(idx >= s, 1, 2)).astype(jnp.int32)
+
+
 def _block(q, k, val, m, causal, impl):
   """``(o [b,t,N,H] f32, lse [b,t,N] f32)`` of queries ``q`` over one key chunk.
 
@@ -85,6 +141,20 @@ def _skip(q):
   return (jnp.zeros(q.shape, jnp.float32), jnp.full((b, t, n), _EMPTY_LSE, jnp.float32))
 
 
+def _attend(part, impl, q, k, val, m):
+  """``(o, lse)`` of all local queries for one branch ``part`` (empty outside it)."""
+  if part is None:
+    return _skip(q)
+  t = q.shape[1]
+  (q0, q1), (k0, k1) = ((a * t // 2, b * t // 2) for a, b in (part.q, part.k))
+  o, lse = _block(q[:, q0:q1], k[:, k0:k1], val[:, k0:k1], m[:, k0:k1], part.causal,
+                  impl)
+  if (q0, q1) == (0, t):
+    return o, lse
+  pieces = [x for x in (_skip(q[:, :q0]), (o, lse), _skip(q[:, q1:])) if x[0].shape[1]]
+  return tuple(jnp.concatenate(xs, axis=1) for xs in zip(*pieces))
+
+
 def _merge(out, lse, o_j, lse_j):
   new = jnp.logaddexp(lse, lse_j)
   return (jnp.exp(lse - new)[..., None] * out + jnp.exp(lse_j - new)[..., None] * o_j,
@@ -97,25 +167,16 @@ def _send(xs, axis, n):
   return tuple(lax.ppermute(x, axis, perm) for x in xs)
 
 
-def _branch(s, idx, causal):
-  """0: diagonal (causal) block, 1: fully visible block, 2: fully masked (skip)."""
-  if not causal:
-    return jnp.int32(1)
-  return jnp.where(s == 0, 0, jnp.where(idx >= s, 1, 2)).astype(jnp.int32)
-
-
-def _ring_forward(q, k, val, m, axis, n, causal, impl):
+def _ring_forward(q, k, val, m, axis, n, branches, impl):
   """``(out f32, lse f32)`` of this device's queries over all ``n`` chunks."""
   idx = lax.axis_index(axis)
-  out, lse = _block(q, k, val, m, causal, impl)   # step 0: this device's own chunk
+  fns = [functools.partial(_attend, part, impl) for part in branches]
+  out, lse = fns[0](q, k, val, m)   # step 0: this device's own chunk
 
   def step(carry, s):
     k_s, v_s, m_s, out, lse = carry
     k_s, v_s, m_s = _send((k_s, v_s, m_s), axis, n)
-    o_j, lse_j = lax.switch(
-        _branch(s, idx, causal),
-        [lambda *a: _block(*a, causal, impl), lambda *a: _block(*a, False, impl),
-         lambda q_, *_: _skip(q_)], q, k_s, v_s, m_s)
+    o_j, lse_j = lax.switch(_case(s, idx, branches), fns, q, k_s, v_s, m_s)
     out, lse = _merge(out, lse, o_j, lse_j)
     return (k_s, v_s, m_s, out, lse), None
 
@@ -126,37 +187,36 @@ def _ring_forward(q, k, val, m, axis, n, causal, impl):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ring(q, k, val, m, axis, n, causal, impl):
-  return _ring_forward(q, k, val, m, axis, n, causal, impl)[0]
+def _ring(q, k, val, m, axis, n, branches, impl):
+  return _ring_forward(q, k, val, m, axis, n, branches, impl)[0]
 
 
-def _ring_fwd(q, k, val, m, axis, n, causal, impl):
-  out, lse = _ring_forward(q, k, val, m, axis, n, causal, impl)
+def _ring_fwd(q, k, val, m, axis, n, branches, impl):
+  out, lse = _ring_forward(q, k, val, m, axis, n, branches, impl)
   return out, (q, k, val, m, out, lse)
 
 
-def _ring_bwd(axis, n, causal, impl, res, g):
+def _ring_bwd(axis, n, branches, impl, res, g):
   q, k, val, m, out, lse = res
   g = g.astype(jnp.float32)
   idx = lax.axis_index(axis)
 
-  def grads(causal_block):
+  def grads(part):
     def fn(q_, k_, v_, m_):
+      if part is None:
+        return (jnp.zeros(q_.shape, jnp.float32), jnp.zeros(k_.shape, jnp.float32),
+                jnp.zeros(v_.shape, jnp.float32))
       (o_j, lse_j), vjp = jax.vjp(
-          lambda a, b, c: _block(a, b, c, m_, causal_block, impl), q_, k_, v_)
+          lambda a, b, c: _attend(part, impl, a, b, c, m_), q_, k_, v_)
       w = jnp.exp(lse_j - lse)
       d_lse = w * jnp.sum(g * (o_j - out), axis=-1)
       return tuple(x.astype(jnp.float32) for x in vjp((w[..., None] * g, d_lse)))
     return fn
 
-  def zeros(q_, k_, v_, m_):
-    return (jnp.zeros(q_.shape, jnp.float32), jnp.zeros(k_.shape, jnp.float32),
-            jnp.zeros(v_.shape, jnp.float32))
-
   def step(carry, s):
     k_s, v_s, m_s, dq, dk_s, dv_s = carry
-    dq_j, dk_j, dv_j = lax.switch(_branch(s, idx, causal),
-                                  [grads(causal), grads(False), zeros], q, k_s, v_s, m_s)
+    dq_j, dk_j, dv_j = lax.switch(_case(s, idx, branches),
+                                  [grads(part) for part in branches], q, k_s, v_s, m_s)
     # The chunk and its gradient move on together; after n sends dk/dv are home.
     k_s, v_s, m_s, dk_s, dv_s = _send((k_s, v_s, m_s, dk_s + dk_j, dv_s + dv_j), axis, n)
     return (k_s, v_s, m_s, dq + dq_j, dk_s, dv_s), None
@@ -169,6 +229,84 @@ def _ring_bwd(axis, n, causal, impl, res, g):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ------------------------------------------------------------------- zig-zag layout
+
+
+def _zigzag_perms(n):
+  """``ppermute`` pairs moving the first and the second halves of contiguous chunks.
+
+  Half-chunk ``c`` of ``2n`` (held by device ``c // 2``) belongs to device ``c`` if
+  ``c < n`` (its first half), else to device ``2n - 1 - c`` (its second half).
+  """
+  owner = [c if c < n else 2 * n - 1 - c for c in range(2 * n)]
+  return ([(d, owner[2 * d]) for d in range(n)],
+          [(d, owner[2 * d + 1]) for d in range(n)])
+
+
+def _to_zigzag(x, axis, n):
+  """Contiguous chunk ``[2i | 2i+1]`` on device ``i`` -> zig-zag ``[i | 2n-1-i]``.
+
+  Device ``i`` receives half-chunk ``i`` and ``2n - 1 - i``: an even ``i`` gets ``i``
+  through the first-halves permutation and ``2n - 1 - i`` (odd) through the second; an
+  odd ``i`` the other way round.
+  """
+  h = x.shape[1] // 2
+  first, second = _zigzag_perms(n)
+  a = lax.ppermute(x[:, :h], axis, first)
+  b = lax.ppermute(x[:, h:], axis, second)
+  even = lax.axis_index(axis) % 2 == 0
+  return jnp.where(even, jnp.concatenate([a, b], 1), jnp.concatenate([b, a], 1))
+
+
+def _from_zigzag(x, axis, n):
+  """The inverse of :func:`_to_zigzag`."""
+  h = x.shape[1] // 2
+  first, second = _zigzag_perms(n)
+  even = lax.axis_index(axis) % 2 == 0
+  a = jnp.where(even, x[:, :h], x[:, h:])    # the half that came by `first`
+  b = jnp.where(even, x[:, h:], x[:, :h])
+  back = lambda perm: [(dst, src) for src, dst in perm]
+  return jnp.concatenate([lax.ppermute(a, axis, back(first)),
+                          lax.ppermute(b, axis, back(second))], 1)
+
+
+class _Layout(NamedTuple):
+  """A token layout of the causal ring.
+
+  ``chunks(n, i)``: the global half-chunks (of ``2n``) device ``i`` holds, in local
+  order; ``enter`` / ``leave``: ``(x, axis, n) ->`` the permutation from the contiguous
+  chunks into the layout and back; ``branches``: the branch table.
+  """
+
+  chunks: Callable[[int, int], tuple[int, int]]
+  enter: Callable
+  leave: Callable
+  branches: tuple[_Part | None, ...]
+
+
+def _stay(x, axis, n):
+  return x
+
+
+_LAYOUTS = {
+    "contiguous": _Layout(lambda n, i: (2 * i, 2 * i + 1), _stay, _stay,
+                          _CONTIGUOUS_BRANCHES),
+    "zigzag": _Layout(lambda n, i: (i, 2 * n - 1 - i), _to_zigzag, _from_zigzag,
+                      _ZIGZAG_BRANCHES),
+}
+LAYOUTS = tuple(_LAYOUTS)
+
+
+def _ring_body(q, k, val, m, axis, n, layout, causal, impl):
+  """The per-device ring in ``layout``; takes and returns contiguous chunks."""
+  if not causal:
+    return _ring(q, k, val, m, axis, n, _NONCAUSAL_BRANCHES, impl)
+  lay = _LAYOUTS[layout]
+  # Outside the custom_vjp: JAX transposes the ppermutes (inverse permutations).
+  q, k, val, m = (lay.enter(x, axis, n) for x in (q, k, val, m))
+  return lay.leave(_ring(q, k, val, m, axis, n, lay.branches, impl), axis, n)
 
 
 # ------------------------------------------------------------------------- public API
@@ -192,15 +330,26 @@ def ring_attention(query, key, value, *, mesh, axis: str = "sequence", key_mask=
                    batch_axes: str | Sequence[str] | None = None,
                    head_axis: str | None = None,
                    implementation: str = "blockwise",
-                   block_size: int | tuple[int, int] | None = None):
+                   block_size: int | tuple[int, int] | None = None,
+                   layout: str = "zigzag"):
   r"""Self-attention with the sequence split over mesh axis ``axis`` (a ring).
 
   Same result as :func:`jaxrl_llm.dot_product_attention` on the whole sequence (up to
   float rounding), computed with ``jax.shard_map``: each device holds ``T / n``
   queries, keys and values, and the key / value / mask chunks go around the ring with
-  ``lax.ppermute``; see the module docstring for the merge recurrence, the gradient
-  and the work balance (contiguous layout; fully masked causal blocks are skipped, so
-  device ``i`` computes ``i + 1`` blocks; a zig-zag layout would balance them).
+  ``lax.ppermute``; see the module docstring for the merge recurrence and the gradient.
+
+  Work balance (causal): fully masked blocks are skipped. With
+  ``layout="contiguous"`` device ``i`` attends over its chunk ``i`` of ``n`` and computes
+  ``i + 1`` blocks (the diagonal and the ``i`` earlier chunks), so the last device sets
+  the pace. With ``layout="zigzag"`` (the default) device ``i`` works on half-chunks
+  ``i`` and ``2n - 1 - i`` of ``2n``, and every device computes one diagonal block and
+  ``n - 1`` half blocks. The zig-zag order is internal: inputs and output keep the
+  contiguous layout (device ``i`` holds tokens ``[i T/n, (i+1) T/n)``), at the cost of
+  moving ``q, k, v`` and the key mask once into the zig-zag order (two half-chunk
+  ``ppermute`` calls each) and the output once back. Non-causal attention does the same
+  work in both layouts and runs contiguous; so does a ``T`` that is not divisible by
+  ``2n`` (only ``T % n == 0`` is required).
 
   Args:
     query: ``[B, T, N, H]``.
@@ -220,14 +369,15 @@ def ring_attention(query, key, value, *, mesh, axis: str = "sequence", key_mask=
     implementation: the per-block implementation of
       :func:`jaxrl_llm.attention.attention_with_lse` (``"blockwise"``: O(T) memory).
     block_size: its block size (default: that function's default).
+    layout: ``"zigzag"`` (balanced causal work) or ``"contiguous"``; same result.
 
   Returns:
     ``[B, T, N, H]`` in the dtype of ``query``; 0 for a query with no visible key.
 
   Raises:
     ValueError: bad ranks or head counts, ``key``/``value``/``key_mask`` shapes that do
-      not match ``query``, a missing mesh axis, or ``T`` not divisible by the size of
-      ``axis`` (naming the argument and the shapes).
+      not match ``query``, a missing mesh axis, ``T`` not divisible by the size of
+      ``axis`` (naming the argument and the shapes), or an unknown ``layout``.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -241,6 +391,7 @@ def ring_attention(query, key, value, *, mesh, axis: str = "sequence", key_mask=
   v.check_rank("key", key, 4)
   v.check_float("query", query)
   v.check_same_shape(("key", "value"), (key, value))
+  v.check_choice("layout", layout, LAYOUTS)
   b, t, n_heads, h = v.shape_of(query)
   kb, s, k_heads, kh = v.shape_of(key)
   if (kb, s, kh) != (b, t, h):
@@ -278,9 +429,11 @@ def ring_attention(query, key, value, *, mesh, axis: str = "sequence", key_mask=
   else:
     heads = (head_axis,)
   tok = PartitionSpec(_spec_part(rows), axis, _spec_part(heads), None)
+  if t % (2 * n):
+    layout = "contiguous"        # zig-zag splits each chunk in two halves
   fn = jax.shard_map(
-      lambda q_, k_, v_, m_: _ring(q_, k_, v_, m_, axis, n, bool(is_causal),
-                                   (implementation, block_size)),
+      lambda q_, k_, v_, m_: _ring_body(q_, k_, v_, m_, axis, n, layout,
+                                        bool(is_causal), (implementation, block_size)),
       mesh=mesh, in_specs=(tok, tok, tok, PartitionSpec(_spec_part(rows), axis)),
       out_specs=tok, check_vma=False)
   return fn(query, key, value, mask).astype(query.dtype)
@@ -298,6 +451,7 @@ def ring_dot_product_attention(query, key, value, *, key_mask=None,
   :func:`jaxrl_llm.parallel.shard_train_step`). Without an ambient mesh holding a
   ``sequence`` axis, or for cross-length / offset attention (``S != T`` or a
   ``query_offset``: KV-cache prefill and decode), it is the plain blockwise attention.
+  The ring uses :func:`ring_attention`'s default (zig-zag) layout.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if (mesh.empty or "sequence" not in mesh.axis_names or query_offset is not None
