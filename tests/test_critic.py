@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ from jaxrl_llm.models.critic import (
   actor_critic_optimizer,
   actor_critic_params,
 )
-from jaxrl_llm.train import TrainConfig, make_train_step
+from jaxrl_llm.train import TrainConfig, init_train_state, make_train_step
 
 V = 16
 CFG = {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,
@@ -49,13 +51,23 @@ CONFIG = TrainConfig(use_value=True, whiten_advantages=False, kl_mode="none",
                      vf_clip=None, vf_coef=0.5)
 
 
+def _optimizer(lr_policy, lr_critic):
+  """SGD with the learning rates in the optimizer state (traced: one compile for all)."""
+  sgd = optax.inject_hyperparams(optax.sgd)
+  return actor_critic_optimizer(sgd(learning_rate=lr_policy), sgd(learning_rate=lr_critic))
+
+
+@functools.cache
+def _jitted_step():
+  (pg, _), (cg, _) = _models()
+  return jax.jit(make_train_step(actor_critic_apply(pg, cg), _optimizer(0.0, 0.0), CONFIG))
+
+
 def _step(lr_policy, lr_critic, batch):
-  (pg, pp), (cg, cp) = _models()
-  apply = actor_critic_apply(pg, cg)
-  opt = actor_critic_optimizer(optax.sgd(lr_policy), optax.sgd(lr_critic))
-  step = make_train_step(apply, opt, CONFIG)
+  (_, pp), (_, cp) = _models()
   params = actor_critic_params(pp, cp)
-  state, metrics = jax.jit(step)(step.init(params), batch)
+  state = init_train_state(params, _optimizer(lr_policy, lr_critic), CONFIG)
+  state, metrics = _jitted_step()(state, batch)
   return params, state.params, metrics
 
 
@@ -105,7 +117,7 @@ def test_updates_are_independent_and_match_reference():
                               clip=None)
     return jnp.sum(per_tok * mask) / jnp.sum(mask)
 
-  grads = jax.grad(vf_loss)(cp)
+  grads = jax.jit(jax.grad(vf_loss))(cp)
   expected = jax.tree_util.tree_map(lambda p, g: p - 0.2 * CONFIG.vf_coef * g, cp, grads)
   np.testing.assert_allclose(_flat(new_a["critic"]), _flat(expected), rtol=1e-5,
                              atol=1e-6)
