@@ -31,12 +31,12 @@ _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
   sys.path.insert(0, str(_REPO))  # run as a plain script from a checkout
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-from benchmarks._common import machine, markdown_table, write_json
-from jaxrl_llm.attention import dot_product_attention
+from benchmarks._common import machine, markdown_table, write_json  # noqa: E402
+from jaxrl_llm.attention import dot_product_attention  # noqa: E402
 
 MIB = 2**20
 
