@@ -257,7 +257,7 @@ def _to_zigzag(x, axis, n):
   a = lax.ppermute(x[:, :h], axis, first)
   b = lax.ppermute(x[:, h:], axis, second)
   even = lax.axis_index(axis) % 2 == 0
-  return jnp.where(even, jnp.concatenate([a, b], 1), jnp.concatenate([b, a], 1))
+  return jnp.concatenate([jnp.where(even, a, b), jnp.where(even, b, a)], 1)
 
 
 def _from_zigzag(x, axis, n):
