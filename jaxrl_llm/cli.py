@@ -307,39 +307,22 @@ def _fail(command: str, message: str) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
   from jaxrl_llm import run_folder as rf
-  cfg = os.path.join(args.out, rf.CONFIG_FILE)
-  ckpt_dir = os.path.join(args.out, "checkpoints")
   if not os.path.isdir(args.out):
     return _fail("eval", f"{args.out} does not exist; pass the run folder of a "
                  "training run with --out")
-  if not os.path.exists(cfg):
-    return _fail("eval", f"{args.out} is not a run folder ({cfg} is missing)")
-  if not os.path.isdir(ckpt_dir) or not any(n.isdigit() for n in os.listdir(ckpt_dir)):
-    return _fail("eval", f"{args.out} has no checkpoint yet ({ckpt_dir} is empty or "
-                 "missing): the run saved none before it stopped")
+  problem = rf.restorable_problem(args.out)
+  if problem:
+    return _fail("eval", problem)
   if args.eval_size < 1:
     return _fail("eval", f"--eval-size must be >= 1 (got {args.eval_size})")
-  import jax
-
-  from jaxrl_llm.checkpoint import Checkpointer, CheckpointError
-  from jaxrl_llm.loop import RunConfig, evaluate, make_optimizer
-  from jaxrl_llm.loop.setup import make_policy, make_task
-  from jaxrl_llm.train import init_train_state
+  from jaxrl_llm.checkpoint import CheckpointError
+  from jaxrl_llm.loop import evaluate
+  from jaxrl_llm.loop.setup import restore_latest
   try:
-    run = RunConfig.from_dict(rf.read_json(cfg))
-  except (ValueError, OSError) as e:
+    _, task, policy, state, step = restore_latest(args.out)
+  except (ValueError, OSError, CheckpointError) as e:
     return _fail("eval", str(e))
-  task = make_task(run)
-  config = run.train_config(task.max_new_tokens)
-  policy = make_policy(run, task, config)
-  template = init_train_state(policy.init_params, make_optimizer(run), config,
-                              rng=jax.random.PRNGKey(run.seed))
-  try:
-    with Checkpointer(ckpt_dir) as ckpt:
-      state, extra = ckpt.restore(template)
-  except CheckpointError as e:
-    return _fail("eval", str(e))
-  result = {"step": extra.get("step"),
+  result = {"step": step,
             **evaluate(policy, state.params, task, task.eval_problems(args.eval_size))}
   print(json.dumps(result))
   return 0

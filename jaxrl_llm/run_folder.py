@@ -53,6 +53,7 @@ from typing import Any, Optional
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
+CHECKPOINTS_DIR = "checkpoints"
 
 
 class RunFolderIOError(OSError):
@@ -175,6 +176,31 @@ def write_json(path: str, obj: Any) -> None:
     {'lr': 0.001, 'clip_end': None}
   """
   atomic_write_text(path, dumps(obj, indent=2) + "\n")
+
+
+def restorable_problem(run_dir: str) -> Optional[str]:
+  """Why ``run_dir`` holds no run to restore, or None when it holds one: its
+  ``config.json`` is missing, or ``checkpoints/`` has no numbered step yet. Reads only
+  directory listings (no JAX, nothing created).
+
+  Examples:
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> restorable_problem(d).endswith("config.json is missing)")
+    True
+    >>> write_json(os.path.join(d, CONFIG_FILE), {})
+    >>> os.makedirs(os.path.join(d, CHECKPOINTS_DIR, "2"))
+    >>> restorable_problem(d) is None
+    True
+  """
+  cfg = os.path.join(run_dir, CONFIG_FILE)
+  if not os.path.isfile(cfg):
+    return f"{run_dir} is not a run folder ({cfg} is missing)"
+  ckpt_dir = os.path.join(run_dir, CHECKPOINTS_DIR)
+  if not os.path.isdir(ckpt_dir) or not any(n.isdigit() for n in os.listdir(ckpt_dir)):
+    return (f"{run_dir} has no checkpoint yet ({ckpt_dir} is empty or missing): the run "
+            "saved none before it stopped")
+  return None
 
 
 def read_json(path: str) -> Any:

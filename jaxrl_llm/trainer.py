@@ -140,10 +140,6 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
   step_fn, state, place = _compile_step(run, step_fn, state)
   eval_problems = task.eval_problems(run.eval_size)
   warmup_steps = run.setting("critic_warmup_steps")
-  buffer = run.overlong_buffer_for(task.max_new_tokens)
-  if buffer > task.max_new_tokens:
-    raise ValueError(f"--overlong-buffer {buffer} is longer than the task's response "
-                     f"budget of {task.max_new_tokens} tokens")
   _write_run_folder(run)                      # everything built: the run starts here
   metrics_path = os.path.join(run.out, rf.METRICS_FILE)
   ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), max_to_keep=2, log=_say)

@@ -155,6 +155,9 @@ def _main(capsys, *argv):
                        "devices; this host has"]),
     (["--data", "0"], ["--data must be >= 1 or -1"]),
     (["--temperature", "0"], ["--temperature"]),
+    (["--algo", "dapo", "--overlong-buffer", "8"],
+     ["--overlong-buffer 8 is longer than the task's response budget of 4 tokens"]),
+    (["--critic-init", "/"], ["--critic-init '/':", "config.json is missing"]),
 ])
 def test_flag_mistakes_are_one_line_errors_and_write_nothing(capsys, tmp_path, flags,
                                                              parts):

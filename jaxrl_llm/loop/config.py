@@ -173,6 +173,14 @@ class RunConfig:
       return val
     return get_recipe(self.algo).run.get(name, RECIPE_RUN_FIELDS[name])
 
+  def response_budget(self) -> int:
+    """Tokens sampled per completion: ``max_new_tokens`` on ``--dataset``, else the
+    built-in task's own (no task is built)."""
+    if self.dataset is not None:
+      return self.max_new_tokens
+    from jaxrl_llm.tasks import get_task
+    return get_task(self.task).max_new_tokens
+
   def overlong_buffer_for(self, max_new_tokens: int) -> int:
     """The overlong buffer in tokens (the recipe's ``MAX_NEW_TOKENS // 4`` filled)."""
     val = self.setting("overlong_buffer")
@@ -225,6 +233,10 @@ class RunConfig:
     buffer = self.setting("overlong_buffer")
     if buffer != OVERLONG_QUARTER and (not isinstance(buffer, int) or buffer < 0):
       raise ValueError(f"--overlong-buffer must be an int >= 0 (got {buffer!r})")
+    budget = self.response_budget()
+    if self.overlong_buffer_for(budget) > budget:
+      raise ValueError(f"--overlong-buffer {self.overlong_buffer_for(budget)} is longer "
+                       f"than the task's response budget of {budget} tokens")
     if self.overlong_penalty < 0:
       raise ValueError(f"--overlong-penalty must be >= 0 (got {self.overlong_penalty})")
     if self.max_sampling_draws < 1:
@@ -233,10 +245,11 @@ class RunConfig:
     if self.setting("dynamic_sampling") and self.group_size < 2:
       raise ValueError("--dynamic-sampling drops groups whose rewards are all equal and "
                        f"needs --group-size >= 2 (got {self.group_size})")
-    if self.critic_init is not None and not os.path.isfile(
-        os.path.join(self.critic_init, "config.json")):
-      raise ValueError(f"--critic-init {self.critic_init!r} is not a run folder (no "
-                       "config.json)")
+    if self.critic_init is not None:
+      from jaxrl_llm.run_folder import restorable_problem
+      problem = restorable_problem(self.critic_init)
+      if problem:
+        raise ValueError(f"--critic-init {self.critic_init!r}: {problem}")
     if self.value_lr is not None and self.value_lr <= 0:
       raise ValueError(f"--value-lr must be > 0 (got {self.value_lr})")
     for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):

@@ -58,16 +58,13 @@ def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
   from jaxrl_llm.models.critic import CRITIC, POLICY, actor_critic_params
   from jaxrl_llm.train import init_train_state
 
-  cfg = os.path.join(run_dir, rf.CONFIG_FILE)
-  if not os.path.isfile(cfg):
-    raise ValueError(f"{run_dir} is not a run folder ({cfg} is missing).")
-  run = RunConfig.from_dict(rf.read_json(cfg))
+  problem = rf.restorable_problem(run_dir)
+  if problem:
+    raise ValueError(f"{problem}.")
+  run = RunConfig.from_dict(rf.read_json(os.path.join(run_dir, rf.CONFIG_FILE)))
   if not is_checkpoint(run.model):
     raise ValueError(f"the run in {run_dir} trained the preset model {run.model!r}; "
                      "export needs a run of a Hugging Face --model folder.")
-  ckpt_dir = os.path.join(run_dir, "checkpoints")
-  if not os.path.isdir(ckpt_dir) or not any(n.isdigit() for n in os.listdir(ckpt_dir)):
-    raise ValueError(f"{run_dir} has no checkpoint yet ({ckpt_dir} is empty or missing).")
   task = make_task(run)
   config = run.train_config(task.max_new_tokens)
   separate = run.critic is not None and config.use_value
@@ -79,7 +76,7 @@ def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
     params = actor_critic_params(params, critic_params)
   template = init_train_state(params, make_optimizer(run), config,
                               rng=jax.random.PRNGKey(run.seed))
-  with Checkpointer(ckpt_dir) as ckpt:
+  with Checkpointer(os.path.join(run_dir, rf.CHECKPOINTS_DIR)) as ckpt:
     state, extra = ckpt.restore(template)
   params = state.params
   if not separate:

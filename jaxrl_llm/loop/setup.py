@@ -98,6 +98,37 @@ def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
                 ref_part=lambda p: p[POLICY])
 
 
+def restore_latest(run_dir: str) -> tuple[RunConfig, Any, Policy, Any, int]:
+  """``(run, task, policy, state, step)``: the run folder ``run_dir`` rebuilt from its
+  ``config.json`` and its newest checkpoint restored into that policy's
+  :class:`~jaxrl_llm.train.TrainState`.
+
+  Raises:
+    ValueError: ``run_dir`` holds no config or no checkpoint
+      (:func:`jaxrl_llm.run_folder.restorable_problem`), or a bad config.
+    CheckpointError: the checkpoint does not match the rebuilt run or is corrupt.
+  """
+  import jax
+
+  from jaxrl_llm import run_folder as rf
+  from jaxrl_llm.checkpoint import Checkpointer
+  from jaxrl_llm.loop.config import make_optimizer
+  from jaxrl_llm.train import init_train_state
+
+  problem = rf.restorable_problem(run_dir)
+  if problem:
+    raise ValueError(problem)
+  run = RunConfig.from_dict(rf.read_json(os.path.join(run_dir, rf.CONFIG_FILE)))
+  task = make_task(run)
+  config = run.train_config(task.max_new_tokens)
+  policy = make_policy(run, task, config)
+  template = init_train_state(policy.init_params, make_optimizer(run), config,
+                              rng=jax.random.PRNGKey(run.seed))
+  with Checkpointer(os.path.join(run_dir, rf.CHECKPOINTS_DIR)) as ckpt:
+    state, extra = ckpt.restore(template)
+  return run, task, policy, state, int(extra["step"])
+
+
 def warm_start_value_params(run: RunConfig, params: Any) -> Any:
   """``params`` with its value parameters taken from the newest checkpoint of the run
   folder ``run.critic_init`` (NeMo-RL's ``warm_start_value_checkpoint``: a critic
@@ -111,24 +142,10 @@ def warm_start_value_params(run: RunConfig, params: Any) -> Any:
   """
   import jax
 
-  from jaxrl_llm import run_folder as rf
-  from jaxrl_llm.checkpoint import Checkpointer
-  from jaxrl_llm.loop.config import make_optimizer
   from jaxrl_llm.models.critic import CRITIC, value_param_labels
-  from jaxrl_llm.train import make_train_step
 
   folder = str(run.critic_init)
-  src = RunConfig.from_dict(rf.read_json(os.path.join(folder, rf.CONFIG_FILE)))
-  src_task = make_task(src)
-  src_config = src.train_config(src_task.max_new_tokens)
-  src_policy = make_policy(src, src_task, src_config)
-  template = make_train_step(src_policy.apply, make_optimizer(src),
-                             src_config).init(src_policy.init_params)
-  ckpt = Checkpointer(os.path.join(folder, "checkpoints"))
-  try:
-    restored, _ = ckpt.restore(template)
-  finally:
-    ckpt.close()
+  _, _, _, restored, _ = restore_latest(folder)
   name = lambda path: jax.tree_util.keystr(path)
   source = {name(path): leaf for path, leaf in
             jax.tree_util.tree_flatten_with_path(restored.params)[0]}
