@@ -75,6 +75,7 @@ context, not a target.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -127,10 +128,17 @@ def _in_step_raw_advantages(config, batch, mask):
     rewards = rewards - config.kl_coef * kl_penalty(
         jnp.asarray(batch["old_logp"]), jnp.asarray(batch["ref_logp"]),
         config.reward_kl_kind, mask=mask)
-  adv, _ = jax.jit(lambda r, v, m: compute_advantages(
-      config.advantage_estimator, AdvantageInputs(rewards=r, values=v, mask=m),
-      config.hparams(), method=config.gae_method))(rewards, batch["old_values"], mask)
-  return np.asarray(adv)
+  return np.asarray(_estimate(rewards, batch["old_values"], mask, config.hparams(),
+                             estimator=config.advantage_estimator,
+                             method=config.gae_method))
+
+
+@functools.partial(jax.jit, static_argnames=("estimator", "method"))
+def _estimate(rewards, values, mask, hparams, *, estimator, method):
+  """The estimator's advantages, compiled once per (estimator, method, shape)."""
+  adv, _ = compute_advantages(estimator, AdvantageInputs(rewards=rewards, values=values,
+                                                         mask=mask), hparams, method=method)
+  return adv
 
 
 def token_variances(run, task, batch, scores):
@@ -459,8 +467,8 @@ def notes(table_rows, long_rows, results, target, metric="accuracy"):
     out.append(
         f"DAPO vs GRPO: adv_var_norm {med('dapo', 'adv_var_norm'):.3g} vs {grpo_n:.3g}; "
         f"DAPO drew {med('dapo', 'groups_drawn_per_step'):.3g} groups per step for "
-        "its batch (dynamic sampling), a rollout cost the samples/s above do not "
-        "charge it.")
+        "its batch (dynamic sampling): every draw is in its iter and rollout samples/s "
+        "(B trained samples over the time of all draws), none in update samples/s.")
   conv = {a: [r["steps_to_target"] for r in results if r["algo"] == a] for a in ALGOS}
   out.append(
       f"Steps to eval {metric} {target} per seed: "
