@@ -151,7 +151,7 @@ def test_generation_config_eos_and_default_pad(tmp_path):
     json.dump({"eos_token_id": 5}, f)
   tok = HFTokenizer.from_pretrained(path)
   assert tok.eos_ids[0] == tok.eos_id and im_end in tok.eos_ids
-  assert set(tok.eos_ids) == {tok.eos_id, im_end, 1, 5}     # every source, once
+  assert sorted(tok.eos_ids) == sorted({tok.eos_id, im_end, 1, 5})   # every source, once
   from jaxrl_llm.loop.evaluation import stop_ids
   assert stop_ids(tok) == tok.eos_ids                        # the sampler gets them all
   assert tok.pad_id == tok.eos_id          # no pad_token: pad with eos

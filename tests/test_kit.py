@@ -269,19 +269,22 @@ def test_dynamic_sampling_never_trains_on_an_all_equal_group():
   run = RunConfig(algo="dapo", prompts_per_step=8, group_size=2, max_sampling_draws=3)
   task = _fake_task(score)
   policy = _FakePolicy(6, task.tokenizer.vocab_size)
+  info: dict = {}
   batch, stats = build_batch(run, task, policy, None, None, np.random.default_rng(0),
-                             jax.random.PRNGKey(0))
+                             jax.random.PRNGKey(0), info=info)
   adv = batch["advantages"].reshape(-1, 2)
   assert batch["tokens"].shape[0] == 16
   assert np.all(np.abs(adv).max(axis=1) > 0)            # no all-equal group
+  # ... of task scores (the filter's criterion, before the overlong penalty)
+  assert np.all(np.ptp(np.asarray(info["task_scores"]).reshape(-1, 2), axis=1) > 0)
   assert 1 <= stats["sampling_draws"] <= 3 == run.max_sampling_draws
   assert stats["groups_drawn"] == 8 * stats["sampling_draws"]
   # the overlong penalty (dapo: a quarter of the 6-token budget, 1 token) is applied
   assert stats["overlong_penalty"] < 0
-  # no group with signal at all: the batch trains nothing (an exact no-op update)
-  batch, stats = build_batch(run, task, policy if False else _FakePolicy(6, 40),
-                             None, None, np.random.default_rng(0), jax.random.PRNGKey(0))
+  batch, stats = build_batch(run, task, _FakePolicy(6, 40), None, None,
+                             np.random.default_rng(0), jax.random.PRNGKey(0))
   assert stats["groups_kept"] > 0
+  # no group with signal at all: the batch trains nothing (an exact no-op update)
   flat = _fake_task(lambda problems, texts: np.zeros(len(texts)))
   batch, stats = build_batch(run, flat, _FakePolicy(6, 40), None, None,
                              np.random.default_rng(0), jax.random.PRNGKey(0))
