@@ -232,7 +232,7 @@ def nb02():
           "import json\nimport tempfile\n" + PLOTS +
           "from jaxrl_llm.trainer import RunConfig, format_summary, train\n\n"
           "tmp = tempfile.TemporaryDirectory(prefix='jaxrl_llm_nb02_')\n"
-          "size = (dict(steps=3, prompts_per_step=4, group_size=4, eval_every=3, eval_size=16)\n"
+          "size = (dict(steps=3, prompts_per_step=4, group_size=2, eval_every=3, eval_size=8)\n"
           "        if SMALL else\n"
           "        dict(steps=120, prompts_per_step=32, group_size=8, eval_every=20,\n"
           "             eval_size=256))\n"

@@ -662,23 +662,23 @@ def test_cli_train_on_local_checkpoint_and_jsonl(tmp_path, capsys, algo, extra):
     assert all(np.isfinite(r["vf_loss"]) for r in rows[1:])
   # The eval command restores the run (model and task rebuilt from config.json).
   assert cli.main(["eval", "--out", out, "--eval-size", "2"]) == 0
-  _check_export(out, out, model_dir, algo, critic=bool(extra))
+  from jaxrl_llm.loop.export import restore_run
+  _, model, critic_model, step = restore_run(out)
+  assert step == 2
+  _check_export(model, critic_model, out, model_dir, algo, critic=bool(extra))
   if extra:   # `jaxrl-llm export RUN --out DEST` writes the same folders elsewhere
     dest = str(tmp_path / "exported")
     assert cli.main(["export", out, "--out", dest]) == 0
-    _check_export(out, dest, model_dir, algo, critic=True)
+    _check_export(model, critic_model, dest, model_dir, algo, critic=True)
 
 
-def _check_export(run_dir, dest, model_dir, algo, *, critic):
-  """``dest/hf`` is a plain HF folder of the trained policy (transformers loads it and
-  its tokenizer; its logits are our policy's), the value model is kept beside it."""
-  from jaxrl_llm.loop.export import restore_run
+def _check_export(model, critic_model, dest, model_dir, algo, *, critic):
+  """``dest/hf`` is a plain HF folder of the trained policy ``model`` (transformers
+  loads it and its tokenizer; its logits are ours), the value model is kept beside it."""
   hf_dir = os.path.join(dest, "hf")
   files = set(os.listdir(hf_dir))
   assert {"config.json", "model.safetensors", "tokenizer.json",
           "tokenizer_config.json"} <= files and "value_head.safetensors" not in files
-  _, model, critic_model, step = restore_run(run_dir)
-  assert step == 2
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
   tokens, mask = _padded_batch(seed=7, t=10)
   tokens %= model.config.vocab_size

@@ -344,7 +344,7 @@ def test_cli_recipe_trains_two_steps_without_nan(recipe, tmp_path):
 def test_critic_init_warm_starts_the_value_head_from_a_run_folder(tmp_path):
   from jaxrl_llm.loop.setup import make_policy, make_task, warm_start_value_params
   from jaxrl_llm.trainer import train
-  small = dict(prompts_per_step=2, group_size=2, eval_every=2, eval_size=4, progress=False)
+  small = dict(prompts_per_step=4, group_size=2, eval_every=2, eval_size=8, progress=False)
   src = str(tmp_path / "warm")
   train(RunConfig(algo="ppo", steps=2, save_every=2, out=src, seed=1, **small))
   run = RunConfig(algo="vapo", critic_init=src, out=str(tmp_path / "b"), **small)

@@ -192,7 +192,9 @@ def test_checkpoint_resume_is_bit_identical(setup, tmp_path):
   opt = optax.adam(1e-3)
   config = TrainConfig(num_minibatches=2, adaptive_clip=True)
   step = jax.jit(make_train_step(apply, opt, config))
-  state = init_train_state(params, opt, config, rng=jax.random.PRNGKey(7))
+  # Committed to the device, as restored arrays are: one compile of `step` serves both.
+  state = jax.device_put(init_train_state(params, opt, config, rng=jax.random.PRNGKey(7)),
+                         jax.devices()[0])
   with Checkpointer(str(tmp_path), max_to_keep=2) as ckpt:
     for i in range(4):
       state, _ = step(state, batch)
@@ -207,6 +209,7 @@ def test_checkpoint_resume_is_bit_identical(setup, tmp_path):
   assert extra == {"step": 3}
   resumed, _ = step(restored, batch)
   assert_close(resumed, uninterrupted, atol=0, rtol=0)
+  assert step._cache_size() == 1
   assert int(at_two.step) == 2
 
 

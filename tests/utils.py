@@ -72,13 +72,14 @@ def run_worker(module: str, *args: str, devices: int = 8, timeout: float = 900) 
 
 
 def train_two_steps(out: str, *flags: str) -> list[dict]:
-  """Runs ``jaxrl-llm train FLAGS`` in-process for 2 tiny steps (2 prompts x 2 samples,
-  eval on 4 prompts at step 2) into ``out``; returns the ``metrics.jsonl`` rows after
+  """Runs ``jaxrl-llm train FLAGS`` in-process for 2 tiny steps (4 prompts x 2 samples,
+  eval on 8 prompts at step 2) into ``out``; returns the ``metrics.jsonl`` rows after
   checking the exit code, the steps and that loss, pg_loss, entropy and grad_norm are
-  finite at every update."""
+  finite at every update. The sizes are test_trainer's ``SMALL``: the same programs,
+  compiled once for the whole suite (persistent compilation cache)."""
   from jaxrl_llm.cli import main
-  rc = main(["train", *flags, "--steps", "2", "--prompts-per-step", "2", "--group-size",
-             "2", "--eval-size", "4", "--eval-every", "2", "--out", out, "--no-progress"])
+  rc = main(["train", *flags, "--steps", "2", "--prompts-per-step", "4", "--group-size",
+             "2", "--eval-size", "8", "--eval-every", "2", "--out", out, "--no-progress"])
   assert rc == 0, flags
   with open(os.path.join(out, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
