@@ -38,24 +38,23 @@ def test_three_steps_of_every_algo_give_finite_metrics(algo, tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_matches_uninterrupted(tmp_path):
+def test_keyboard_interrupt_checkpoints_the_last_step_and_resumes(tmp_path):
+  """Ctrl-C inside the loop saves the last completed step (no periodic checkpoint is
+  due) and ``--resume`` continues from it. That a resumed run equals an uninterrupted
+  one bit for bit is test_cli_faults' SIGKILL / SIGTERM test, on the real command."""
   cfg = dict(SMALL, steps=4, algo="ppo", save_every=10)
-  train(RunConfig(out=str(tmp_path / "a"), **cfg))
-  full = _rows(tmp_path / "a")
 
   def stop_after_two(row):
     if row["step"] == 2:
       raise KeyboardInterrupt
 
   with pytest.raises(KeyboardInterrupt):
-    train(RunConfig(out=str(tmp_path / "b"), **cfg), on_step=stop_after_two)
-  assert os.path.isdir(tmp_path / "b" / "checkpoints" / "2")
-  train(RunConfig(out=str(tmp_path / "b"), resume=True, **cfg))
-  resumed = _rows(tmp_path / "b")
+    train(RunConfig(out=str(tmp_path), **cfg), on_step=stop_after_two)
+  assert os.listdir(tmp_path / "checkpoints") == ["2"]
+  train(RunConfig(out=str(tmp_path), resume=True, **cfg))
+  resumed = _rows(tmp_path)
   assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
-  for a, b in zip(full[3:], resumed[3:]):
-    for key in ("reward", "loss", "pg_loss", "vf_loss", "approx_kl", "grad_norm"):
-      assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+  assert all(np.isfinite(r["loss"]) and r["skipped"] == 0 for r in resumed[1:])
 
 
 @pytest.mark.slow
@@ -98,11 +97,10 @@ def test_cli_train_eval_plot_as_subprocess(tmp_path):
                        capture_output=True, text=True, env=env, timeout=600)
   assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr
   assert "Traceback" not in bad.stderr and "grpo" in bad.stderr
+  assert os.path.getsize(os.path.join(out, "curves.png")) > 10_000    # the run's own plot
+  from jaxrl_llm.cli import main                  # (in-process: one interpreter less)
   png = str(tmp_path / "curves.png")
-  plot = subprocess.run([sys.executable, "-m", "jaxrl_llm", "plot", out, out, "--labels",
-                         "a", "b", "-o", png], capture_output=True, text=True, env=env,
-                        timeout=600)
-  assert plot.returncode == 0, plot.stderr
+  assert main(["plot", out, out, "--labels", "a", "b", "-o", png]) == 0
   assert os.path.getsize(png) > 10_000
 
 
