@@ -56,6 +56,13 @@ CONFIG_FILE = "config.json"
 CHECKPOINTS_DIR = "checkpoints"
 
 
+class RunFolderError(ValueError):
+  """A run folder named on the command line cannot serve as asked: ``--out`` holds
+  another run (or one not meant to be resumed), or the run given to ``--critic-init``
+  has no value parameters of this run's layout. A user's choice to correct, reported
+  in one line (exit code 2)."""
+
+
 class RunFolderIOError(OSError):
   """A run-folder file could not be read or written; the message names the path.
 
@@ -512,7 +519,7 @@ class GracefulStop:
     self._previous = {}
 
 
-__all__ = ["METRICS_FILE", "CONFIG_FILE", "RunFolderIOError", "io_error", "to_jsonable",
-           "dumps", "atomic_write_text", "write_json", "read_json", "read_metrics",
+__all__ = ["METRICS_FILE", "CONFIG_FILE", "RunFolderError", "RunFolderIOError", "io_error",
+           "to_jsonable", "dumps", "atomic_write_text", "write_json", "read_json", "read_metrics",
            "rewrite_jsonl", "prepare_metrics", "MetricsWriter", "probe_run_folder",
            "RunInterrupted", "GracefulStop"]

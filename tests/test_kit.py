@@ -2,6 +2,7 @@
 value learning rate, positive-example NLL, rollout-mismatch correction, dynamic
 sampling and the overlong penalty, the vapo / dapo recipes and their flags."""
 
+import os
 import types
 
 import jax
@@ -341,7 +342,7 @@ def test_cli_recipe_trains_two_steps_without_nan(recipe, tmp_path):
 
 
 @pytest.mark.slow
-def test_critic_init_warm_starts_the_value_head_from_a_run_folder(tmp_path):
+def test_critic_init_warm_starts_the_value_head_from_a_run_folder(tmp_path, capsys):
   from jaxrl_llm.loop.setup import make_policy, make_task, warm_start_value_params
   from jaxrl_llm.trainer import train
   small = dict(prompts_per_step=4, group_size=2, eval_every=2, eval_size=8, progress=False)
@@ -359,3 +360,12 @@ def test_critic_init_warm_starts_the_value_head_from_a_run_folder(tmp_path):
   assert moved == {"['value_b'].value", "['value_w'].value"}, moved
   with pytest.raises(ValueError, match="value model"):
     RunConfig(algo="grpo", critic_init=src).validate()
+  # A separate critic cannot start from a value head: one line, exit 2, nothing written.
+  from jaxrl_llm.cli import main
+  bad = tmp_path / "separate"
+  assert main(["train", "--algo", "ppo", "--critic", "policy", "--critic-init", src,
+               "--out", str(bad), "--no-progress"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"error: --critic-init {src!r}: value parameter ") and \
+      "layout must match" in err and err.count("\n") == 1, err
+  assert not bad.exists() or not os.listdir(bad)

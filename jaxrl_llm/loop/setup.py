@@ -137,12 +137,14 @@ def warm_start_value_params(run: RunConfig, params: Any) -> Any:
   The value parameters are those of :func:`jaxrl_llm.models.critic.value_param_labels`:
   the separate critic, or the shared-trunk value head. The source run is rebuilt from
   its ``config.json`` (to read its checkpoint); each value leaf must exist there at
-  the same path with the same shape (``ValueError`` naming the first that does not).
+  the same path with the same shape (:class:`~jaxrl_llm.run_folder.RunFolderError`
+  naming the first that does not).
   Everything else (the policy, the optimizer state) is ``params``' own.
   """
   import jax
 
   from jaxrl_llm.models.critic import CRITIC, value_param_labels
+  from jaxrl_llm.run_folder import RunFolderError
 
   folder = str(run.critic_init)
   _, _, _, restored, _ = restore_latest(folder)
@@ -153,7 +155,7 @@ def warm_start_value_params(run: RunConfig, params: Any) -> Any:
   flat_labels = dict((name(p), lab) for p, lab in
                      jax.tree_util.tree_flatten_with_path(labels)[0])
   if CRITIC not in flat_labels.values():
-    raise ValueError(f"--critic-init {folder!r}: this run has no value parameters.")
+    raise RunFolderError(f"--critic-init {folder!r}: this run has no value parameters.")
 
   def take(path, leaf):
     key = name(path)
@@ -161,7 +163,7 @@ def warm_start_value_params(run: RunConfig, params: Any) -> Any:
       return leaf
     if key not in source or tuple(source[key].shape) != tuple(leaf.shape):
       got = "missing" if key not in source else f"shape {tuple(source[key].shape)}"
-      raise ValueError(f"--critic-init {folder!r}: value parameter {key} of shape "
+      raise RunFolderError(f"--critic-init {folder!r}: value parameter {key} of shape "
                        f"{tuple(leaf.shape)} is {got} in that run's checkpoint (the "
                        "model and the critic layout must match).")
     return source[key].astype(leaf.dtype)
