@@ -16,6 +16,18 @@ from tests.parallel_setup import flat_params, max_abs_diff  # noqa: F401  (re-ex
 B, T, N, K, H = 4, 64, 4, 2, 8
 EMPTY_ROW = 3          # a row whose keys are all padding: its output must be 0
 
+# Meshes of 8 devices, and the ring-attention case kinds (causal, layout) run on each:
+# the default (causal, zig-zag) on all four, the other kinds on a pure sequence mesh and
+# one with a batch axis beside it (each case is two compiles of 8-device programs).
+MESHES = {"seq8": dict(data=1, sequence=8), "data2_seq4": dict(data=2, sequence=4),
+          "tensor2_seq4": dict(data=1, tensor=2, sequence=4),
+          "data4_seq2": dict(data=4, sequence=2)}
+KINDS = {"causal": (True, "zigzag"), "causal_contiguous": (True, "contiguous"),
+         "full": (False, "zigzag")}
+KIND_MESHES = {"causal": tuple(MESHES), "causal_contiguous": ("seq8", "data2_seq4"),
+               "full": ("seq8", "data2_seq4")}
+RING_CASES = [(mesh, kind) for kind, meshes in KIND_MESHES.items() for mesh in meshes]
+
 # PPO: a tiny model on [PB, PL] tokens.
 PB, PL, V = 4, 64, 32
 STEPS = 2

@@ -34,17 +34,6 @@ from jaxrl_llm.parallel import (gather_to_host, make_mesh, ring_attention,  # no
 from jaxrl_llm.train import init_train_state, make_train_step  # noqa: E402
 from tests import ring_setup as R  # noqa: E402
 
-MESHES = {"seq8": dict(data=1, sequence=8), "data2_seq4": dict(data=2, sequence=4),
-          "tensor2_seq4": dict(data=1, tensor=2, sequence=4),
-          "data4_seq2": dict(data=4, sequence=2)}
-# (causal, layout) per case kind; "causal" is the default (zig-zag) layout.
-KINDS = {"causal": (True, "zigzag"), "causal_contiguous": (True, "contiguous"),
-         "full": (False, "zigzag")}
-# The default runs on every mesh; the other kinds on a pure sequence mesh and one with
-# a batch axis beside it (each case is two compiles of 8-device programs).
-KIND_MESHES = {"causal": tuple(MESHES), "causal_contiguous": ("seq8", "data2_seq4"),
-               "full": ("seq8", "data2_seq4")}
-
 
 def _max_diff(a, b):
   return float(max(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
@@ -69,10 +58,10 @@ def case_ring(results):
 
   references = {causal: reference(causal) for causal in (True, False)}
   out, layouts = {}, {}
-  for kind, (causal, layout) in KINDS.items():
+  for kind, (causal, layout) in R.KINDS.items():
     expected, ref_grads = references[causal]
-    for name in KIND_MESHES[kind]:
-      mesh = make_mesh(**MESHES[name])
+    for name in R.KIND_MESHES[kind]:
+      mesh = make_mesh(**R.MESHES[name])
       ring = lambda q_, k_, v_, m_, c=causal, mesh=mesh, lay=layout: ring_attention(
           q_, k_, v_, mesh=mesh, key_mask=m_, is_causal=c, layout=lay)
       fwd = jax.jit(ring)
@@ -92,7 +81,7 @@ def case_ring(results):
           empty_row_zero=bool(np.all(np.asarray(got)[R.EMPTY_ROW] == 0)),
           finite=bool(all(np.all(np.isfinite(g)) for g in grads)),
           cache_size=fwd._cache_size(), spec=str(got.sharding.spec))
-  for name in KIND_MESHES["causal_contiguous"]:
+  for name in R.KIND_MESHES["causal_contiguous"]:
     out[f"{name}/causal"]["layout_diff"] = _max_diff(layouts[name, "causal"],
                                                      layouts[name, "causal_contiguous"])
   results["ring"] = out
@@ -144,7 +133,7 @@ def case_ppo(results):
   for name in ("seq8", "data2_seq4"):
     calls.clear()
     apply_fn, params, optimizer, config, batch = R.build()
-    mesh = make_mesh(**MESHES[name])
+    mesh = make_mesh(**R.MESHES[name])
     step, state = shard_train_step(
         make_train_step(shard_apply_fn(apply_fn, mesh), optimizer, config),
         init_train_state(params, optimizer, config), mesh, batch=batch)

@@ -138,10 +138,7 @@ def _no_error(multi, case):
 
 
 @on_8_devices
-@pytest.mark.parametrize("mesh, kind", [
-    *((mesh, "causal") for mesh in ("seq8", "data2_seq4", "tensor2_seq4", "data4_seq2")),
-    *((mesh, kind) for kind in ("causal_contiguous", "full")
-      for mesh in ("seq8", "data2_seq4"))])
+@pytest.mark.parametrize("mesh, kind", R.RING_CASES)
 def test_ring_equals_single_device_attention(multi, mesh, kind):
   """``causal``: the default zig-zag layout; ``causal_contiguous``: layout="contiguous"."""
   _no_error(multi, "ring")
@@ -154,7 +151,7 @@ def test_ring_equals_single_device_attention(multi, mesh, kind):
 
 
 @on_8_devices
-@pytest.mark.parametrize("mesh", ["seq8", "data2_seq4"])
+@pytest.mark.parametrize("mesh", R.KIND_MESHES["causal_contiguous"])
 def test_zigzag_equals_contiguous(multi, mesh):
   _no_error(multi, "ring")
   r = multi["ring"][f"{mesh}/causal"]
