@@ -646,12 +646,12 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
   _, params = split_model(model)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   tensors: list[tuple[str, np.ndarray]] = []
-  value = {}
+  value: dict[str, np.ndarray] = {}
   for key_path, leaf in flat:
     name = _path_str(key_path)
     x = _host(leaf).astype(out_dtype)
     if name in _VALUE_NAMES:
-      value[_VALUE_NAMES[name]] = np.ascontiguousarray(x.T if name == "value_w" else x)
+      value.update([_value_tensor(name, x)])
       continue
     entry = layout[name]
     tensors.append((entry.name, np.ascontiguousarray(_to_hf(entry, x))))
@@ -708,15 +708,19 @@ def save_value_head(model: Transformer, file: str | os.PathLike, *, dtype=None) 
   if not model.config.value_head:
     raise ValueError("`model` has no value head (build it with value_head=True).")
   out_dtype = jnp.dtype(model.config.dtype if dtype is None else dtype)
-  w = _host(model.value_w[...]).astype(out_dtype)
-  b = _host(model.value_b[...]).astype(out_dtype)
+  tensors = dict(_value_tensor(name, _host(getattr(model, name)[...]).astype(out_dtype))
+                 for name in _VALUE_NAMES)
   if jax.process_index() != 0:
     return
   file = os.fspath(file)
   os.makedirs(os.path.dirname(file) or ".", exist_ok=True)
-  save_file({_VALUE_NAMES["value_w"]: np.ascontiguousarray(w.T),
-             _VALUE_NAMES["value_b"]: np.ascontiguousarray(b)}, file,
-            metadata={"format": "pt"})
+  save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _value_tensor(name: str, x: np.ndarray) -> tuple[str, np.ndarray]:
+  """The safetensors name and array of our value parameter ``name`` (``value_w``
+  ``[D, 1]`` is written ``[1, D]``, an ``nn.Linear`` weight)."""
+  return _VALUE_NAMES[name], np.ascontiguousarray(x.T if name == "value_w" else x)
 
 
 def _write_json(file: str, obj) -> None:
