@@ -53,7 +53,7 @@ ALGOS = tuple(RECIPES)
 GROUP_ALGOS = tuple(name for name, r in RECIPES.items() if r.group)
 
 
-RunFolderError = rf.RunFolderError     # where it was defined first (kept importable here)
+RunFolderError = rf.RunFolderError     # defined in run_folder; importable from here too
 
 
 class SkippedUpdatesError(RuntimeError):
@@ -88,11 +88,11 @@ def _check_run_folder(run: RunConfig) -> None:
     if saved_identity != run.identity():
       diff = sorted(k for k in set(saved_identity) | set(run.identity())
                     if saved_identity.get(k) != run.identity().get(k))
-      raise rf.RunFolderError(f"{run.out} holds a run with a different config (fields "
+      raise RunFolderError(f"{run.out} holds a run with a different config (fields "
                            f"{diff}); resume it with the saved config (--resume alone), "
                            "choose another --out, or pass --overwrite to replace it.")
     if not run.resume:
-      raise rf.RunFolderError(f"{run.out} already holds a run; pass --resume to continue it "
+      raise RunFolderError(f"{run.out} already holds a run; pass --resume to continue it "
                            "or --overwrite to replace it.")
   rf.probe_run_folder(run.out)
 

@@ -48,41 +48,25 @@ def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
     ValueError: ``run_dir`` is not a run folder, has no checkpoint, or its model is
       not a Hugging Face folder.
   """
-  import jax
   from flax import nnx
 
-  from jaxrl_llm import run_folder as rf
-  from jaxrl_llm.checkpoint import Checkpointer
-  from jaxrl_llm.loop.config import RunConfig, make_optimizer
-  from jaxrl_llm.loop.setup import _load, is_checkpoint, make_task
-  from jaxrl_llm.models.critic import CRITIC, POLICY, actor_critic_params
-  from jaxrl_llm.train import init_train_state
+  from jaxrl_llm.loop.setup import (is_checkpoint, load_models, make_task, read_run,
+                                    restore_state)
+  from jaxrl_llm.models.critic import CRITIC, POLICY
 
-  problem = rf.restorable_problem(run_dir)
-  if problem:
-    raise ValueError(f"{problem}.")
-  run = RunConfig.from_dict(rf.read_json(os.path.join(run_dir, rf.CONFIG_FILE)))
+  run = read_run(run_dir)
   if not is_checkpoint(run.model):
     raise ValueError(f"the run in {run_dir} trained the preset model {run.model!r}; "
                      "export needs a run of a Hugging Face --model folder.")
   task = make_task(run)
   config = run.train_config(task.max_new_tokens)
-  separate = run.critic is not None and config.use_value
-  graphdef, params = _load(run, task, value_head=config.use_value and not separate)
-  critic_graphdef: Any = None
-  if separate:
-    critic_path = run.model if run.critic == "policy" else run.critic
-    critic_graphdef, critic_params = _load(run, task, value_head=True, path=critic_path)
-    params = actor_critic_params(params, critic_params)
-  template = init_train_state(params, make_optimizer(run), config,
-                              rng=jax.random.PRNGKey(run.seed))
-  with Checkpointer(os.path.join(run_dir, rf.CHECKPOINTS_DIR)) as ckpt:
-    state, extra = ckpt.restore(template)
+  graphdef, params, critic_graphdef = load_models(run, task, config)
+  state, step = restore_state(run_dir, run, config, params)
   params = state.params
-  if not separate:
-    return run, nnx.merge(graphdef, params), None, int(extra["step"])
+  if critic_graphdef is None:
+    return run, nnx.merge(graphdef, params), None, step
   return (run, nnx.merge(graphdef, params[POLICY]),
-          nnx.merge(critic_graphdef, params[CRITIC]), int(extra["step"]))
+          nnx.merge(critic_graphdef, params[CRITIC]), step)
 
 
 def export_run(run_dir: str, dest: str | None = None) -> dict:

@@ -62,6 +62,25 @@ def _load(run: RunConfig, task: Any, *, value_head: bool, path: str | None = Non
   return split_model(model)
 
 
+def load_models(run: RunConfig, task: Any, config: TrainConfig) -> tuple[Any, Any, Any]:
+  """``(graphdef, params, critic_graphdef)`` of the run's models, freshly loaded.
+
+  With a separate critic (``run.critic`` and a recipe with a value model) ``params``
+  is ``{"policy": ..., "critic": ...}`` (:mod:`jaxrl_llm.models.critic`), the critic
+  loaded from ``run.critic`` (or the policy's initial weights for ``"policy"``) with
+  a value head; otherwise ``critic_graphdef`` is None and the policy carries the value
+  head when the recipe has a value model.
+  """
+  separate = run.critic is not None and config.use_value
+  graphdef, params = _load(run, task, value_head=config.use_value and not separate)
+  if not separate:
+    return graphdef, params, None
+  from jaxrl_llm.models.critic import actor_critic_params
+  critic_path = run.model if run.critic == "policy" else run.critic
+  critic_graphdef, critic_params = _load(run, task, value_head=True, path=critic_path)
+  return graphdef, actor_critic_params(params, critic_params), critic_graphdef
+
+
 def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
   """The run's policy: ``run.model`` loaded from its folder, or the preset.
 
@@ -79,13 +98,11 @@ def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
                             task.max_prompt_len + task.max_new_tokens, tok.pad_id,
                             value_head=config.use_value, seed=run.seed,
                             temperature=config.temperature)
-  graphdef, params = _load(run, task, value_head=config.use_value and not separate)
-  if not separate:
+  graphdef, params, critic_graphdef = load_models(run, task, config)
+  if critic_graphdef is None:
     return Policy.of_transformer(graphdef, params, pad_id=tok.pad_id,
                                  temperature=config.temperature)
-  from jaxrl_llm.models.critic import POLICY, actor_critic_apply, actor_critic_params
-  critic_path = run.model if run.critic == "policy" else run.critic
-  critic_graphdef, critic_params = _load(run, task, value_head=True, path=critic_path)
+  from jaxrl_llm.models.critic import POLICY, actor_critic_apply
   fns = make_decode_fns(graphdef)
   decode = DecodeFns(
       init_cache=lambda p, batch, max_len: fns.init_cache(p["policy"], batch, max_len),
@@ -93,7 +110,7 @@ def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
       decode=lambda p, tokens, cache: fns.decode(p["policy"], tokens, cache))
   # The KL reference is the policy part alone (no critic).
   return Policy(actor_critic_apply(graphdef, critic_graphdef), decode,
-                actor_critic_params(params, critic_params), pad_id=tok.pad_id,
+                params, pad_id=tok.pad_id,
                 temperature=config.temperature, ref_apply_fn=make_apply_fn(graphdef),
                 ref_part=lambda p: p[POLICY])
 
@@ -108,25 +125,39 @@ def restore_latest(run_dir: str) -> tuple[RunConfig, Any, Policy, Any, int]:
       (:func:`jaxrl_llm.run_folder.restorable_problem`), or a bad config.
     CheckpointError: the checkpoint does not match the rebuilt run or is corrupt.
   """
+  run = read_run(run_dir)
+  task = make_task(run)
+  config = run.train_config(task.max_new_tokens)
+  policy = make_policy(run, task, config)
+  state, step = restore_state(run_dir, run, config, policy.init_params)
+  return run, task, policy, state, step
+
+
+def read_run(run_dir: str) -> RunConfig:
+  """The :class:`RunConfig` saved in ``run_dir``, a folder with a checkpoint to
+  restore (``ValueError`` saying what is missing otherwise)."""
+  from jaxrl_llm import run_folder as rf
+  problem = rf.restorable_problem(run_dir)
+  if problem:
+    raise ValueError(problem)
+  return RunConfig.from_dict(rf.read_json(os.path.join(run_dir, rf.CONFIG_FILE)))
+
+
+def restore_state(run_dir: str, run: RunConfig, config: TrainConfig,
+                  params: Any) -> tuple[Any, int]:
+  """``(state, step)``: the newest checkpoint of ``run_dir`` restored into a
+  :class:`~jaxrl_llm.train.TrainState` template built on ``params``."""
   import jax
 
   from jaxrl_llm import run_folder as rf
   from jaxrl_llm.checkpoint import Checkpointer
   from jaxrl_llm.loop.config import make_optimizer
   from jaxrl_llm.train import init_train_state
-
-  problem = rf.restorable_problem(run_dir)
-  if problem:
-    raise ValueError(problem)
-  run = RunConfig.from_dict(rf.read_json(os.path.join(run_dir, rf.CONFIG_FILE)))
-  task = make_task(run)
-  config = run.train_config(task.max_new_tokens)
-  policy = make_policy(run, task, config)
-  template = init_train_state(policy.init_params, make_optimizer(run), config,
+  template = init_train_state(params, make_optimizer(run), config,
                               rng=jax.random.PRNGKey(run.seed))
   with Checkpointer(os.path.join(run_dir, rf.CHECKPOINTS_DIR)) as ckpt:
     state, extra = ckpt.restore(template)
-  return run, task, policy, state, int(extra["step"])
+  return state, int(extra["step"])
 
 
 def warm_start_value_params(run: RunConfig, params: Any) -> Any:
@@ -164,11 +195,12 @@ def warm_start_value_params(run: RunConfig, params: Any) -> Any:
     if key not in source or tuple(source[key].shape) != tuple(leaf.shape):
       got = "missing" if key not in source else f"shape {tuple(source[key].shape)}"
       raise RunFolderError(f"--critic-init {folder!r}: value parameter {key} of shape "
-                       f"{tuple(leaf.shape)} is {got} in that run's checkpoint (the "
-                       "model and the critic layout must match).")
+                           f"{tuple(leaf.shape)} is {got} in that run's checkpoint (the "
+                           "model and the critic layout must match).")
     return source[key].astype(leaf.dtype)
 
   return jax.tree_util.tree_map_with_path(take, params)
 
 
-__all__ = ["is_checkpoint", "make_policy", "make_task", "warm_start_value_params"]
+__all__ = ["is_checkpoint", "load_models", "make_policy", "make_task", "read_run",
+           "restore_latest", "restore_state", "warm_start_value_params"]
