@@ -522,3 +522,25 @@ def test_decoupled_estimators_in_the_step():
                            TrainConfig(advantage_estimator=est, lam_value=1.0))
     _, metrics = jax.jit(step)(step.init(params), batch)
     assert float(metrics["skipped"]) == 0 and np.isfinite(float(metrics["vf_loss"]))
+
+
+def _compiled_step_lines(n_leaves: int) -> int:
+  """Lines of the optimised HLO of a PPO step over ``n_leaves`` parameter arrays."""
+  params = {f"w{i:03d}": np.full((4, 4), 0.1 * i, np.float32) for i in range(n_leaves)}
+  apply = lambda p, tokens, pos, attn: (sum(p.values())[tokens], None)   # logits [B,L,4]
+  config = TrainConfig(use_value=False, whiten_advantages=False)
+  step = make_train_step(apply, optax.adam(1e-3), config)
+  ones = np.ones((2, 3), np.float32)
+  batch = dict(tokens=np.ones((2, 3), np.int32), attention_mask=ones, loss_mask=ones,
+               old_logp=np.log(0.25) * ones, advantages=np.array([1.0, -1.0], np.float32))
+  compiled = jax.jit(step).lower(step.init(params), batch).compile()
+  return len(compiled.as_text().splitlines())
+
+
+def test_compiled_step_grows_linearly_with_the_parameter_leaves():
+  """Keeping or dropping an update is one decision for all leaves. Selecting each leaf
+  with the step's finiteness flag let XLA copy the flag's and-chain over every leaf
+  into every leaf's update fusion: quadratic in the number of leaves (from 16 to 64
+  leaves the optimised program grew 9.5x, 13,494 to 128,454 lines; now 2.6x)."""
+  small, large = _compiled_step_lines(16), _compiled_step_lines(64)
+  assert large < 4 * small, (small, large)
