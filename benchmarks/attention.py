@@ -1,4 +1,5 @@
-"""Benchmark: causal attention forward + backward, ``"blockwise"`` vs ``"xla"``, on CPU.
+"""Benchmark: causal attention forward + backward, ``"blockwise"`` vs ``"xla"`` (and
+``"cudnn"`` on a GPU with bf16/fp16 inputs).
 
 Times ``jax.grad`` of ``sum(out * w)`` (a fixed random cotangent) with respect to
 query, key and value for :func:`jaxrl_llm.dot_product_attention` with
@@ -8,7 +9,8 @@ custom VJP) at several block sizes, side by side in one process: the variants ar
 called in turn within each repeat, so a shared machine's load hits them alike, and the
 medians are reported. Memory is the compiled temp size from ``memory_analysis()`` of the
 AOT-compiled gradient function (deterministic; nothing is run for it). An ``"xla"``
-variant whose temps exceed half this machine's RAM is compiled but not run.
+variant whose temps exceed half the memory it runs in (host RAM on CPU, the device's
+memory limit on an accelerator) is compiled but not run.
 
 Usage::
 
@@ -16,6 +18,8 @@ Usage::
   python benchmarks/attention.py --quick              # T = 256, a few seconds
   python benchmarks/attention.py --seq-lens 2048 --block-sizes 64 128 256
   python benchmarks/attention.py --json out.json
+  python benchmarks/attention.py --dtype bfloat16 --heads 16 --kv-heads 8 \
+      --head-dim 128 --seq-lens 2048 8192 32768     # on a GPU: cudnn too
 """
 
 from __future__ import annotations
@@ -36,12 +40,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._common import machine, markdown_table, write_json  # noqa: E402
-from jaxrl_llm.attention import dot_product_attention  # noqa: E402
+from jaxrl_llm.attention import dot_product_attention, select_implementation  # noqa: E402
 
 MIB = 2**20
+COLUMNS = ["T", "impl", "block", "fwd_bwd_ms", "speed_vs_xla", "temp_MiB"]
 
 
-def _ram_bytes() -> int:
+def _memory_bytes() -> int:
+  """Memory the benchmark runs in: the device's limit on an accelerator, else RAM."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
   try:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   except (ValueError, OSError):
@@ -66,15 +75,22 @@ def bench_one_length(t: int, *, b: int, n: int, kh: int, h: int, block_sizes, re
   w = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
   args = (q, k, v, w)
   variants = [("xla", None)] + [("blockwise", bs) for bs in block_sizes]
+  if select_implementation(q, k) == "cudnn":
+    variants.append(("cudnn", None))
   rows, runnable = [], []
+  cap = _memory_bytes() // 2 if max_temp_bytes is None else max_temp_bytes
   for impl, block in variants:
+    row = {"T": t, "impl": impl, "block": block if block is not None else "-"}
+    rows.append(row)
+    scores_bytes = 2 * 4 * b * n * t * t  # float32 scores and probabilities
+    if impl == "xla" and scores_bytes > cap:
+      # Not even compiled: a GPU compile autotunes on buffers of that size.
+      row["fwd_bwd_ms"] = f"skipped ([T, T] scores > {cap / 2**30:.1f} GiB)"
+      continue
     compiled = _grad_fn(impl, block).lower(*args).compile()
     mem = compiled.memory_analysis()
     temp = int(mem.temp_size_in_bytes) if mem is not None else -1
-    row = {"T": t, "impl": impl, "block": block if block is not None else "-",
-           "temp_MiB": temp / MIB}
-    rows.append(row)
-    cap = _ram_bytes() // 2 if max_temp_bytes is None else max_temp_bytes
+    row["temp_MiB"] = temp / MIB
     if temp > cap:
       row["fwd_bwd_ms"] = f"skipped (temps > {cap / 2**30:.1f} GiB)"
       continue
@@ -109,7 +125,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--quick", action="store_true", help="T=256, 2 repeats")
   parser.add_argument("--max-temp-gib", type=float, default=None,
-                      help="skip running a variant whose temps exceed this (default RAM/2)")
+                      help="skip running a variant whose temps exceed this (default: half "
+                      "the RAM, or of the device memory on an accelerator)")
   parser.add_argument("--json", default=None, help="write the rows to this JSON file")
   args = parser.parse_args(argv)
   if args.quick:
@@ -121,11 +138,11 @@ def main(argv=None) -> dict:
                              repeats=args.repeats, dtype=jnp.dtype(args.dtype),
                              max_temp_bytes=None if args.max_temp_gib is None
                              else int(args.max_temp_gib * 2**30))
+    print(markdown_table([r for r in rows if r["T"] == t], COLUMNS), flush=True)
   header = (f"causal attention fwd+bwd, B={args.batch} N={args.heads} K={args.kv_heads} "
             f"H={args.head_dim} {args.dtype}, median of {args.repeats}; {machine()}")
   print(header)
-  print(markdown_table(rows, ["T", "impl", "block", "fwd_bwd_ms", "speed_vs_xla",
-                              "temp_MiB"]))
+  print(markdown_table(rows, COLUMNS))
   payload = {"machine": machine(), "config": vars(args), "rows": rows}
   write_json(args.json, payload)
   return payload

@@ -1,6 +1,6 @@
 """GAE throughput: jaxrl_llm (scan, associative) vs rlax vs a PyTorch per-token loop.
 
-Run: ``python benchmarks/gae.py [--quick] [--rounds N] [--json out.json]``.
+Run: ``python benchmarks/gae.py [--quick] [--rounds N] [--sizes 16x32768 ...] [--json out.json]``.
 
 All compute the same advantages (gamma=1, lam=0.95, full mask, f32) in one process on
 the same inputs and are checked to agree before timing. The PyTorch loop is the pattern
@@ -8,7 +8,9 @@ of verl/TRL/OpenRLHF (a Python ``for t in reversed(range(T))`` with a few [B]-ve
 per step). rlax's ``truncated_generalized_advantage_estimation`` handles one trajectory,
 so it is batched with ``jax.vmap`` as rlax users do. The copy baseline moves the same
 number of bytes as GAE must (read rewards, values, mask; write advantages, returns) with
-``numpy.copyto``: ``copy/ours`` is the fraction of memory bandwidth GAE reaches.
+``numpy.copyto`` (on a GPU: one jitted elementwise pass over those bytes on the device):
+``copy/ours`` is the fraction of memory bandwidth GAE reaches. On a GPU the torch loop
+runs on CUDA tensors, as verl does there.
 
 Timing on a shared machine: the JAX candidates and the copy are timed *interleaved*
 (one call of each per round, ``--rounds`` rounds), so load spikes from other processes
@@ -38,8 +40,8 @@ GAMMA, LAM = 1.0, 0.95
 def torch_gae_loop(rewards, values, mask, gamma=GAMMA, lam=LAM):
   import torch
   with torch.no_grad():
-    nextvalues = torch.zeros(rewards.shape[0])
-    lastgaelam = torch.zeros(rewards.shape[0])
+    nextvalues = torch.zeros(rewards.shape[0], device=rewards.device)
+    lastgaelam = torch.zeros(rewards.shape[0], device=rewards.device)
     out = []
     for t in reversed(range(rewards.shape[1])):
       delta = rewards[:, t] + gamma * nextvalues - values[:, t]
@@ -48,11 +50,19 @@ def torch_gae_loop(rewards, values, mask, gamma=GAMMA, lam=LAM):
       lastgaelam = lastgaelam_ * mask[:, t] + (1 - mask[:, t]) * lastgaelam
       out.append(lastgaelam)
     adv = torch.stack(out[::-1], dim=1)
+    if adv.is_cuda:
+      torch.cuda.synchronize()
     return adv, adv + values
 
 
 def make_rlax_gae():
-  import rlax
+  """rlax's GAE batched with vmap, or None where rlax does not import (e.g. its
+  tensorflow-probability dependency does not match this jax)."""
+  try:
+    import rlax
+  except Exception as e:  # noqa: BLE001 - any import failure means "no baseline"
+    print(f"rlax unavailable ({type(e).__name__}: {e}); its columns are NaN", flush=True)
+    return None
 
   def one(r, v, boot):
     values = jnp.concatenate([v, boot[None]])
@@ -61,6 +71,34 @@ def make_rlax_gae():
     return adv, adv + v
 
   return jax.jit(jax.vmap(one))
+
+
+def numpy_gae(rewards, values, gamma=GAMMA, lam=LAM):
+  """Unmasked GAE in float64 NumPy, bootstrapping 0 after the last step (the reference
+  every candidate must match before it is timed)."""
+  adv = np.zeros(rewards.shape, np.float64)
+  last = np.zeros(rewards.shape[0], np.float64)
+  next_value = np.zeros(rewards.shape[0], np.float64)
+  for t in reversed(range(rewards.shape[1])):
+    last = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * last
+    adv[:, t], next_value = last, values[:, t]
+  return adv
+
+
+def on_accelerator() -> bool:
+  return jax.default_backend() != "cpu"
+
+
+def copy_of_gae_bytes(size: int):
+  """A candidate moving the bytes GAE must (3 arrays read + 2 written = a copy of 2.5
+  arrays of ``size`` float32): ``numpy.copyto`` on the host, or one jitted elementwise
+  pass on an accelerator's memory."""
+  n = int(2.5 * size)
+  if on_accelerator():
+    src = jnp.ones((n,), jnp.float32)
+    return jax.jit(lambda x: x * 2.0), (src,)
+  src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
+  return (lambda: np.copyto(dst, src)), ()
 
 
 def interleaved(fns: dict, rounds: int) -> dict:
@@ -89,32 +127,33 @@ def bench(batch, time_steps, rounds, torch_repeats):
   ours_assoc = jax.jit(lambda r, v, m: rl.gae(r, v, m, gamma=GAMMA, lam=LAM,
                                               method="associative"))
   rlax_fn = make_rlax_gae()
-  ref = np.asarray(rlax_fn(rj, vj, bj)[0])
-  for f in (ours_scan, ours_assoc):
-    np.testing.assert_allclose(np.asarray(f(rj, vj, mj)[0]), ref, atol=1e-4, rtol=1e-5)
-
-  n = int(2.5 * batch * time_steps)  # 3 arrays read + 2 written = a copy of 2.5 arrays
-  src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
-  times = interleaved({
-      "ours_scan": (ours_scan, (rj, vj, mj)),
-      "ours_assoc": (ours_assoc, (rj, vj, mj)),
-      "rlax_vmap": (rlax_fn, (rj, vj, bj)),
-      "copy": (lambda: np.copyto(dst, src), ()),
-  }, rounds)
-  row = {"B": batch, "T": time_steps, "rounds": rounds}
+  ref = np.asarray(numpy_gae(r, v))
+  candidates = {"ours_scan": (ours_scan, (rj, vj, mj)),
+                "ours_assoc": (ours_assoc, (rj, vj, mj))}
+  if rlax_fn is not None:
+    candidates["rlax_vmap"] = (rlax_fn, (rj, vj, bj))
+  for f, args in candidates.values():
+    np.testing.assert_allclose(np.asarray(f(*args)[0]), ref, atol=2e-3, rtol=1e-4)
+  candidates["copy"] = copy_of_gae_bytes(batch * time_steps)
+  times = interleaved(candidates, rounds)
+  row = {"B": batch, "T": time_steps, "rounds": rounds, "rlax_vmap_ms": float("nan")}
   for k, ts in times.items():
     row[f"{k}_ms"] = 1e3 * statistics.median(ts)
   try:
     import torch
     torch.set_num_threads(os.cpu_count() or 1)
-    tr, tv, tm = map(torch.from_numpy, (r, v, m))
-    np.testing.assert_allclose(torch_gae_loop(tr, tv, tm)[0].numpy(), ref, atol=1e-3)
+    device = "cuda" if on_accelerator() and torch.cuda.is_available() else "cpu"
+    tr, tv, tm = (torch.from_numpy(a).to(device) for a in (r, v, m))
+    np.testing.assert_allclose(torch_gae_loop(tr, tv, tm)[0].cpu().numpy(), ref, atol=2e-3)
+    row["torch_device"] = device
     row["torch_loop_ms"] = 1e3 * timeit(lambda: torch_gae_loop(tr, tv, tm),
                                         repeats=torch_repeats)
   except ImportError:
     row["torch_loop_ms"] = float("nan")
 
   def ratio(num, den):
+    if num not in times:
+      return float("nan")
     return statistics.median(a / b for a, b in zip(times[num], times[den]))
 
   best = "ours_scan" if row["ours_scan_ms"] <= row["ours_assoc_ms"] else "ours_assoc"
@@ -130,13 +169,23 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
   p.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds")
+  p.add_argument("--sizes", nargs="+", default=None, metavar="BxT",
+                 help="(batch, time) sizes, e.g. 16x32768 (default: 64x2048 16x32768 "
+                      "256x4096; --quick: 8x256 4x1024)")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
-  sizes = [(8, 256), (4, 1024)] if args.quick else [(64, 2048), (16, 32768), (256, 4096)]
+  if args.sizes:
+    sizes = [tuple(int(x) for x in s.lower().split("x")) for s in args.sizes]
+  else:
+    sizes = [(8, 256), (4, 1024)] if args.quick else [(64, 2048), (16, 32768), (256, 4096)]
   rounds = args.rounds or (3 if args.quick else 31)
   torch_repeats = 1 if args.quick else 3
-  rows = [bench(b, t, rounds, torch_repeats) for b, t in sizes]
+  rows = []
+  for b, t in sizes:
+    rows.append(bench(b, t, rounds, torch_repeats))
+    print(rows[-1], flush=True)
   cols = ["B", "T", "ours_scan_ms", "ours_assoc_ms", "rlax_vmap_ms", "torch_loop_ms",
+          "torch_device",
           "copy_ms", "best_ours", "rlax/scan", "rlax/assoc", "torch/ours", "copy/ours"]
   print(f"# GAE benchmark ({machine()})")
   print(markdown_table(rows, cols))

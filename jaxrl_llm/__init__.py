@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the names as static imports, for type checkers and IDEs
       grpo_advantages, hybrid_advantages, lambda_returns, nstep_returns,
       reinforce_pp_advantages, remax_advantages, reverse_linear_recurrence,
       rloo_advantages, self_critical_advantages)
-  from jaxrl_llm.advantages import decoupled_gae, length_adaptive_lambda
+  from jaxrl_llm.advantages import decoupled_gae, default_gae_method, length_adaptive_lambda
   from jaxrl_llm.losses import (
       AGGREGATION_MODES, KL_KINDS, aggregate, aggregate_parts, cispo_policy_loss,
       entropy_from_logits, gmpo_policy_loss, gspo_policy_loss, kl_penalty,
@@ -50,7 +50,7 @@ _EXPORTS = {
         "hybrid_advantages", "reverse_linear_recurrence", "self_critical_advantages",
         "group_advantages", "grpo_advantages", "rloo_advantages", "dr_grpo_advantages",
         "reinforce_pp_advantages", "remax_advantages", "broadcast_to_tokens",
-        "decoupled_gae", "length_adaptive_lambda"),
+        "decoupled_gae", "length_adaptive_lambda", "default_gae_method"),
     "jaxrl_llm.losses": (  # losses and aggregation
         "ppo_policy_loss", "gspo_policy_loss", "cispo_policy_loss", "sapo_policy_loss",
         "gmpo_policy_loss", "reinforce_policy_loss", "value_loss", "kl_penalty",

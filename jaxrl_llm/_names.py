@@ -10,3 +10,7 @@ AGGREGATION_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+
+# The solvers of the reverse linear recurrence behind GAE and returns
+# (jaxrl_llm.advantages.reverse_linear_recurrence).
+GAE_METHODS = ("scan", "associative")

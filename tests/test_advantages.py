@@ -235,6 +235,18 @@ def test_gae_long_sequence_scan_equals_associative():
   np.testing.assert_allclose(np.asarray(a_s)[:, -2048:], e_adv, atol=1e-5, rtol=1e-5)
 
 
+def test_default_method_is_chosen_by_backend(monkeypatch):
+  import jaxrl_llm.advantages as A
+  r, v, m, _ = random_inputs(5)
+  want = {"cpu": "scan", "gpu": "associative", "tpu": "associative"}
+  for backend, method in want.items():
+    monkeypatch.setattr(A.jax, "default_backend", lambda b=backend: b)
+    assert A.default_gae_method() == method
+    adv, ret = jax.jit(lambda *x: gae(*x, gamma=0.9, lam=0.8))(r, v, m)
+    e_adv, e_ret = np_gae(r, v, m, 0.9, 0.8)
+    assert_close((adv, ret), (e_adv, e_ret), atol=1e-5)
+
+
 def test_gae_all_masked_and_empty_and_bf16():
   r, v, m, boot = random_inputs(4)
   m[:] = 0

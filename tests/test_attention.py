@@ -308,6 +308,27 @@ def test_cudnn_raises_clearly_off_gpu_or_unfit():
       dot_product_attention(q, q, q, implementation="cudnn")
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_matches_numpy_values_and_grads_on_gpu(causal):
+  # bf16 inputs (what cuDNN takes), GQA, T not a multiple of 64; float64 reference on
+  # the bf16-rounded inputs, so the tolerance covers bf16 outputs and cuDNN's sums.
+  b, t, n, kh, h = 2, 200, 8, 2, 64
+  q, k, v = make_inputs(11, b, t, t, n, kh, h, dtype=jnp.bfloat16)
+  assert attn.select_implementation(q, k, is_causal=causal) == "cudnn"
+  dout = np.random.default_rng(3).normal(size=(b, t, n, h)).astype(np.float32)
+  ref_out, _, ref_grads = np_attention(q, k, v, None, causal, dout=dout)
+  fwd = lambda q, k, v: dot_product_attention(q, k, v, is_causal=causal,
+                                              implementation="cudnn")
+  out, vjp = jax.vjp(fwd, q, k, v)
+  grads = vjp(jnp.asarray(dout, jnp.bfloat16))
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=2e-2, rtol=2e-2)
+  for got, want in zip(grads, ref_grads):
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(got, np.float32) / scale, want / scale,
+                               atol=2e-2)
+
+
 @pytest.mark.parametrize("args, match", [
     (((1, 4, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8), None), "`key`"),
     (((1, 4, 4, 8), (1, 4, 2, 4), (1, 4, 2, 4), None), "`key`"),

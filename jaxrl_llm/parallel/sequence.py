@@ -134,7 +134,7 @@ def _check_layout(mesh, axis, batch_axes, shape, name):
 
 def sequence_parallel_gae(rewards, values, mask, *, mesh, axis="sequence", gamma=1.0,
                           lam=1.0, bootstrap_value=None, batch_axes=None,
-                          method="scan"):
+                          method=None):
   r""":func:`jaxrl_llm.gae` with the sequence split over mesh axis ``axis``.
 
   Same semantics as ``gae(..., transparent_mask=True)`` (verl: masked positions are
@@ -162,7 +162,8 @@ def sequence_parallel_gae(rewards, values, mask, *, mesh, axis="sequence", gamma
     bootstrap_value: optional ``[B]`` value after the last valid step (0 if None).
     batch_axes: optional mesh axes over which rows are split as well (e.g.
       ``("data", "fsdp")``); the batch is replicated over other axes.
-    method: the local chunk solver, ``"scan"`` or ``"associative"``.
+    method: the local chunk solver, ``"scan"``, ``"associative"`` or ``None``
+      (:func:`jaxrl_llm.advantages.default_gae_method`).
 
   Returns:
     ``(advantages, returns)``, ``[B, T]`` in the dtype of ``rewards``, 0 where
@@ -186,7 +187,8 @@ def sequence_parallel_gae(rewards, values, mask, *, mesh, axis="sequence", gamma
   v.check_float("rewards", rewards)
   v.check_same_shape(("rewards", "values", "mask"), (rewards, values, mask))
   v.check_float("values", values)
-  v.check_choice("method", method, GAE_METHODS)
+  if method is not None:
+    v.check_choice("method", method, GAE_METHODS)
   shape = v.shape_of(rewards)
   if bootstrap_value is not None:
     v.check_batch_vector("bootstrap_value", bootstrap_value, shape[0])

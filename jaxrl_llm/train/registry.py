@@ -222,26 +222,26 @@ def _f32(x):
   return jnp.asarray(x, jnp.float32)
 
 
-def _gae(x: AdvantageInputs, hp, method="scan"):
+def _gae(x: AdvantageInputs, hp, method=None):
   from jaxrl_llm import advantages as A
   return A.gae(x.rewards, x.values, x.mask, gamma=hp["gamma"], lam=hp["lam"],
                method=method)
 
 
-def _hybrid(x: AdvantageInputs, hp, method="scan", n=4):
+def _hybrid(x: AdvantageInputs, hp, method=None, n=4):
   from jaxrl_llm import advantages as A
   return A.hybrid_advantages(x.rewards, x.values, x.mask, n=n, gamma=hp["gamma"],
                              lam=hp["lam"], mix=hp["hybrid_mix"], method=method)
 
 
-def _decoupled_gae(x: AdvantageInputs, hp, method="scan"):
+def _decoupled_gae(x: AdvantageInputs, hp, method=None):
   from jaxrl_llm import advantages as A
   return A.decoupled_gae(x.rewards, x.values, x.mask, gamma=hp["gamma"],
                          lam_policy=hp["lam"], lam_value=hp.get("lam_value", 1.0),
                          method=method)
 
 
-def _vapo_gae(x: AdvantageInputs, hp, method="scan"):
+def _vapo_gae(x: AdvantageInputs, hp, method=None):
   from jaxrl_llm import advantages as A
   return A.decoupled_gae(x.rewards, x.values, x.mask, gamma=hp["gamma"],
                          lam_policy=A.length_adaptive_lambda(

@@ -11,7 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from jaxrl_llm import _validate as v
-from jaxrl_llm._names import AGGREGATION_MODES
+from jaxrl_llm._names import AGGREGATION_MODES, GAE_METHODS
 from jaxrl_llm.train.registry import (ADVANTAGE_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY,
                                       get_policy_loss)
 
@@ -63,7 +63,9 @@ class TrainConfig:
     norm_length: the constant divisor of ``seq-mean-token-sum-norm`` (Dr. GRPO).
     use_value: train a value head (PPO critic) with a clipped value loss.
     whiten_advantages: whiten advantages over the batch's response tokens.
-    gae_method: ``scan`` or ``associative`` recurrence for in-step advantages.
+    gae_method: ``scan`` or ``associative`` recurrence for in-step advantages;
+      ``None``: the faster one on this backend (scan on CPU, associative on GPU/TPU;
+      :func:`jaxrl_llm.advantages.default_gae_method`).
     advantage_estimator: in-step estimator when the batch has no ``advantages``
       (``gae``; ``hybrid``: n-step returns mixed with GAE; ``decoupled_gae`` /
       ``vapo_gae``: separate critic lambda ``lam_value``).
@@ -125,7 +127,7 @@ class TrainConfig:
   norm_length: Optional[int] = None
   use_value: bool = True
   whiten_advantages: bool = True
-  gae_method: str = "scan"
+  gae_method: str | None = None
   advantage_estimator: str = "gae"
   hybrid_n: int = 4
   kl_mode: str = "none"
@@ -281,7 +283,7 @@ def field_choices(name: str) -> Optional[tuple]:
     return advantage_estimators()
   return {"loss_agg_mode": tuple(AGGREGATION_MODES), "kl_mode": KL_MODES,
           "kl_kind": KL_KINDS, "reward_kl_kind": KL_KINDS,
-          "gae_method": ("scan", "associative"), "rollout_correction": (None,) + ROLLOUT_LEVELS,
+          "gae_method": (None,) + GAE_METHODS, "rollout_correction": (None,) + ROLLOUT_LEVELS,
           "adaptive_clip_metric": ("kl", "clipfrac")}.get(name)
 
 
