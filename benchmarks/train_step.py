@@ -45,6 +45,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import machine, markdown_table, timeit, write_json  # noqa: E402
+from jaxrl_llm.advantages import default_gae_method  # noqa: E402
 from jaxrl_llm.models.transformer import (Transformer, TransformerConfig,  # noqa: E402
                                           get_config, make_apply_fn, split_model)
 from jaxrl_llm.train import TrainConfig, init_train_state, make_ppo_train_step  # noqa: E402
@@ -91,11 +92,11 @@ def model_config(name: str, length: int, dtype):
   return get_config(name, VOCAB, value_head=True, max_seq_len=max(length, 8), dtype=dtype)
 
 
-def bench_case(name, b, length, repeats, peak, dtype=jnp.float32):
+def bench_case(name, b, length, repeats, peak, dtype=jnp.float32, gae_method=None):
   cfg = model_config(name, length, dtype)
   graphdef, params = split_model(Transformer(cfg, rngs=nnx.Rngs(0)))
   n_params = int(sum(x.size for x in jax.tree.leaves(params)))
-  config = TrainConfig(use_value=True, kl_mode="none")
+  config = TrainConfig(use_value=True, kl_mode="none", gae_method=gae_method)
   optimizer = optax.adam(1e-4)
   step = jax.jit(make_ppo_train_step(make_apply_fn(graphdef), optimizer, config),
                  donate_argnums=0)
@@ -113,7 +114,8 @@ def bench_case(name, b, length, repeats, peak, dtype=jnp.float32):
   tokens_s = b * length / sec
   passes = config.num_epochs * config.num_minibatches
   fpt = model_flops_per_token(cfg, n_params, length, passes)
-  return {"model": name, "dtype": jnp.dtype(dtype).name, "params": n_params, "B": b,
+  return {"model": name, "dtype": jnp.dtype(dtype).name,
+          "gae": gae_method or default_gae_method(), "params": n_params, "B": b,
           "L": length,
           "step_ms": 1e3 * sec, "tokens_s": tokens_s, "compile_s": compile_s,
           "model_gflop_per_token": fpt / 1e9,
@@ -128,6 +130,9 @@ def main(argv=None):
                  help="explicit cases, e.g. 1b:8:2048 (model tiny, small or 1b)")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                  help="the models' compute dtype and the matmul's of the MFU peak")
+  p.add_argument("--gae-methods", default=None,
+                 help="comma-separated GAE solvers to time each case with (default: the "
+                      "backend's, jaxrl_llm.advantages.default_gae_method)")
   p.add_argument("--matmul-n", type=int, default=None,
                  help="size of the peak matmul (default 2048; 1024 with --quick)")
   p.add_argument("--json", default=None)
@@ -146,10 +151,12 @@ def main(argv=None):
   print(f"measured matmul: {peak / 1e9:.1f} GFLOP/s ({dtype.name} {n}x{n} @ {n}x{n})",
         flush=True)
   rows = []
+  methods = args.gae_methods.split(",") if args.gae_methods else [None]
   for name, b, length in cases:
-    rows.append(bench_case(name, b, length, repeats, peak, dtype))
-    print(rows[-1], flush=True)
-  cols = ["model", "dtype", "params", "B", "L", "step_ms", "tokens_s", "compile_s",
+    for method in methods:
+      rows.append(bench_case(name, b, length, repeats, peak, dtype, method))
+      print(rows[-1], flush=True)
+  cols = ["model", "dtype", "gae", "params", "B", "L", "step_ms", "tokens_s", "compile_s",
           "model_gflop_per_token", "achieved_gflop_s", "mfu"]
   print(markdown_table(rows, cols))
   write_json(args.json, {"benchmark": "train_step", "machine": machine(),
