@@ -159,7 +159,8 @@ def default_gae_method() -> str:
   On a GPU a sequential ``lax.scan`` costs a kernel launch per step: at (B, T) =
   (16, 32768) on an H200, ``"scan"`` took 578 ms and ``"associative"`` 0.33 ms (rlax's
   own scan 577 ms; ``benchmarks/RESULTS.md``). On CPU the two are within 2x of each
-  other and the scan compiles faster.
+  other (associative ahead at long T, scan at short T), and the default stays the
+  scan, which sums in the order of the per-token loops of verl and TRL.
 
   Examples:
     >>> default_gae_method() in GAE_METHODS
