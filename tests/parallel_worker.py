@@ -173,9 +173,10 @@ def case_sequence_logprobs(results):
                                   ("data2_seq4", dict(data=2, sequence=4), "data"),
                                   ("fsdp2_seq4", dict(data=1, fsdp=2, sequence=4), None)):
     mesh = make_mesh(**sizes)
-    got = value_and_grads(lambda h, w, temp: sequence_parallel_token_logprobs(
-        h, w, targets, mesh=mesh, mask=mask, batch_axes=batch_axes, chunk_size=3,
-        return_entropy=True, temperature=temp))
+    got = value_and_grads(lambda h, w, temp, mesh=mesh, batch_axes=batch_axes:
+                          sequence_parallel_token_logprobs(
+                              h, w, targets, mesh=mesh, mask=mask, batch_axes=batch_axes,
+                              chunk_size=3, return_entropy=True, temperature=temp))
     out[name] = dict(
         logp_diff=float(np.abs(got[0] - ref[0]).max()),
         entropy_diff=float(np.abs(got[1] - ref[1]).max()),

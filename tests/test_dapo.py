@@ -113,11 +113,11 @@ def test_dynamic_sampling_bounded_repeats_or_none():
 
 def test_dynamic_sampling_random_never_all_equal_and_bounded():
   rng = np.random.default_rng(0)
-  for trial in range(30):
+  for _ in range(30):
     p = rng.uniform(0.02, 0.98)
-    calls = []
+    calls: list[int] = []
 
-    def draw(n, p=p):
+    def draw(n, p=p, calls=calls):
       calls.append(n)
       return {"scores": (rng.uniform(size=n * 4) < p).astype(np.float32)}
 
