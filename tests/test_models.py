@@ -343,6 +343,40 @@ def test_blockwise_attention_matches_xla_forward_and_grads():
     assert_close(g0, g1, atol=1e-5)
 
 
+def test_packed_padding_equals_key_mask_values_and_grads():
+  # Real tokens moved to the front (cuDNN's layout) vs the padding mask: same hidden
+  # states, values and gradients, for left and right padding, holes and an empty row.
+  g_p, p_p = _build(TransformerConfig.tiny(V, pack_padding=True))
+  g_m, p_m = _build(TransformerConfig.tiny(V, pack_padding=False))
+  assert_close(p_p, p_m, atol=0)
+  tokens = _tokens(21, b=4, t=12)
+  mask = _left_mask([10, 7, 0, 12], 12)
+  mask[1, 9:] = 0    # left and right padding
+  mask[3, [2, 5, 6]] = 0   # holes
+  apply_p, apply_m = _jit(make_apply_fn(g_p)), _jit(make_apply_fn(g_m))
+  out_p, out_m = apply_p(p_p, tokens, None, mask), apply_m(p_m, tokens, None, mask)
+  assert_close(out_p[:2], out_m[:2], atol=2e-6)
+  assert_close(out_m[:2], APPLY(PARAMS, tokens, None, mask)[:2], atol=2e-6)
+  l_p, g_p_grads = LOSS_GRAD(p_p, g_p, tokens, mask)
+  l_m, g_m_grads = LOSS_GRAD(p_m, g_m, tokens, mask)
+  assert_close(l_p, l_m, atol=1e-5)
+  assert_close(g_p_grads, g_m_grads, atol=1e-5)
+
+
+def test_pack_padding_by_default_only_where_cudnn_runs(monkeypatch):
+  bf16 = TransformerConfig.tiny(V, dtype=jnp.bfloat16)
+  assert not Transformer(bf16, rngs=nnx.Rngs(0)).packs_padding(2, 8)   # CPU: no cuDNN
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert Transformer(bf16, rngs=nnx.Rngs(0)).packs_padding(2, 8)
+  assert not Transformer(CFG, rngs=nnx.Rngs(0)).packs_padding(2, 8)    # float32
+  assert not Transformer(TransformerConfig.tiny(V, dtype=jnp.bfloat16, attention="xla"),
+                         rngs=nnx.Rngs(0)).packs_padding(2, 8)
+  assert not Transformer(TransformerConfig.tiny(V, dtype=jnp.bfloat16, pack_padding=False),
+                         rngs=nnx.Rngs(0)).packs_padding(2, 8)
+  with pytest.raises(ValueError, match="pack_padding"):
+    TransformerConfig.tiny(V, pack_padding=1)
+
+
 def test_blockwise_attention_cache_decode_matches_full_forward():
   g_b, p_b = _build(BLOCK_CFG)
   fns = make_decode_fns(g_b)

@@ -19,7 +19,9 @@ Conventions:
   picks the implementation; ``None`` chooses by backend and size, so long sequences get
   the O(T)-memory ``"blockwise"`` kernel and a ``sequence`` mesh axis gets ``"ring"``
   when :mod:`jaxrl_llm.parallel` registers it). A padded query that sees no real key
-  gets a zero attention output.
+  gets a zero attention output. Where cuDNN's fused attention can run (GPU, bf16/fp16)
+  the full forward packs each row's real tokens to the front instead of passing a
+  padding mask, which that kernel cannot take (``TransformerConfig.pack_padding``).
 * Every parameter carries logical axis names (``vocab``, ``embed``, ``heads``,
   ``kv_heads``, ``head_dim``, ``mlp``, or ``None``) as ``out_sharding`` metadata with
   eager sharding off; ``nnx.get_partition_spec(nnx.state(model))`` gives the logical
@@ -53,7 +55,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm import _validate as v
-from jaxrl_llm.attention import ATTENTION_IMPLEMENTATIONS, dot_product_attention
+from jaxrl_llm.attention import (ATTENTION_IMPLEMENTATIONS, dot_product_attention,
+                                 select_implementation)
 from jaxrl_llm.rollout.protocol import DecodeFns  # the protocol lives with the sampler
 
 PRESETS = ("tiny", "small")
@@ -137,6 +140,12 @@ class TransformerConfig:
       (``"xla"``, ``"blockwise"``, ``"cudnn"``, a registered name such as ``"ring"``),
       or ``None`` to choose by backend and size (``select_implementation``).
     attention_block_size: query/key block size of ``"blockwise"``; ``None`` = default.
+    pack_padding: in the full forward, move each row's real tokens to the front (in
+      order, with their positions) before the blocks and back after them, so that
+      causality alone hides the padding and attention needs no ``key_mask``. Exact
+      (a real query sees the same real keys in the same order). ``None`` (default):
+      only where that lets ``"cudnn"`` run (a GPU, bf16/fp16, no sequence mesh), whose
+      fused kernel takes no arbitrary padding mask; ``True``/``False``: always/never.
     dtype: parameter and matmul dtype (e.g. ``jnp.float32`` or ``jnp.bfloat16``).
     norm_eps: RMSNorm epsilon.
     qkv_bias: add biases to the query/key/value projections (Qwen2).
@@ -162,6 +171,7 @@ class TransformerConfig:
   remat_policy: str | None = None
   attention: str | None = None
   attention_block_size: int | None = None
+  pack_padding: bool | None = None
   qkv_bias: bool = False
   qk_norm: bool = False
   rope_scaling: RopeScaling | None = None
@@ -195,6 +205,9 @@ class TransformerConfig:
         not isinstance(self.attention_block_size, int) or self.attention_block_size < 1):
       raise ValueError(f"`attention_block_size` must be None or a positive int, got "
                        f"{self.attention_block_size!r}.")
+    if self.pack_padding is not None and not isinstance(self.pack_padding, bool):
+      raise ValueError(f"`pack_padding` must be None, True or False, got "
+                       f"{self.pack_padding!r}.")
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(f"`rope_scaling` must be None or a RopeScaling, got "
                        f"{self.rope_scaling!r}.")
@@ -473,6 +486,17 @@ class KVCache(NamedTuple):
 # ----------------------------------------------------------------------------------
 
 
+def _pack_order(kv_valid):
+  """Per row, the stable permutation putting the real tokens first, and its inverse."""
+  order = jnp.argsort(jnp.logical_not(kv_valid).astype(jnp.int32), axis=1, stable=True)
+  return order, jnp.argsort(order, axis=1)
+
+
+def _take_rows(x, index):
+  """``x[b, index[b, t]]`` for ``x`` ``[B, T, ...]`` and ``index`` ``[B, T]``."""
+  return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
 def _positions_from_mask(mask):
   return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
 
@@ -549,6 +573,18 @@ class Transformer(nnx.Module):
 
   # -- full forward ----------------------------------------------------------------
 
+  def packs_padding(self, batch: int, length: int) -> bool:
+    """Whether the full forward packs padding (``config.pack_padding``; ``None``: when
+    the attention it would run without a ``key_mask`` is ``"cudnn"``)."""
+    c = self.config
+    if c.pack_padding is not None:
+      return c.pack_padding
+    if c.attention not in (None, "cudnn"):
+      return False
+    q = jax.ShapeDtypeStruct((batch, length, c.n_heads, c.dim_per_head), c.dtype)
+    k = jax.ShapeDtypeStruct((batch, length, c.n_kv_heads, c.dim_per_head), c.dtype)
+    return select_implementation(q, k) == "cudnn"
+
   def __call__(self, tokens, positions=None, attention_mask=None):
     """Full causal forward.
 
@@ -574,12 +610,18 @@ class Transformer(nnx.Module):
     kv_valid = mask > 0
     c = self.config
     x = self._embed(tokens)
+    packed = attention_mask is not None and self.packs_padding(b, t)
+    if packed:   # real tokens first: the padding trails, hidden by causality alone
+      order, inverse = _pack_order(kv_valid)
+      x, positions, kv_valid = _take_rows(x, order), _take_rows(positions, order), None
     if c.scan_layers and len(self.blocks) > 1:
       x = _scan_blocks(list(self.blocks), x, positions, kv_valid, c.remat, c.remat_policy)
     else:
       block_fn = _remat_block_forward(c.remat_policy) if c.remat else _block_forward
       for block in self.blocks:
         x = block_fn(block, x, positions, kv_valid)
+    if packed:
+      x = _take_rows(x, inverse)
     hidden = self.final_norm(x) * mask[..., None].astype(x.dtype)
     return hidden, self._values(hidden, mask)
 
