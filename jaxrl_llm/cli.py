@@ -33,6 +33,8 @@ ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("
 NOT_FLAGS = ("clip_schedule", "loss_hparams")
 # Command-line behaviour beyond the field's own docstring.
 NOTES = {"hybrid_n": " Giving it alone selects --advantage-estimator hybrid."}
+# The subcommands (build_parser adds each; train is the default).
+COMMANDS = ("train", "eval", "plot", "export")
 TRAIN_PREFIX = "train__"
 LOSS_PREFIX = "loss__"
 
@@ -152,8 +154,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
   for f in dataclasses.fields(TrainConfig):
     if f.name in NOT_FLAGS:
       continue
+    # Left out of the namespace unless given, so that an explicit ``none`` is kept.
     _add_field(step_group, TrainConfig, f, hints, docs, dest=TRAIN_PREFIX + f.name,
-               default=None, shown=f"{f.default}{_recipe_note(f.name)}",
+               default=argparse.SUPPRESS, shown=f"{f.default}{_recipe_note(f.name)}",
                choices=field_choices(f.name))
   loss_group = p.add_argument_group("policy-loss hyperparameters")
   extras: dict = {}
@@ -162,7 +165,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
       extras.setdefault(name, []).append(f"{spec.name}: {default}")
   for name, notes in extras.items():
     loss_group.add_argument("--" + name.replace("_", "-"), dest=LOSS_PREFIX + name,
-                            type=float, default=None, metavar=name.upper(),
+                            type=float, default=argparse.SUPPRESS, metavar=name.upper(),
                             help=f"(default: {'; '.join(notes)})")
 
 
@@ -179,15 +182,19 @@ def _train_epilog() -> str:
 
 
 def run_config_from_args(args: argparse.Namespace) -> Any:
-  """The :class:`~jaxrl_llm.trainer.RunConfig` of parsed ``train`` arguments."""
+  """The :class:`~jaxrl_llm.trainer.RunConfig` of parsed ``train`` arguments.
+
+  Train-step and policy-loss options are in ``args`` only when given (their default is
+  ``argparse.SUPPRESS``), so ``--clip-high none`` sets None over the recipe's value.
+  """
   from jaxrl_llm.loop.config import RunConfig
   values = vars(args)
   run = {f.name: values[f.name] for f in dataclasses.fields(RunConfig)
          if f.name in values}
   train = {k[len(TRAIN_PREFIX):]: val for k, val in values.items()
-           if k.startswith(TRAIN_PREFIX) and val is not None}
+           if k.startswith(TRAIN_PREFIX)}
   loss = {k[len(LOSS_PREFIX):]: val for k, val in values.items()
-          if k.startswith(LOSS_PREFIX) and val is not None}
+          if k.startswith(LOSS_PREFIX)}
   if loss:
     train["loss_hparams"] = loss
   if "hybrid_n" in train:
@@ -213,19 +220,37 @@ def _explicit_train_dests(argv: list) -> set:
   return set(vars(p.parse_known_args(argv)[0]))
 
 
+# Run fields whose effective value is derived beyond ``RunConfig.setting``.
+EFFECTIVE_RUN_FIELDS = {
+    "value_lr": lambda run: run.value_learning_rate(),
+    "overlong_buffer": lambda run: run.overlong_buffer_for(run.response_budget())}
+
+
+def _effective(run: Any, name: str) -> Any:
+  """The RunConfig field ``name`` as the run uses it: a None that stands for the
+  recipe's value (or ``--lr`` times its scale) filled in, so that restating it on
+  ``--resume`` is no contradiction."""
+  from jaxrl_llm.recipes import RECIPE_RUN_FIELDS
+  if name in EFFECTIVE_RUN_FIELDS:
+    return EFFECTIVE_RUN_FIELDS[name](run)
+  return run.setting(name) if name in RECIPE_RUN_FIELDS else getattr(run, name)
+
+
 def _resume_config(args: argparse.Namespace, argv: list):
   """The run to continue on ``--resume``: the saved config, changed only by the
-  resumable options given on the command line. A given option that contradicts the
-  saved config raises ``ValueError`` naming it."""
+  resumable options given on the command line. A given option whose value differs
+  from the one the saved run uses (recipe defaults filled in) raises ``ValueError``
+  naming it."""
   from jaxrl_llm import run_folder as rf
   from jaxrl_llm.loop.config import RESUMABLE_FIELDS, RunConfig
-  from jaxrl_llm.loop.setup import make_task
   saved = RunConfig.from_dict(rf.read_json(os.path.join(args.out, rf.CONFIG_FILE)))
   given = run_config_from_args(args)
-  explicit = _explicit_train_dests(argv)
+  # The given options, and the estimator that --hybrid-n alone implies.
+  explicit = _explicit_train_dests(argv) | {TRAIN_PREFIX + k for k in given.train
+                                            if k != "loss_hparams"}
   changes: dict = {"resume": True, "overwrite": False, "out": args.out}
   conflicts = []
-  saved_train = saved.train_config(make_task(saved).max_new_tokens)
+  saved_train = saved.train_config(saved.response_budget())
   for dest in sorted(explicit):
     if dest.startswith(TRAIN_PREFIX):
       name = dest[len(TRAIN_PREFIX):]
@@ -233,12 +258,14 @@ def _resume_config(args: argparse.Namespace, argv: list):
     elif dest.startswith(LOSS_PREFIX):
       name = dest[len(LOSS_PREFIX):]
       value = (given.train.get("loss_hparams") or {}).get(name)
-      before = (saved.train.get("loss_hparams") or {}).get(name)
+      before = saved_train.hparam_values().get(name)
     else:
-      name, value, before = dest, getattr(given, dest), getattr(saved, dest)
+      name, value = dest, getattr(given, dest)
       if name in RESUMABLE_FIELDS:
         changes[name] = value
         continue
+      value = _effective(dataclasses.replace(saved, **{name: value}), name)
+      before = _effective(saved, name)
     if value != before:
       conflicts.append(f"{_flag(name)} {value} (the saved run has {before})")
   if conflicts:
@@ -435,17 +462,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _early_note(argv: list) -> None:
-  """One line before the slow imports: what is starting and where outputs go."""
-  if any(a in ("-h", "--help") for a in argv) or "--no-progress" in argv:
-    return
-  if argv and argv[0] in ("eval", "plot", "export"):
+  """One line before the slow imports: what is starting and where outputs go (``argv``
+  starts with the command)."""
+  if argv[:1] != ["train"] or any(a in ("-h", "--help", "--no-progress") for a in argv):
     return
   p = argparse.ArgumentParser(add_help=False)
   p.add_argument("--out", default="runs/default")
   p.add_argument("--algo", "--recipe", default="grpo")
   p.add_argument("--task", default="reverse")
   p.add_argument("--resume", action="store_true")
-  known = p.parse_known_args(argv[1:] if argv and argv[0] == "train" else argv)[0]
+  known = p.parse_known_args(argv[1:])[0]
   what = "resuming" if known.resume else f"{known.algo} on {known.task}"
   print(f"jaxrl-llm train: {what}, writing to {known.out}; importing JAX and building "
         "the model (the first step then compiles) ...", file=sys.stderr, flush=True)
@@ -453,12 +479,12 @@ def _early_note(argv: list) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   words = list(sys.argv[1:] if argv is None else argv)
-  _early_note(words)
-  parser = build_parser()
-  args = parser.parse_args(words)
-  if args.command is None:
+  # train is the default command: ``jaxrl-llm --steps 5`` is ``jaxrl-llm train --steps 5``
+  # (``jaxrl-llm --help`` alone is the top-level help).
+  if not words or words[0] not in COMMANDS + ("-h", "--help"):
     words = ["train"] + words
-    args = parser.parse_args(words)
+  _early_note(words)
+  args = build_parser().parse_args(words)
   args.argv = words[1:]
   return args.func(args)
 

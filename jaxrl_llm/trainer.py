@@ -18,9 +18,10 @@ is probed for writability and free space first; metrics rows are appended and fs
 one per step (a resume drops the rows after its checkpoint by an atomic rewrite, never
 in place); a resume restores the newest checkpoint that verifies; SIGTERM (and a first
 Ctrl-C) finishes the current step, checkpoints it and raises
-:class:`~jaxrl_llm.run_folder.RunInterrupted`; ``max_consecutive_skips`` skipped
-updates in a row (non-finite loss, gradients or state) stop the run with
-:class:`SkippedUpdatesError` instead of checkpointing a run that no longer learns.
+:class:`~jaxrl_llm.run_folder.RunInterrupted`; ``max_consecutive_skips`` train steps
+in a row whose every update was skipped (non-finite loss, gradients or state;
+:func:`step_skipped`) stop the run with :class:`SkippedUpdatesError` instead of
+checkpointing a run that no longer learns.
 """
 
 from __future__ import annotations
@@ -173,12 +174,13 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
           row.update(evaluate(policy, state.params, task, eval_problems))
         history.append(row)
         metrics.append(row)
-        skips = skips + 1 if row.get("skipped", 0) else 0
-        applied += 0 if row.get("skipped", 0) else 1
+        skipped = step_skipped(row, config)
+        skips = skips + 1 if skipped else 0
+        applied += 0 if skipped else 1
         if skips >= run.max_consecutive_skips:
           raise SkippedUpdatesError(
-              f"stopped at step {step}: the last {skips} updates were all skipped "
-              "(non-finite loss, gradients or state; see 'skipped' in "
+              f"stopped at step {step}: every update of the last {skips} steps was "
+              "skipped (non-finite loss, gradients or state; see 'skipped' in "
               f"{metrics_path}); lower --lr or check the rewards. The last good "
               f"checkpoint is in {ckpt.directory} (step {ckpt.latest_step()}).")
         if step % run.save_every == 0 or step == run.steps:
@@ -216,6 +218,21 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
   summary["metrics_file"] = metrics_path
   summary["checkpoints"] = f"{ckpt.directory} (steps {', '.join(map(str, kept))})"
   return summary
+
+
+def step_skipped(row: dict, config: TrainConfig) -> bool:
+  """True when the train step of metrics ``row`` applied none of its updates.
+
+  ``row["skipped"]`` counts the step's skipped updates (of ``num_epochs *
+  num_minibatches``; non-finite values): a step that skipped only some still learned.
+
+  Examples:
+    >>> config = TrainConfig(num_minibatches=2)
+    >>> step_skipped({"skipped": 1.0}, config), step_skipped({"skipped": 2.0}, config)
+    (False, True)
+  """
+  updates = config.num_epochs * config.num_minibatches
+  return row.get("skipped", 0) >= updates - 0.5    # a float count (a mean times updates)
 
 
 train = run_training   # the earlier name (kept: ``from jaxrl_llm.trainer import train``)
@@ -292,5 +309,5 @@ def format_summary(summary: dict) -> str:
 __all__ = ["run_training", "train", "RunConfig", "RunFolderError", "SkippedUpdatesError",
            "Policy", "evaluate",
            "build_batch", "sequence_advantages", "train_config_for", "make_optimizer",
-           "summarize", "format_summary", "ALGOS", "GROUP_ALGOS", "MODELS", "algos",
-           "RESUMABLE_FIELDS", "TrainConfig"]
+           "summarize", "format_summary", "step_skipped", "ALGOS", "GROUP_ALGOS", "MODELS",
+           "algos", "RESUMABLE_FIELDS", "TrainConfig"]

@@ -9,6 +9,7 @@ equal, and strict JSON throughout.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -158,6 +159,22 @@ def _main(capsys, *argv):
     (["--algo", "dapo", "--overlong-buffer", "8"],
      ["--overlong-buffer 8 is longer than the task's response budget of 4 tokens"]),
     (["--critic-init", "/"], ["--critic-init '/':", "config.json is missing"]),
+    # settings the recipe's train step would crash on or silently ignore
+    (["--algo", "ppo", "--no-use-value"],
+     ["--no-use-value: --algo ppo computes its advantages in the train step"]),
+    (["--recipe", "vapo", "--lam-policy", "0.9"],
+     ["--lam 0.9 is not used by --advantage-estimator vapo_gae",
+      "--advantage-estimator decoupled_gae"]),
+    (["--critic", "policy"], ["--critic policy needs a recipe with a value model "
+                              "(--algo grpo has none"]),
+    (["--algo", "dapo", "--critic-lr", "0.01"],
+     ["--value-lr 0.01 needs a recipe with a value model (--algo dapo has none"]),
+    (["--critic-warmup-steps", "2"], ["--critic-warmup-steps 2 needs a recipe with a value"]),
+    (["--algo", "rloo", "--hybrid-n", "3"],
+     ["--hybrid-n 3 sets the in-step advantage estimator, but --algo rloo computes"]),
+    (["--advantage-estimator", "gae"], ["--advantage-estimator gae sets the in-step"]),
+    (["--kl-mode", "reward"], ["--kl-mode reward puts the KL into the token rewards, but "
+                               "--algo grpo computes", "use --kl-mode loss"]),
 ])
 def test_flag_mistakes_are_one_line_errors_and_write_nothing(capsys, tmp_path, flags,
                                                              parts):
@@ -173,6 +190,25 @@ def test_a_real_command_line_mistake_is_one_line(tmp_path):
   assert done.stderr.splitlines()[0].startswith("jaxrl-llm train: grpo on reverse, "
                                                 f"writing to {out}")
   assert not out.exists()
+
+
+def test_train_is_the_default_command_with_flags_too(capsys, tmp_path):
+  from jaxrl_llm.cli import COMMANDS, build_parser
+  out = tmp_path / "run"
+  done = _one_line_error(_main(capsys, "--eval-every", "0", "--out", str(out)),
+                         "--eval-every must be >= 1 (got 0)")
+  assert "invalid choice" not in done
+  assert not out.exists()
+  for argv in (["--help"], ["-h"]):                  # alone: the top-level help
+    with pytest.raises(SystemExit) as info:
+      _main(capsys, *argv)
+    assert info.value.code == 0
+    assert "{train,eval,plot,export}" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    _main(capsys, "--steps", "3", "--help")          # after a train flag: train's help
+  assert "--policy-loss" in capsys.readouterr().out
+  sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+  assert tuple(sub.choices) == COMMANDS
 
 
 def test_eval_and_plot_say_what_is_missing_where(capsys, tmp_path):
@@ -213,12 +249,12 @@ def test_plot_tolerates_a_torn_line_and_explains_a_missing_matplotlib(capsys, tm
                   "drawing needs matplotlib", "pip install matplotlib")
 
 
-def _saved_run(tmp_path, **fields):
+def _saved_run(tmp_path, algo="ppo", name="run", **fields):
   from jaxrl_llm import run_folder as rf
   from jaxrl_llm.loop.config import RunConfig
-  out = tmp_path / "run"
+  out = tmp_path / name
   out.mkdir()
-  run = RunConfig(out=str(out), algo="ppo", steps=10, lr=0.01, **fields)
+  run = RunConfig(out=str(out), algo=algo, steps=10, lr=0.01, **fields)
   rf.write_json(str(out / "config.json"), __import__("dataclasses").asdict(run))
   return str(out)
 
@@ -245,6 +281,35 @@ def test_resume_alone_continues_the_saved_run_and_names_contradictions(tmp_path)
   assert "--algo grpo (the saved run has ppo)" in msg and "--lr 0.5 (the saved" in msg
   assert "--kl-coef 0.1 (the saved run has 0.05)" in msg and "Only --steps" in msg
   assert "\n" not in msg
+
+
+@pytest.mark.parametrize("algo,fields,same,other,message", [
+    ("dapo", {}, ["--dynamic-sampling", "--overlong-buffer", "1", "--clip-high", "0.28"],
+     ["--no-dynamic-sampling"], "--dynamic-sampling False (the saved run has True)"),
+    ("dapo", {}, ["--overlong-buffer", "1"], ["--overlong-buffer", "2"],
+     "--overlong-buffer 2 (the saved run has 1)"),
+    ("dapo", {}, [], ["--clip-high", "none"], "--clip-high None (the saved run has 0.28)"),
+    ("vapo", {}, ["--critic-warmup-steps", "10", "--value-lr", "0.02"],
+     ["--critic-warmup-steps", "5"], "--critic-warmup-steps 5 (the saved run has 10)"),
+    ("vapo", {}, ["--critic-warmup-steps", "none"], ["--value-lr", "0.01"],
+     "--value-lr 0.01 (the saved run has 0.02)"),
+    ("ppo", {"train": {"policy_loss": "sapo"}}, ["--tau-pos", "1.0", "--tau-neg", "1.05"],
+     ["--tau-pos", "2"], "--tau-pos 2.0 (the saved run has 1.0)"),
+    # --hybrid-n alone selects the hybrid estimator: that is a change, named as such
+    ("ppo", {}, ["--lam", "0.95"], ["--hybrid-n", "4"],
+     "--advantage-estimator hybrid (the saved run has gae)"),
+])
+def test_resume_accepts_restating_the_value_the_saved_run_uses(tmp_path, algo, fields, same,
+                                                               other, message):
+  """Recipe-defaulted run fields and loss hyperparameters are saved as None: restating
+  the value the run uses (the recipe's, lr x value_lr_scale, a quarter of the budget, the
+  loss's default) is no contradiction; another value is, with the value the run uses."""
+  out = _saved_run(tmp_path, algo=algo, **fields)
+  run = _resumed(["--out", out, "--resume", *same])
+  assert run.algo == algo and run.resume and run.train == fields.get("train", {})
+  with pytest.raises(ValueError) as info:
+    _resumed(["--out", out, "--resume", *other])
+  assert message in str(info.value) and "\n" not in str(info.value)
 
 
 @pytest.mark.slow

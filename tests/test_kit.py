@@ -318,15 +318,44 @@ def test_recipes_vapo_and_dapo_and_flags_override_them():
   assert (cfg.use_value, cfg.kl_mode, cfg.clip_range()) == (False, "none", (0.2, 0.28))
   assert dapo.setting("dynamic_sampling") and dapo.overlong_buffer_for(200) == 50
   args = build_parser().parse_args(
-      ["train", "--recipe", "vapo", "--critic-warmup-steps", "0", "--lam-policy", "0.9",
+      ["train", "--recipe", "vapo", "--critic-warmup-steps", "0",
        "--lam-value", "0.99", "--lam-alpha", "0.1", "--clip-high", "0.3",
        "--value-lr", "0.01", "--no-dynamic-sampling", "--overlong-buffer", "4"])
   run = run_config_from_args(args)
+  run.validate()
   cfg = run.train_config(200)
   assert run.algo == "vapo" and run.setting("critic_warmup_steps") == 0
-  assert (cfg.lam, cfg.lam_value, cfg.lam_alpha, cfg.clip_high) == (0.9, 0.99, 0.1, 0.3)
+  assert (cfg.lam, cfg.lam_value, cfg.lam_alpha, cfg.clip_high) == (0.95, 0.99, 0.1, 0.3)
   assert run.value_learning_rate() == 0.01 and run.overlong_buffer_for(200) == 4
   assert run.setting("dynamic_sampling") is False
+  # vapo_gae's policy lambda is length-adaptive: --lam-policy needs decoupled_gae.
+  args = build_parser().parse_args(["train", "--recipe", "vapo", "--lam-policy", "0.9"])
+  with pytest.raises(ValueError, match="--advantage-estimator decoupled_gae"):
+    run_config_from_args(args).validate()
+  args = build_parser().parse_args(["train", "--recipe", "vapo", "--lam-policy", "0.9",
+                                    "--advantage-estimator", "decoupled_gae"])
+  run = run_config_from_args(args)
+  run.validate()
+  assert run.train_config(200).lam == 0.9
+
+
+@pytest.mark.parametrize("argv,field,value", [
+    (["--recipe", "vapo", "--pos-nll-coef", "none"], "pos_nll_coef", None),
+    (["--recipe", "vapo", "--lam-value", "none"], "lam_value", None),
+    (["--recipe", "vapo", "--lam-alpha", "None"], "lam_alpha", None),
+    (["--recipe", "dr_grpo", "--norm-length", "none"], "norm_length", None),
+    (["--recipe", "dapo", "--clip-high", "none"], "clip_high", None),
+    (["--recipe", "vapo"], "pos_nll_coef", 0.1),             # not given: the recipe's
+    (["--recipe", "dapo"], "clip_high", 0.28),
+])
+def test_an_explicit_none_flag_replaces_the_recipes_value(argv, field, value):
+  from jaxrl_llm.cli import build_parser, run_config_from_args
+  run = run_config_from_args(build_parser().parse_args(["train", *argv]))
+  run.validate()
+  assert run.train == ({field: None} if value is None else {})
+  assert getattr(run.train_config(16), field) == value
+  if field == "clip_high" and value is None:
+    assert run.train_config(16).clip_range() == (0.2, None)   # symmetric
 
 
 @pytest.mark.slow

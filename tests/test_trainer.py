@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import typing
 
 import numpy as np
 import pytest
@@ -130,6 +131,76 @@ def test_run_config_composes_the_train_config():
     RunConfig.from_dict({"nonsense": 1})
 
 
+def test_clip_end_schedule_reaches_clip_end_on_the_last_step():
+  # The step's schedule reads state.step: 0 on the first train step, steps - 1 on the last.
+  cfg = RunConfig(steps=5, clip_end=0.05).train_config(max_new_tokens=8)
+  clips = [float(cfg.clip_schedule(s)) for s in range(5)]
+  np.testing.assert_allclose(clips, [0.2, 0.1625, 0.125, 0.0875, 0.05], rtol=1e-6)
+  one = RunConfig(steps=1, clip_end=0.05).train_config(max_new_tokens=8)
+  assert float(one.clip_schedule(0)) == pytest.approx(0.2)   # one step: the start value
+  assert RunConfig(steps=5).train_config(max_new_tokens=8).clip_schedule is None
+
+
+class _FakeState(typing.NamedTuple):
+  params: typing.Any
+
+
+class _FakeCheckpointer:
+  """What the loop calls on its Checkpointer, without orbax."""
+
+  def __init__(self, directory, **kwargs):
+    self.directory, self.steps = directory, []
+
+  def save(self, step, state, extra=None, force=False):
+    self.steps.append(step)
+
+  def all_steps(self):
+    return list(self.steps)
+
+  def latest_step(self):
+    return self.steps[-1] if self.steps else None
+
+  def close(self):
+    pass
+
+
+@pytest.mark.parametrize("skipped,max_skips,error", [
+    (1.0, 20, None),          # one of the step's two updates skipped: the step learned
+    (1.0, 1, None),           # ... and it is no skipped step for --max-consecutive-skips
+    (2.0, 20, "every update of steps 1-3 was skipped"),
+    (2.0, 2, "stopped at step 2: every update of the last 2 steps was skipped"),
+])
+def test_a_step_counts_as_skipped_only_when_all_its_updates_were(
+    monkeypatch, tmp_path, skipped, max_skips, error):
+  """The loop's reading of metrics["skipped"] (a count of the step's skipped updates)."""
+  import jax.numpy as jnp
+
+  import jaxrl_llm.trainer as T
+
+  def fake_step(state, batch):
+    metrics = {"skipped": jnp.float32(skipped), "loss": jnp.float32(0)}
+    return _FakeState({"w": state.params["w"] + 1.0}), metrics
+
+  fake_step.init = lambda params, rng=None: _FakeState(params)  # type: ignore[attr-defined]
+  monkeypatch.setattr(T, "make_train_step", lambda apply, opt, config: fake_step)
+  monkeypatch.setattr(T, "build_batch", lambda *a, **k: ({"x": np.zeros(1)}, {"reward": 0.0}))
+  monkeypatch.setattr(T, "evaluate", lambda *a: {"eval_accuracy": 0.0, "eval_reward": 0.0})
+  monkeypatch.setattr(T, "Checkpointer", _FakeCheckpointer)
+  policy = argparse.Namespace(init_params={"w": jnp.zeros(2)}, apply=None,
+                              ref_params=lambda params: params)
+  run = RunConfig(out=str(tmp_path / "run"), max_consecutive_skips=max_skips,
+                  train={"num_minibatches": 2}, **SMALL)
+  if error is None:
+    assert T.run_training(run, policy=policy)["steps"] == 3
+  else:
+    with pytest.raises(T.SkippedUpdatesError, match=error):
+      T.run_training(run, policy=policy)
+  assert [r.get("skipped") for r in _rows(run.out)][1:3] == [skipped, skipped]
+  config = run.train_config(8)
+  assert not T.step_skipped({"skipped": 1.0}, config)
+  assert T.step_skipped({"skipped": 2.0}, config) and not T.step_skipped({}, config)
+
+
 def test_cli_help_lists_every_loss_algo_and_task_with_defaults():
   from jaxrl_llm.cli import build_parser
   from jaxrl_llm.tasks import TASKS
@@ -157,7 +228,7 @@ def test_cli_arguments_become_the_run_config():
   assert run.algo == "ppo" and run.mesh_data == 2
   assert run.train == {"policy_loss": "sapo", "clip_low": 0.1, "hybrid_n": 3,
                        "whiten_advantages": False, "loss_hparams": {"tau_pos": 2.0},
-                       "advantage_estimator": "hybrid"}
+                       "advantage_estimator": "hybrid", "clip_high": None}
   cfg = run.train_config(8)
   assert cfg.hparam_values()["tau_pos"] == 2.0 and cfg.advantage_estimator == "hybrid"
 

@@ -26,6 +26,15 @@ RESUMABLE_FIELDS = ("steps", "out", "resume", "overwrite", "eval_every", "save_e
                     "max_consecutive_skips")
 
 
+# Train fields an in-step advantage estimator does not read (a given one is refused),
+# with what to use instead.
+ESTIMATOR_IGNORES = {
+    "vapo_gae": {"lam": "its policy lambda is the length-adaptive 1 - 1 / (--lam-alpha x "
+                        "length); tune --lam-alpha, or use --advantage-estimator "
+                        "decoupled_gae for a constant policy lambda --lam"},
+}
+
+
 def _task_names() -> list:
   from jaxrl_llm.tasks import TASKS
   return sorted(TASKS)
@@ -262,12 +271,7 @@ class RunConfig:
     if self.resume and self.overwrite:
       raise ValueError("--resume and --overwrite are exclusive")
     config = self.train_config(1)   # TrainConfig's own checks (ranges, choices, names)
-    if self.critic_init is not None and not config.use_value:
-      raise ValueError(f"--critic-init needs a recipe with a value model (--algo "
-                       f"{self.algo} has none)")
-    if warmup and not config.use_value:
-      raise ValueError(f"--critic-warmup-steps {warmup} needs a recipe with a value "
-                       f"model (--algo {self.algo} has none; e.g. --algo ppo or vapo)")
+    self._check_step_settings(recipe, config, warmup)
     batch = self.prompts_per_step * self.group_size
     chunks = config.num_minibatches * config.num_microbatches
     if batch % chunks:
@@ -277,6 +281,38 @@ class RunConfig:
           f"--num-minibatches {config.num_minibatches} x --num-microbatches "
           f"{config.num_microbatches} = {chunks} equal parts; choose sizes whose "
           "product divides it")
+
+  def _check_step_settings(self, recipe: Any, config: TrainConfig, warmup: int) -> None:
+    """Refuses settings the recipe's train step would silently ignore or fail on."""
+    if recipe.in_step and not config.use_value:
+      raise ValueError(f"--no-use-value: --algo {self.algo} computes its advantages in "
+                       f"the train step from a value model (--advantage-estimator "
+                       f"{config.advantage_estimator}); keep the value model, or choose "
+                       "a critic-free recipe (e.g. --algo grpo)")
+    if not config.use_value:
+      given = {"critic": self.critic, "critic_init": self.critic_init,
+               "value_lr": self.value_lr, "critic_warmup_steps": warmup or None}
+      for name, val in given.items():
+        if val is not None:
+          raise ValueError(f"--{name.replace('_', '-')} {val} needs a recipe with a value "
+                           f"model (--algo {self.algo} has none; e.g. --algo ppo or vapo)")
+    if recipe.in_step:
+      for name, why in ESTIMATOR_IGNORES.get(config.advantage_estimator, {}).items():
+        if name in self.train:
+          raise ValueError(f"--{name.replace('_', '-')} {self.train[name]} is not used by "
+                           f"--advantage-estimator {config.advantage_estimator}: {why}")
+      return
+    # Critic-free recipes hand the step ``advantages`` (computed on the rollout).
+    computed = (f"--algo {self.algo} computes its advantages ({recipe.estimator}) on the "
+                "rollout, before the train step, which would ignore it")
+    for name in ("hybrid_n", "advantage_estimator"):
+      if name in self.train:
+        raise ValueError(f"--{name.replace('_', '-')} {self.train[name]} sets the in-step "
+                         f"advantage estimator, but {computed}; choose a recipe with a "
+                         "value model (e.g. --algo ppo)")
+    if config.kl_mode == "reward":
+      raise ValueError(f"--kl-mode reward puts the KL into the token rewards, but "
+                       f"{computed}; use --kl-mode loss")
 
   def check_devices(self, device_count: int) -> None:
     """Raises ``ValueError`` unless the mesh flags fit ``device_count`` devices and the
@@ -318,7 +354,9 @@ class RunConfig:
     if self.clip_end is not None:
       import optax
       start = TrainConfig(**fields).clip_range()[0]
-      fields["clip_schedule"] = optax.linear_schedule(start, self.clip_end, self.steps)
+      # The step counts train steps from 0: the last, steps - 1, uses clip_end.
+      fields["clip_schedule"] = optax.linear_schedule(start, self.clip_end,
+                                                      max(self.steps - 1, 1))
     return TrainConfig(**fields)
 
   def identity(self) -> dict:
