@@ -377,6 +377,93 @@ def test_all_masked_batch_is_an_exact_no_op():
   assert_close(new.replace(step=state.step), state, atol=0, rtol=0)
 
 
+def test_reward_kl_with_given_advantages_raises():
+  """The step can only put the KL in rewards it turns into advantages itself."""
+  params, batch = _table_params(), _table_batch()
+  for use_value in (False, True):
+    config = TrainConfig(use_value=use_value, kl_mode="reward", kl_coef=1.0)
+    step = make_train_step(_table_apply, optax.sgd(0.1), config)
+    with pytest.raises(ValueError, match="kl_mode='reward' with batch\\['advantages'\\]"):
+      step(step.init(params), batch)
+
+
+@pytest.mark.parametrize("fault", ["empty", "nan"])
+def test_step_metrics_average_the_applied_updates_only(fault):
+  """One row per minibatch and lr 0: each update's approx_kl is its row's, so the step
+  reports (and the clip controller sees) the mean over the 3 applied rows."""
+  from jaxrl_llm.control import adaptive_clip_update
+  params, batch = _table_params(), _table_batch()
+  if fault == "empty":
+    batch["loss_mask"][0] = 0
+  else:
+    batch["old_logp"][0, 3] = np.nan
+  config = TrainConfig(use_value=False, whiten_advantages=False, adaptive_clip=True,
+                       adaptive_clip_target=0.6, num_minibatches=4)
+  step = make_train_step(_table_apply, optax.sgd(0.0), config)
+  state = step.init(params)
+  new, m = jax.jit(step)(state, batch)
+  logp, _, _ = _np_forward(params, batch["tokens"])
+  row_kl = [np.mean(0.5 * np.square(logp[i] - batch["old_logp"][i])[batch["loss_mask"][i] > 0])
+            for i in (1, 2, 3)]
+  want = float(np.mean(row_kl))
+  assert want == pytest.approx(0.4052658, abs=1e-6)
+  assert (float(m["skipped"]), float(m["skipped_empty"])) == (
+      (0.0, 1.0) if fault == "empty" else (1.0, 0.0))
+  assert float(m["approx_kl"]) == pytest.approx(want, rel=1e-5)
+  assert np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))
+  assert float(new.clip_ctrl.eps) == pytest.approx(
+      float(adaptive_clip_update(state.clip_ctrl, want).eps), rel=1e-6)
+  assert float(new.clip_ctrl.eps) != pytest.approx(float(state.clip_ctrl.eps))
+
+
+def test_rollout_is_metrics_do_not_depend_on_microbatches_or_devices():
+  """Max and ESS are not token means: exact for any microbatching and under axis_name."""
+  params, batch = _table_params(), _table_batch()
+  noise = np.random.default_rng(5).normal(0.0, 0.8, batch["old_logp"].shape)
+  batch["rollout_logp"] = (batch["old_logp"] + noise).astype(np.float32)
+  valid = batch["loss_mask"] > 0
+  rho = np.exp(batch["old_logp"] - batch["rollout_logp"].astype(np.float64))[valid]
+  w = np.minimum(rho, 2.0)
+  want = {"rollout_is_max": rho.max(), "rollout_is_mean": w.mean(),
+          "rollout_is_ess": w.sum() ** 2 / (w.size * np.square(w).sum())}
+  assert [round(x, 5) for x in want.values()] == [2.88489, 1.36401, 0.84144]
+  split = jax.tree_util.tree_map(lambda x: x.reshape((2, -1) + x.shape[1:]), batch)
+  for micro, devices in ((1, 1), (2, 1), (4, 1), (2, 2)):
+    config = TrainConfig(use_value=False, whiten_advantages=False, rollout_correction="token",
+                         num_microbatches=micro)
+    step = make_train_step(_table_apply, optax.sgd(0.1), config,
+                           axis_name="data" if devices > 1 else None)
+    if devices > 1:     # two devices of two rows, one row per microbatch
+      step = jax.vmap(step, in_axes=(None, 0), axis_name="data")
+    _, m = jax.jit(step)(init_train_state(params, optax.sgd(0.1), config),
+                         split if devices > 1 else batch)
+    for key, val in want.items():
+      np.testing.assert_allclose(np.asarray(m[key]), val, rtol=1e-5, err_msg=key)
+
+
+def test_rollout_kl_is_the_mean_of_the_responses_token_means():
+  """verl's apply_kl_penalty statistic: each non-empty response weighs the same."""
+  params, batch = _table_params(), _table_batch(length=8)
+  del batch["advantages"]
+  batch["loss_mask"][:] = 0
+  batch["loss_mask"][0, 2:] = 1
+  batch["loss_mask"][2, 2:3] = 1
+  batch["loss_mask"][3, 2:5] = 1          # row 1: no response token
+  m = batch["loss_mask"]
+  k1 = (batch["old_logp"] - batch["ref_logp"]).astype(np.float64) * m
+  rows = m.sum(1) > 0
+  want = float(np.mean(k1.sum(1)[rows] / m.sum(1)[rows]))
+  assert want == pytest.approx(0.0918473, abs=1e-6)
+  assert k1.sum() / m.sum() == pytest.approx(0.2312877, abs=1e-6)   # not the token mean
+  config = TrainConfig(kl_mode="reward", adaptive_kl=True, kl_coef=0.1, kl_target=0.1,
+                       kl_horizon=100.0)
+  step = make_train_step(_table_apply, optax.sgd(0.1), config)
+  new, metrics = jax.jit(step)(step.init(params), batch)
+  assert float(metrics["rollout_kl"]) == pytest.approx(want, rel=1e-5)
+  assert float(new.kl_ctrl.coef) == pytest.approx(0.1 * (1 + (want / 0.1 - 1) * 4 / 100),
+                                                  rel=1e-6)
+
+
 @pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo", "sapo", "gmpo", "reinforce"])
 @pytest.mark.parametrize("family", ["ppo", "grpo"])
 def test_inf_old_logp_is_skipped_in_every_algorithm(loss, family):

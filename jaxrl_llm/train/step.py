@@ -41,8 +41,9 @@ Fault handling, the same for every policy loss and estimator:
 * An update over a minibatch with no trainable token is an exact no-op (counted in
   ``metrics["skipped_empty"]``): Adam's momentum does not move the parameters and its
   count does not advance.
-* When no update of a step was applied, the controllers (adaptive KL / clip) and the
-  shuffling key are left as they were: only ``step`` advances.
+* The step's metrics, which the adaptive clip controller reads, average the applied
+  updates only. When no update of a step was applied, the controllers (adaptive KL /
+  clip) and the shuffling key are left as they were: only ``step`` advances.
 
 The model is any pure ``apply_fn(params, tokens, positions, attention_mask)``
 returning a :class:`ModelOutput`: ``logits [B,L,V]`` or ``hidden [B,L,D]`` with
@@ -98,6 +99,11 @@ def validate_batch(batch: dict, config: TrainConfig) -> None:
   missing = [k for k in required if k not in batch]
   if missing:
     raise ValueError(f"batch is missing key(s) {missing} (has {sorted(batch)}).")
+  if config.kl_mode == "reward" and "advantages" in batch:
+    raise ValueError("config.kl_mode='reward' with batch['advantages'] given: the step puts "
+                     "the KL in the rewards only when it computes the advantages itself. "
+                     "Fold the reward KL into the rewards/scores before computing the "
+                     "advantages, or use kl_mode='loss'.")
   tokens = batch["tokens"]
   if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
     raise ValueError(f"batch['tokens'] must be an int [B, L] array, got shape "
@@ -226,6 +232,24 @@ def _global_moments(x, mask, axis_name=None):
   return count, mean, _global_mean(jnp.square(v.as_f32(x) - mean), mask, axis_name)
 
 
+def _global_row_mean(x, mask, axis_name=None):
+  r"""Mean of the rows' masked means over the non-empty rows of all devices.
+
+  .. math::
+
+     \frac{1}{|\{i : n_i > 0\}|} \sum_{i : n_i > 0} \frac{1}{n_i} \sum_t m_{it} x_{it},
+     \qquad n_i = \sum_t m_{it}
+
+  verl's ``current_kl`` in ``apply_kl_penalty`` (``masked_mean(kld, mask, axis=-1)``,
+  then the batch mean): every response weighs the same, whatever its length.
+  """
+  m = v.as_f32(mask)
+  count = jnp.sum(m, axis=-1)
+  rows = jnp.sum(jnp.where(m > 0, v.as_f32(x), 0.0), axis=-1) / jnp.maximum(count, 1.0)
+  total, n_rows = _psum((jnp.sum(rows), jnp.sum(v.as_f32(count > 0))), axis_name)
+  return total / jnp.maximum(n_rows, 1.0)
+
+
 def _whiten(x, mask, moments, eps=1e-8):
   """:func:`masked_whiten` (ddof=1) given :func:`_global_moments` of ``x``."""
   count, mean, var = moments
@@ -238,7 +262,8 @@ def prepare_batch(batch: dict, state: TrainState, config: TrainConfig,
                   axis_name=None) -> dict:
   """Fills in ``advantages`` / ``returns`` (GAE, KL-in-reward, whitening).
 
-  * ``kl_mode="reward"``: ``rewards - kl_coef * kl(old_logp, ref_logp)`` per token.
+  * ``kl_mode="reward"``: ``rewards - kl_coef * kl(old_logp, ref_logp)`` per token
+    (so the batch must not carry ``advantages``: :func:`validate_batch` raises).
   * No ``advantages``: GAE (or the hybrid n-step/GAE estimator) over ``rewards`` and
     ``old_values`` with ``gamma``/``lam`` from ``state.hparams``;
     ``returns = advantages + old_values`` unless given.
@@ -373,6 +398,10 @@ def _loss_fn(params, mb, denoms, state, config, apply_fn, eps_low, eps_high):
         level=config.rollout_correction, threshold=hp["rollout_is_threshold"],
         lower=lower)
     pg_tok = pg_tok * weights
+    # The ESS is a ratio of sums, not a token mean: the update rebuilds it from the
+    # minibatch-wide token means of w and w^2 (:func:`_reduce_microbatches`).
+    del is_metrics["rollout_is_ess"]
+    is_metrics["rollout_is_sq"] = _global_mean(jnp.square(weights), mask)
     pg_metrics = {**pg_metrics, **is_metrics}
   pg_loss = agg(pg_tok)
   entropy = agg(ent)
@@ -405,13 +434,61 @@ def _loss_fn(params, mb, denoms, state, config, apply_fn, eps_low, eps_high):
   # Mean-type metrics are token means of this microbatch: re-weight them by its
   # share of the minibatch's tokens so that their sum over microbatches is exact.
   share = jnp.sum(mask) / denoms["tokens"]
-  metrics = {k: val * share for k, val in pg_metrics.items()}
+  metrics = {k: val if k in _MAX_METRICS else val * share for k, val in pg_metrics.items()}
   metrics.update(terms)
   metrics["loss"] = loss
   return loss, metrics
 
 
 # ------------------------------------------------------------------------------- step
+
+
+# Metrics reduced by a max (over microbatches and devices) instead of a sum.
+_MAX_METRICS = ("rollout_is_max",)
+
+
+def _reduce_microbatches(metrics, axis_name=None):
+  r"""A minibatch's metrics from its microbatches' ``[num_microbatches]``, over all devices.
+
+  The sum (the mean-type metrics are already weighted by their microbatch's token
+  share, the loss terms divided by minibatch-wide denominators), the max for
+  :data:`_MAX_METRICS`. The rollout ESS is then formed from the exact token means of
+  the weights and their squares:
+  :math:`(\sum w)^2 / (N \sum w^2) = \bar w^2 / \overline{w^2}` (0 when every w is 0).
+  """
+  out = {}
+  for key, x in metrics.items():
+    if key in _MAX_METRICS:
+      out[key] = jnp.max(x) if axis_name is None else jax.lax.pmax(jnp.max(x), axis_name)
+    else:
+      out[key] = _psum(jnp.sum(x), axis_name)
+  if "rollout_is_sq" in out:
+    sq = out.pop("rollout_is_sq")
+    out["rollout_is_ess"] = jnp.where(
+        sq > 0, jnp.square(out["rollout_is_mean"]) / jnp.where(sq > 0, sq, 1.0), 0.0)
+  return out
+
+
+def _mean_over_applied(metrics):
+  r"""The step's metrics from its updates' ``[num_epochs, num_minibatches]``.
+
+  ``skipped`` and ``skipped_empty`` are counts. Every other metric is the mean over
+  the applied updates, :math:`\sum_u a_u m_u / \max(\sum_u a_u, 1)` with :math:`a_u`
+  the update's ``applied`` flag, so a skipped update's NaN or an empty one's zeros
+  never reach the reported values or the controllers; with none applied, the mean over
+  all updates. Returns ``(metrics, whether any update was applied)``.
+  """
+  metrics = dict(metrics)
+  applied = metrics.pop("applied") > 0
+  n_applied = jnp.sum(v.as_f32(applied))
+
+  def mean(x):
+    over_applied = jnp.sum(jnp.where(applied, x, 0.0)) / jnp.maximum(n_applied, 1.0)
+    return jnp.where(n_applied > 0, over_applied, jnp.mean(x))
+
+  out = {k: jnp.sum(x) if k in ("skipped", "skipped_empty") else mean(x)
+         for k, x in metrics.items()}
+  return out, n_applied > 0
 
 
 def _split(x, n):
@@ -482,12 +559,14 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
   the step is written for the global batch.
 
   ``jax.jit(step, donate_argnums=0)`` is the usual wrapping. Metrics (float32 scalars)
-  are averaged over the ``num_epochs * num_minibatches`` updates: ``loss``, ``pg_loss``,
-  ``entropy``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``approx_kl``, ``grad_norm``,
-  (``vf_loss``, ``vf_clipfrac``, ``explained_variance``), (``kl_loss``, ``kl_ref``),
-  ``adv_mean``, ``adv_std``, ``clip_eps``, ``kl_coef``, (``pos_nll``), (``rollout_is_mean``,
-  ``rollout_is_max``, ``rollout_is_clipfrac``, ``rollout_is_ess``); ``skipped`` (non-finite) and
-  ``skipped_empty`` (no trainable token) are counts of skipped updates.
+  are averaged over the applied ones of the ``num_epochs * num_minibatches`` updates
+  (over all of them when none was applied): ``loss``, ``pg_loss``, ``entropy``,
+  ``pg_clipfrac``, ``pg_clipfrac_lower``, ``approx_kl``, ``grad_norm``, (``vf_loss``,
+  ``vf_clipfrac``, ``explained_variance``), (``kl_loss``, ``kl_ref``), ``adv_mean``,
+  ``adv_std``, ``clip_eps``, ``kl_coef``, (``rollout_kl``), (``pos_nll``),
+  (``rollout_is_mean``, ``rollout_is_max``, ``rollout_is_clipfrac``, ``rollout_is_ess``,
+  each over its update's whole minibatch); ``skipped`` (non-finite) and ``skipped_empty``
+  (no trainable token) are counts of skipped updates.
 
   Examples:
     >>> import jax, numpy as np, optax
@@ -522,14 +601,14 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
       micro = jax.tree_util.tree_map(lambda x: _split(x, config.num_microbatches), mb)
 
       def accumulate(acc, micro_batch):
-        out = grad_fn(params, micro_batch, denoms)
-        return jax.tree_util.tree_map(jnp.add, acc, out), None
+        grads, metrics = grad_fn(params, micro_batch, denoms)
+        return jax.tree_util.tree_map(jnp.add, acc, grads), metrics
 
       first = jax.tree_util.tree_map(lambda x: x[0], micro)
       zero = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                    jax.eval_shape(grad_fn, params, first, denoms))
-      (grads, metrics), _ = jax.lax.scan(accumulate, zero, micro)
-      grads, metrics = _psum((grads, metrics), axis_name)
+                                    jax.eval_shape(grad_fn, params, first, denoms)[0])
+      grads, metrics = jax.lax.scan(accumulate, zero, micro)
+      grads, metrics = _psum(grads, axis_name), _reduce_microbatches(metrics, axis_name)
 
       updates, new_opt_state = optimizer.update(grads, opt_state, params)
       new_params = optax.apply_updates(params, updates)
@@ -564,10 +643,7 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
 
     carry = (state.params, state.opt_state)
     (params, opt_state), metrics = jax.lax.scan(epoch, carry, keys)
-    metrics = jax.tree_util.tree_map(jnp.mean, metrics)
-    for key in ("skipped", "skipped_empty"):
-      metrics[key] = metrics[key] * config.num_epochs * n
-    applied = metrics.pop("applied") > 0      # at least one update of the step applied
+    metrics, applied = _mean_over_applied(metrics)   # applied: any update of the step
     _, metrics["adv_mean"], adv_var = _global_moments(batch["advantages"], mask,
                                                       axis_name)
     metrics["adv_std"] = jnp.sqrt(adv_var)
@@ -582,10 +658,11 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
 
     kl_ctrl, clip_ctrl = state.kl_ctrl, state.clip_ctrl
     if config.adaptive_kl:
-      # verl: the KL of the behaviour policy to the reference, measured at rollout.
-      rollout_kl = _global_mean(L.kl_penalty(batch["old_logp"], batch["ref_logp"],
-                                             config.reward_kl_kind, mask=mask),
-                                mask, axis_name)
+      # verl: the KL of the behaviour policy to the reference, measured at rollout, as
+      # the batch mean of the per-response token means.
+      rollout_kl = _global_row_mean(L.kl_penalty(batch["old_logp"], batch["ref_logp"],
+                                                 config.reward_kl_kind, mask=mask),
+                                    mask, axis_name)
       metrics["rollout_kl"] = rollout_kl
       # verl's n_steps is the number of sequences of the whole (global) batch.
       n_seq = _psum(jnp.asarray(mask.shape[0], jnp.float32), axis_name)
