@@ -223,7 +223,7 @@ def _explicit_train_dests(argv: list) -> set:
 # Run fields whose effective value is derived beyond ``RunConfig.setting``.
 EFFECTIVE_RUN_FIELDS = {
     "value_lr": lambda run: run.value_learning_rate(),
-    "overlong_buffer": lambda run: run.overlong_buffer_for(run.response_budget())}
+    "overlong_buffer": lambda run: run.overlong_buffer_tokens()}
 
 
 def _effective(run: Any, name: str) -> Any:

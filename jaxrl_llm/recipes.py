@@ -26,7 +26,8 @@ recipe             estimator          train-step settings
                                       NLL 0.1, no KL
 ``dapo``           group mean / std   DAPO: clip-higher 0.2 / 0.28, token-mean,
                                       dynamic sampling, soft overlong penalty
-                                      (buffer: a quarter of the budget), no KL
+                                      (buffer: a quarter of a dataset's
+                                      budget; none on built-in tasks), no KL
 =================  =================  ============================================
 
 Every recipe but vapo and dapo starts the KL coefficient at 0.001 (verl's
@@ -54,7 +55,8 @@ from jaxrl_llm.train.state import GRPO_DEFAULTS
 
 # Placeholder for a TrainConfig value known only once the task is (its response length).
 MAX_NEW_TOKENS = "<max_new_tokens>"
-# Placeholder for ``overlong_buffer``: a quarter of the task's response length.
+# Placeholder for ``overlong_buffer``: a quarter of a dataset's response length (0 on
+# the built-in tasks; ``RunConfig.overlong_buffer``).
 OVERLONG_QUARTER = "<max_new_tokens // 4>"
 # RunConfig fields a recipe may set (``Recipe.run``), with their value when none does.
 RECIPE_RUN_FIELDS = {"critic_warmup_steps": 0, "dynamic_sampling": False,

@@ -284,10 +284,10 @@ def test_resume_alone_continues_the_saved_run_and_names_contradictions(tmp_path)
 
 
 @pytest.mark.parametrize("algo,fields,same,other,message", [
-    ("dapo", {}, ["--dynamic-sampling", "--overlong-buffer", "1", "--clip-high", "0.28"],
+    ("dapo", {}, ["--dynamic-sampling", "--overlong-buffer", "0", "--clip-high", "0.28"],
      ["--no-dynamic-sampling"], "--dynamic-sampling False (the saved run has True)"),
-    ("dapo", {}, ["--overlong-buffer", "1"], ["--overlong-buffer", "2"],
-     "--overlong-buffer 2 (the saved run has 1)"),
+    ("dapo", {}, ["--overlong-buffer", "0"], ["--overlong-buffer", "2"],
+     "--overlong-buffer 2 (the saved run has 0)"),
     ("dapo", {}, [], ["--clip-high", "none"], "--clip-high None (the saved run has 0.28)"),
     ("vapo", {}, ["--critic-warmup-steps", "10", "--value-lr", "0.02"],
      ["--critic-warmup-steps", "5"], "--critic-warmup-steps 5 (the saved run has 10)"),
@@ -302,7 +302,7 @@ def test_resume_alone_continues_the_saved_run_and_names_contradictions(tmp_path)
 def test_resume_accepts_restating_the_value_the_saved_run_uses(tmp_path, algo, fields, same,
                                                                other, message):
   """Recipe-defaulted run fields and loss hyperparameters are saved as None: restating
-  the value the run uses (the recipe's, lr x value_lr_scale, a quarter of the budget, the
+  the value the run uses (the recipe's, lr x value_lr_scale, the overlong buffer, the
   loss's default) is no contradiction; another value is, with the value the run uses."""
   out = _saved_run(tmp_path, algo=algo, **fields)
   run = _resumed(["--out", out, "--resume", *same])

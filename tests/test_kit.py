@@ -267,7 +267,8 @@ def test_dynamic_sampling_never_trains_on_an_all_equal_group():
     s[1::4] = 0.0
     return s.reshape(-1)
 
-  run = RunConfig(algo="dapo", prompts_per_step=8, group_size=2, max_sampling_draws=3)
+  run = RunConfig(algo="dapo", prompts_per_step=8, group_size=2, max_sampling_draws=3,
+                  overlong_buffer=1)
   task = _fake_task(score)
   policy = _FakePolicy(6, task.tokenizer.vocab_size)
   info: dict = {}
@@ -280,7 +281,7 @@ def test_dynamic_sampling_never_trains_on_an_all_equal_group():
   assert np.all(np.ptp(np.asarray(info["task_scores"]).reshape(-1, 2), axis=1) > 0)
   assert 1 <= stats["sampling_draws"] <= 3 == run.max_sampling_draws
   assert stats["groups_drawn"] == 8 * stats["sampling_draws"]
-  # the overlong penalty (dapo: a quarter of the 6-token budget, 1 token) is applied
+  # the overlong penalty (a 1-token buffer of the 6-token budget) is applied
   assert stats["overlong_penalty"] < 0
   batch, stats = build_batch(run, task, _FakePolicy(6, 40), None, None,
                              np.random.default_rng(0), jax.random.PRNGKey(0))
@@ -316,7 +317,11 @@ def test_recipes_vapo_and_dapo_and_flags_override_them():
   dapo = RunConfig(algo="dapo")
   cfg = dapo.train_config(200)
   assert (cfg.use_value, cfg.kl_mode, cfg.clip_range()) == (False, "none", (0.2, 0.28))
-  assert dapo.setting("dynamic_sampling") and dapo.overlong_buffer_for(200) == 50
+  # The overlong buffer: a quarter of a dataset's budget; none on a built-in task,
+  # whose budget is its longest answer + eos (a buffer would hit every correct answer).
+  assert dapo.setting("dynamic_sampling") and dapo.overlong_buffer_tokens() == 0
+  on_dataset = RunConfig(algo="dapo", dataset="d.jsonl", max_new_tokens=200)
+  assert on_dataset.overlong_buffer_tokens() == 50
   args = build_parser().parse_args(
       ["train", "--recipe", "vapo", "--critic-warmup-steps", "0",
        "--lam-value", "0.99", "--lam-alpha", "0.1", "--clip-high", "0.3",
@@ -326,7 +331,7 @@ def test_recipes_vapo_and_dapo_and_flags_override_them():
   cfg = run.train_config(200)
   assert run.algo == "vapo" and run.setting("critic_warmup_steps") == 0
   assert (cfg.lam, cfg.lam_value, cfg.lam_alpha, cfg.clip_high) == (0.95, 0.99, 0.1, 0.3)
-  assert run.value_learning_rate() == 0.01 and run.overlong_buffer_for(200) == 4
+  assert run.value_learning_rate() == 0.01 and run.overlong_buffer_tokens() == 4
   assert run.setting("dynamic_sampling") is False
   # vapo_gae's policy lambda is length-adaptive: --lam-policy needs decoupled_gae.
   args = build_parser().parse_args(["train", "--recipe", "vapo", "--lam-policy", "0.9"])

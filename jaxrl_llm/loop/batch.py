@@ -122,7 +122,7 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
                  groups_repeated=float(ds.groups_repeated))
   problems = [problems[i] for i in rows["problem"][::run.group_size]]
   scores = rows["scores"]
-  buffer = run.overlong_buffer_for(task.max_new_tokens)
+  buffer = run.overlong_buffer_tokens()
   if buffer > 0:
     from jaxrl_llm.rollout.dapo import overlong_penalty
     penalty = np.asarray(overlong_penalty(rows["lengths"], max_length=task.max_new_tokens,

@@ -93,7 +93,8 @@ class RunConfig:
       (the first included); too few groups with signal are repeated cyclically.
     overlong_buffer: DAPO's soft overlong penalty: responses in the last this many
       tokens of the budget get a reward penalty growing linearly to
-      --overlong-penalty (0: off; None: the recipe's, dapo: a quarter of the budget).
+      --overlong-penalty (0: off; None: the recipe's; dapo: a quarter of a --dataset's
+      budget, 0 on a built-in task, whose budget is exactly its longest answer + eos).
     overlong_penalty: the overlong penalty at the full budget.
     train: TrainConfig fields set on top of the recipe's (e.g. ``{"kl_coef": 0.01,
       "policy_loss": "gspo"}``).
@@ -190,10 +191,16 @@ class RunConfig:
     from jaxrl_llm.tasks import get_task
     return get_task(self.task).max_new_tokens
 
-  def overlong_buffer_for(self, max_new_tokens: int) -> int:
-    """The overlong buffer in tokens (the recipe's ``MAX_NEW_TOKENS // 4`` filled)."""
+  def overlong_buffer_tokens(self) -> int:
+    """The overlong buffer in tokens. The recipe's default (dapo) is a quarter of the
+    response budget on a ``--dataset``, whose budget is a chosen generation length,
+    and 0 on a built-in task, whose budget is exactly its longest answer plus eos: no
+    finished response is overlong there, and a buffer would penalise every correct
+    answer of the longest length (all of them on reverse, copy or repeat)."""
     val = self.setting("overlong_buffer")
-    return max_new_tokens // 4 if val == OVERLONG_QUARTER else int(val)
+    if val != OVERLONG_QUARTER:
+      return int(val)
+    return 0 if self.dataset is None else self.response_budget() // 4
 
   def value_learning_rate(self) -> float:
     """``value_lr``, else ``lr`` times the recipe's ``value_lr_scale``."""
@@ -243,8 +250,8 @@ class RunConfig:
     if buffer != OVERLONG_QUARTER and (not isinstance(buffer, int) or buffer < 0):
       raise ValueError(f"--overlong-buffer must be an int >= 0 (got {buffer!r})")
     budget = self.response_budget()
-    if self.overlong_buffer_for(budget) > budget:
-      raise ValueError(f"--overlong-buffer {self.overlong_buffer_for(budget)} is longer "
+    if self.overlong_buffer_tokens() > budget:
+      raise ValueError(f"--overlong-buffer {self.overlong_buffer_tokens()} is longer "
                        f"than the task's response budget of {budget} tokens")
     if self.overlong_penalty < 0:
       raise ValueError(f"--overlong-penalty must be >= 0 (got {self.overlong_penalty})")
