@@ -232,6 +232,16 @@ def _global_moments(x, mask, axis_name=None):
   return count, mean, _global_mean(jnp.square(v.as_f32(x) - mean), mask, axis_name)
 
 
+def _global_explained_variance(y_pred, y_true, mask, axis_name=None):
+  """:func:`explained_variance` over the valid entries of all devices (the whole-batch
+  statistic, not a mean of per-device ones)."""
+  if axis_name is None:
+    return explained_variance(y_pred, y_true, mask)
+  var_y = _global_moments(y_true, mask, axis_name)[2]
+  var_res = _global_moments(v.as_f32(y_true) - v.as_f32(y_pred), mask, axis_name)[2]
+  return jnp.where(var_y > 0, 1.0 - var_res / jnp.where(var_y > 0, var_y, 1.0), 0.0)
+
+
 def _global_row_mean(x, mask, axis_name=None):
   r"""Mean of the rows' masked means over the non-empty rows of all devices.
 
@@ -652,9 +662,8 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
     kl_coef = _kl_coef(state, config)
     metrics["kl_coef"] = kl_coef
     if config.use_value:
-      ev = explained_variance(batch["old_values"], batch["returns"], mask)
-      metrics["explained_variance"] = (ev if axis_name is None
-                                       else jax.lax.pmean(ev, axis_name))
+      metrics["explained_variance"] = _global_explained_variance(
+          batch["old_values"], batch["returns"], mask, axis_name)
 
     kl_ctrl, clip_ctrl = state.kl_ctrl, state.clip_ctrl
     if config.adaptive_kl:
