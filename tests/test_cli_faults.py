@@ -165,6 +165,12 @@ def _main(capsys, *argv):
     (["--recipe", "vapo", "--lam-policy", "0.9"],
      ["--lam 0.9 is not used by --advantage-estimator vapo_gae",
       "--advantage-estimator decoupled_gae"]),
+    (["--algo", "ppo", "--lam-value", "0.9"],
+     ["--lam-value 0.9 is not used by --advantage-estimator gae", "decoupled_gae"]),
+    (["--algo", "ppo", "--hybrid-mix", "0.3"],
+     ["--hybrid-mix 0.3 is not used by --advantage-estimator gae", "hybrid"]),
+    (["--recipe", "vapo", "--hybrid-mix", "0.3"],
+     ["--hybrid-mix 0.3 is not used by --advantage-estimator vapo_gae"]),
     (["--critic", "policy"], ["--critic policy needs a recipe with a value model "
                               "(--algo grpo has none"]),
     (["--algo", "dapo", "--critic-lr", "0.01"],

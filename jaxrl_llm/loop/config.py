@@ -28,10 +28,18 @@ RESUMABLE_FIELDS = ("steps", "out", "resume", "overwrite", "eval_every", "save_e
 
 # Train fields an in-step advantage estimator does not read (a given one is refused),
 # with what to use instead.
+_LAM_VALUE = ("only --advantage-estimator decoupled_gae or vapo_gae give the critic its "
+              "own lambda")
+_LAM_ALPHA = "only --advantage-estimator vapo_gae has a length-adaptive policy lambda"
+_HYBRID_MIX = "only --advantage-estimator hybrid mixes in n-step returns"
 ESTIMATOR_IGNORES = {
+    "gae": {"lam_value": _LAM_VALUE, "lam_alpha": _LAM_ALPHA, "hybrid_mix": _HYBRID_MIX},
+    "hybrid": {"lam_value": _LAM_VALUE, "lam_alpha": _LAM_ALPHA},
+    "decoupled_gae": {"lam_alpha": _LAM_ALPHA, "hybrid_mix": _HYBRID_MIX},
     "vapo_gae": {"lam": "its policy lambda is the length-adaptive 1 - 1 / (--lam-alpha x "
                         "length); tune --lam-alpha, or use --advantage-estimator "
-                        "decoupled_gae for a constant policy lambda --lam"},
+                        "decoupled_gae for a constant policy lambda --lam",
+                 "hybrid_mix": _HYBRID_MIX},
 }
 
 
@@ -305,7 +313,7 @@ class RunConfig:
                            f"model (--algo {self.algo} has none; e.g. --algo ppo or vapo)")
     if recipe.in_step:
       for name, why in ESTIMATOR_IGNORES.get(config.advantage_estimator, {}).items():
-        if name in self.train:
+        if self.train.get(name) is not None:
           raise ValueError(f"--{name.replace('_', '-')} {self.train[name]} is not used by "
                            f"--advantage-estimator {config.advantage_estimator}: {why}")
       return
