@@ -158,6 +158,16 @@ def test_math_reward_fixture():
   np.testing.assert_array_equal(out, [1, 1, 1, 0, 0, 1, 0, 0, 0, 0])
 
 
+def test_unicode_minus_and_latex_thousands_separator():
+  # U+2212 is a minus (it used to be dropped: -5 scored as 5), {,} a thousands separator.
+  completions = ["The answer is \u22125.", "The answer is \u22125.", r"\boxed{10{,}000}",
+                 r"\boxed{1{,}234{,}567}", "#### \u22127", "\\boxed{\u2212\\frac{3}{4}}"]
+  answers = ["5", "-5", "10000", "#### 1,234,567", "-7", "-0.75"]
+  out = vf.math_reward([""] * len(completions), completions, answers)
+  np.testing.assert_array_equal(out, [0, 1, 1, 1, 1, 1])
+  assert vf.parse_number("\u22121{,}000.5") == Fraction(-2001, 2)
+
+
 def test_boxed_reward_requires_box():
   out = vf.boxed_reward(["q"] * 3, [r"\boxed{9}", "9", "#### 9"], ["9"] * 3)
   np.testing.assert_array_equal(out, [1, 0, 0])

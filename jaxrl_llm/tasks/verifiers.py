@@ -132,7 +132,7 @@ def extract_hash_answer(text: str) -> str | None:
   i = text.rfind("####")
   if i < 0:
     return None
-  rest = text[i + 4:].strip().split("\n", 1)[0].strip()
+  rest = _ascii_numerals(text[i + 4:]).strip().split("\n", 1)[0].strip()
   m = _HASH_NUMBER_RE.match(rest)
   if m:
     return m.group(1).rstrip(",")
@@ -146,6 +146,12 @@ _NUMBER_RE = re.compile(
     r"|-?\.\d+")
 
 
+def _ascii_numerals(text: str) -> str:
+  r"""The Unicode minus sign (U+2212) as ``-`` and LaTeX's ``{,}`` thousands separator
+  as ``,``: the forms models write for ``-5`` and ``10,000``."""
+  return text.replace("\u2212", "-").replace("{,}", ",")
+
+
 def extract_last_number(text: str) -> str | None:
   """The last number in ``text`` (integers, ``1,234``, decimals, ``a/b``, ``1e-3``).
 
@@ -154,11 +160,13 @@ def extract_last_number(text: str) -> str | None:
     '3/4'
     >>> extract_last_number("no digits") is None
     True
+    >>> extract_last_number("it is \u22125, not 10{,}000"), extract_last_number("\u22125")
+    ('10,000', '-5')
   """
   if not isinstance(text, str):
     return None
   last = None
-  for last in _NUMBER_RE.finditer(text):  # noqa: B007 (keeps the last match)
+  for last in _NUMBER_RE.finditer(_ascii_numerals(text)):  # noqa: B007 (keeps the last)
     pass
   return None if last is None else last.group(0)
 
@@ -218,7 +226,7 @@ def normalize_text(text: str) -> str:
     >>> normalize_text(r" $\left( 1, \text{two} \right)$. ")
     '( 1, two )'
   """
-  s = str(text)
+  s = _ascii_numerals(str(text))
   for macro in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\displaystyle"):
     s = s.replace(macro, "")
   s = _TEXT_MACRO_RE.sub(r"\1", s)
