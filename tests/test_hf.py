@@ -57,9 +57,11 @@ CORPUS = ["hello world, what is 3 + 4? The answer is 7.", "Ünïcode ☃ and ém
           "system user assistant You are helpful. Be brief."]
 
 
-def make_tokenizer_dir(path, *, template=CHATML, legacy_config=False, pad=False):
-  """A small byte-level BPE tokenizer saved by transformers (as a hub folder would be)."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def make_tokenizer_dir(path, *, template=CHATML, legacy_config=False, pad=False,
+                       adds_bos=False):
+  """A small byte-level BPE tokenizer saved by transformers (as a hub folder would be);
+  ``adds_bos``: its post-processor puts bos before raw text (a Llama-style base model)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
@@ -67,6 +69,9 @@ def make_tokenizer_dir(path, *, template=CHATML, legacy_config=False, pad=False)
   tok.train_from_iterator(CORPUS * 5, trainers.BpeTrainer(
       vocab_size=400, special_tokens=specials,
       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  if adds_bos:
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", tok.token_to_id("<|bos|>"))])
   kwargs = {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
   if pad:
     kwargs["pad_token"] = "<|pad|>"
@@ -190,6 +195,21 @@ def test_jsonl_task_with_chat_template(tmp_path):
   assert chat.max_prompt_len == max(len(tok.encode(p.prompt)) for p in p_chat)
   assert chat.score(p_chat, ["The answer is 7.", "8"]).tolist() == [1.0, 0.0]
 
+
+
+@pytest.mark.parametrize("adds_bos", [False, True])
+def test_raw_text_prompts_get_the_bos_the_tokenizer_adds(tmp_path, adds_bos):
+  # A non-chat prompt is tokenized as transformers' tokenizer(text) (and vLLM) do: with
+  # the bos a base model's post-processor adds, and without one where it adds none.
+  path = make_tokenizer_dir(tmp_path / "tok", adds_bos=adds_bos)
+  tok = HFTokenizer.from_pretrained(path)
+  data = tmp_path / "d.jsonl"
+  data.write_text(json.dumps({"prompt": "what is 3 + 4?", "answer": "7"}))
+  task = JsonlTask(path=str(data), tokenizer=tok, max_new_tokens=8)
+  ref = transformers.AutoTokenizer.from_pretrained(path)
+  ids = tok.encode(task.eval_problems()[0].prompt)
+  assert ids == ref("what is 3 + 4?")["input_ids"]
+  assert (ids[0] == tok.bos_id) == adds_bos and task.max_prompt_len == len(ids)
 
 
 # ----------------------------------------------------------------------- checkpoints

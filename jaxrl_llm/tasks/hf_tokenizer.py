@@ -16,7 +16,9 @@ Conventions:
 
 * ``encode`` never adds special tokens by itself (``tokenizers``'
   ``add_special_tokens=False``, as ``apply_chat_template(tokenize=True)`` does): chat
-  templates write their own ``bos``; pass ``add_bos=True`` for raw text.
+  templates write their own ``bos``; raw text gets it from
+  :attr:`HFTokenizer.raw_text_prefix` (``JsonlTask`` puts it before non-chat prompts)
+  or ``add_bos=True``.
 * ``decode`` stops at the first end-of-sequence id (any of ``eos_ids``: the
   tokenizer's ``eos_token``, then the ``eos_token_id`` (an int or a list) of
   ``generation_config.json`` and of ``config.json``; the trainer's sampler stops a
@@ -193,6 +195,19 @@ class HFTokenizer:
   @property
   def pad_id(self) -> int:
     return self._pad
+
+  @property
+  def raw_text_prefix(self) -> str:
+    """What a raw-text (non-chat) prompt starts with, as ``transformers``'
+    ``tokenizer(text)`` and vLLM encode one: the ``bos_token`` when the tokenizer's own
+    post-processor adds it (Llama-style base models), else ``""``. Chat templates write
+    their own."""
+    bos = self.special_tokens.get("bos_token")
+    if bos is None or self.tokenizer.encode("a", add_special_tokens=True).ids[:1] != [
+        self._bos]:
+      return ""
+    # Only where the token's text encodes back to it (an added special token).
+    return bos if self.encode(bos) == [self._bos] else ""
 
   def id_to_token(self, i: int) -> str:
     token = self.tokenizer.id_to_token(int(i)) if 0 <= int(i) < self._vocab_size else None

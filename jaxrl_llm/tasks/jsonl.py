@@ -244,7 +244,8 @@ class JsonlTask(Task):
     messages = self._messages(record)
     if messages is None:
       assert isinstance(record.prompt, str)
-      text = record.prompt
+      # The bos a base model's own tokenizer puts first (transformers, vLLM).
+      text = getattr(tokenizer, "raw_text_prefix", "") + record.prompt
     else:
       template = getattr(tokenizer, "apply_chat_template", None)
       if template is None:
