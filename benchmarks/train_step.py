@@ -33,6 +33,7 @@ of hardware use; on a CPU it is dominated by small matmuls and dispatch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -44,14 +45,14 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import long_sequence  # noqa: E402
 from benchmarks._common import machine, markdown_table, timeit, write_json  # noqa: E402
 from jaxrl_llm.advantages import default_gae_method  # noqa: E402
-from jaxrl_llm.models.transformer import (Transformer, TransformerConfig,  # noqa: E402
-                                          get_config, make_apply_fn, split_model)
+from jaxrl_llm.models.transformer import (Transformer, get_config,  # noqa: E402
+                                          make_apply_fn, split_model)
 from jaxrl_llm.train import TrainConfig, init_train_state, make_ppo_train_step  # noqa: E402
 
 VOCAB = 256
-ONE_B_VOCAB = 32000
 FULL_CASES = [("tiny", 8, 128), ("tiny", 32, 128), ("tiny", 8, 512),
               ("small", 8, 128), ("small", 8, 512), ("small", 2, 2048)]
 QUICK_CASES = [("tiny", 4, 64), ("small", 2, 128)]
@@ -85,10 +86,9 @@ def synthetic_batch(rng, b, length, vocab):
 
 
 def model_config(name: str, length: int, dtype):
-  if name == "1b":
-    return TransformerConfig(vocab_size=ONE_B_VOCAB, d_model=2048, n_layers=16, n_heads=16,
-                             n_kv_heads=8, d_ff=5632, max_seq_len=max(length, 8),
-                             dtype=dtype, remat=True, value_head=True)
+  if name == "1b":   # the long-sequence benchmark's 1B-class config, value head on
+    return dataclasses.replace(long_sequence.model_config("1b"), max_seq_len=max(length, 8),
+                               dtype=dtype, value_head=True)
   return get_config(name, VOCAB, value_head=True, max_seq_len=max(length, 8), dtype=dtype)
 
 
@@ -139,8 +139,8 @@ def main(argv=None):
   args = p.parse_args(argv)
   models = args.models.split(",")
   if args.cases:
-    cases = [(c.split(":")[0], int(c.split(":")[1]), int(c.split(":")[2]))
-             for c in args.cases]
+    cases = [(name, int(b), int(length))
+             for name, b, length in (c.split(":") for c in args.cases)]
   else:
     cases = [c for c in (QUICK_CASES if args.quick else FULL_CASES) if c[0] in models]
   repeats = 3 if args.quick else 5

@@ -55,8 +55,7 @@ def _check_token_inputs(rewards, values, mask, bootstrap_value, method=None):
   v.check_same_shape(("rewards", "mask"), (rewards, mask))
   if bootstrap_value is not None:
     v.check_batch_vector("bootstrap_value", bootstrap_value, jnp.shape(rewards)[0])
-  if method is not None:
-    v.check_choice("method", method, GAE_METHODS)
+  v.check_choice("method", method, (None,) + GAE_METHODS)
 
 
 def _coefficient(name, x, shape):
@@ -203,8 +202,7 @@ def reverse_linear_recurrence(coeffs, inputs, init, *, method=None, unroll=8):
     >>> [float(a) for a in x[0]]
     [4.0, 6.0, 8.0]
   """
-  if method is not None:
-    v.check_choice("method", method, GAE_METHODS)
+  v.check_choice("method", method, (None,) + GAE_METHODS)
   v.check_rank("coeffs", coeffs, 2)
   v.check_float("coeffs", coeffs)
   v.check_same_shape(("coeffs", "inputs"), (coeffs, inputs))

@@ -56,7 +56,7 @@ from jaxrl_llm.train.state import GRPO_DEFAULTS
 # Placeholder for a TrainConfig value known only once the task is (its response length).
 MAX_NEW_TOKENS = "<max_new_tokens>"
 # Placeholder for ``overlong_buffer``: a quarter of a dataset's response length (0 on
-# the built-in tasks; ``RunConfig.overlong_buffer``).
+# the built-in tasks; ``RunConfig.overlong_buffer_tokens``).
 OVERLONG_QUARTER = "<max_new_tokens // 4>"
 # RunConfig fields a recipe may set (``Recipe.run``), with their value when none does.
 RECIPE_RUN_FIELDS = {"critic_warmup_steps": 0, "dynamic_sampling": False,

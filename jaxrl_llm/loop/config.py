@@ -43,6 +43,11 @@ ESTIMATOR_IGNORES = {
 }
 
 
+def _flag(name: str) -> str:
+  """The command-line flag of a field name (``value_lr`` -> ``--value-lr``)."""
+  return "--" + name.replace("_", "-")
+
+
 def _task_names() -> list:
   from jaxrl_llm.tasks import TASKS
   return sorted(TASKS)
@@ -249,7 +254,7 @@ class RunConfig:
     for name in ("steps", "prompts_per_step", "group_size", "eval_size", "eval_every",
                  "save_every", "max_consecutive_skips"):
       if getattr(self, name) < 1:
-        raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got "
+        raise ValueError(f"{_flag(name)} must be >= 1 (got "
                          f"{getattr(self, name)})")
     warmup = self.setting("critic_warmup_steps")
     if not isinstance(warmup, int) or warmup < 0:
@@ -309,12 +314,12 @@ class RunConfig:
                "value_lr": self.value_lr, "critic_warmup_steps": warmup or None}
       for name, val in given.items():
         if val is not None:
-          raise ValueError(f"--{name.replace('_', '-')} {val} needs a recipe with a value "
+          raise ValueError(f"{_flag(name)} {val} needs a recipe with a value "
                            f"model (--algo {self.algo} has none; e.g. --algo ppo or vapo)")
     if recipe.in_step:
       for name, why in ESTIMATOR_IGNORES.get(config.advantage_estimator, {}).items():
         if self.train.get(name) is not None:
-          raise ValueError(f"--{name.replace('_', '-')} {self.train[name]} is not used by "
+          raise ValueError(f"{_flag(name)} {self.train[name]} is not used by "
                            f"--advantage-estimator {config.advantage_estimator}: {why}")
       return
     # Critic-free recipes hand the step ``advantages`` (computed on the rollout).
@@ -322,7 +327,7 @@ class RunConfig:
                 "rollout, before the train step, which would ignore it")
     for name in ("hybrid_n", "advantage_estimator"):
       if name in self.train:
-        raise ValueError(f"--{name.replace('_', '-')} {self.train[name]} sets the in-step "
+        raise ValueError(f"{_flag(name)} {self.train[name]} sets the in-step "
                          f"advantage estimator, but {computed}; choose a recipe with a "
                          "value model (e.g. --algo ppo)")
     if config.kl_mode == "reward":

@@ -187,8 +187,7 @@ def sequence_parallel_gae(rewards, values, mask, *, mesh, axis="sequence", gamma
   v.check_float("rewards", rewards)
   v.check_same_shape(("rewards", "values", "mask"), (rewards, values, mask))
   v.check_float("values", values)
-  if method is not None:
-    v.check_choice("method", method, GAE_METHODS)
+  v.check_choice("method", method, (None,) + GAE_METHODS)
   shape = v.shape_of(rewards)
   if bootstrap_value is not None:
     v.check_batch_vector("bootstrap_value", bootstrap_value, shape[0])

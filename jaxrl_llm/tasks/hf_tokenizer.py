@@ -33,6 +33,7 @@ Needs the optional extra ``pip install 'jaxrl_llm[hf]'`` (``tokenizers``, ``jinj
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -196,7 +197,7 @@ class HFTokenizer:
   def pad_id(self) -> int:
     return self._pad
 
-  @property
+  @functools.cached_property
   def raw_text_prefix(self) -> str:
     """What a raw-text (non-chat) prompt starts with, as ``transformers``'
     ``tokenizer(text)`` and vLLM encode one: the ``bos_token`` when the tokenizer's own

@@ -466,12 +466,10 @@ def _reduce_microbatches(metrics, axis_name=None):
   the weights and their squares:
   :math:`(\sum w)^2 / (N \sum w^2) = \bar w^2 / \overline{w^2}` (0 when every w is 0).
   """
-  out = {}
-  for key, x in metrics.items():
-    if key in _MAX_METRICS:
-      out[key] = jnp.max(x) if axis_name is None else jax.lax.pmax(jnp.max(x), axis_name)
-    else:
-      out[key] = _psum(jnp.sum(x), axis_name)
+  out = _psum({k: jnp.sum(x) for k, x in metrics.items() if k not in _MAX_METRICS},
+              axis_name)
+  maxes = {k: jnp.max(x) for k, x in metrics.items() if k in _MAX_METRICS}
+  out.update(maxes if axis_name is None else jax.lax.pmax(maxes, axis_name))
   if "rollout_is_sq" in out:
     sq = out.pop("rollout_is_sq")
     out["rollout_is_ess"] = jnp.where(
