@@ -461,6 +461,28 @@ def test_cispo_validation():
     cispo_policy_loss(logp, old, adv, mask, mode="openrlhf")
 
 
+@pytest.mark.parametrize("lo,hi", [(None, 5.0), (0.2, 0.28), (0.2, None)])
+def test_cispo_conventions_are_two_functions_behind_the_selector(lo, hi):
+  # cispo_policy_loss(mode=...) is exactly cispo_trl_policy_loss / cispo_verl_policy_loss.
+  logp, old, adv, mask = make_inputs(12, spread=1.5)
+  if lo is None:
+    got = cispo_policy_loss(logp, old, adv, mask, clip_high=hi)
+    want = losses.cispo_trl_policy_loss(logp, old, adv, mask, clip_high=hi)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert {k: float(x) for k, x in got[1].items()} == {
+        k: float(x) for k, x in want[1].items()}
+  got = cispo_policy_loss(logp, old, adv, mask, clip_low=lo, clip_high=hi, mode="verl")
+  want = losses.cispo_verl_policy_loss(logp, old, adv, mask, clip_low=lo, clip_high=hi)
+  np.testing.assert_array_equal(got[0], want[0])
+  assert {k: float(x) for k, x in got[1].items()} == {k: float(x) for k, x in want[1].items()}
+  assert_close(got[0], ref_cispo(logp, old, adv, mask, lo, lo if hi is None else hi, "verl"),
+               atol=1e-5)
+  with pytest.raises(ValueError, match="clip_high"):
+    losses.cispo_trl_policy_loss(logp, old, adv, mask, clip_high=None)
+  with pytest.raises(ValueError, match="clip_high"):
+    losses.cispo_verl_policy_loss(logp, old, adv, mask, clip_high=None)
+
+
 def test_sapo_matches_numpy_and_on_policy_gradient():
   logp, old, adv, mask = make_inputs(11, spread=0.5)
   for tp, tn in [(1.0, 1.05), (2.0, 0.5)]:

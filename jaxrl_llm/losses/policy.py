@@ -41,10 +41,11 @@ REINFORCE     --                   --                  --              ``is_clip
 ============  ===================  ==================  ==============  ===================
 
 ``dual_clip`` must be > 1 and the epsilons >= 0. CISPO's ``clip_high`` is an absolute
-cap on the weight in ``mode="trl"`` (TRL: 5.0) and relative to 1 in ``mode="verl"``;
-REINFORCE's ``is_clip`` is an absolute cap (truncated IS). For the rollout/trainer
-mismatch use :func:`~jaxrl_llm.losses.rollout_correction_weights` and multiply the
-per-token loss by its weights.
+cap on the weight in ``mode="trl"`` (:func:`cispo_trl_policy_loss`; TRL: 5.0) and
+relative to 1 in ``mode="verl"`` (:func:`cispo_verl_policy_loss`); REINFORCE's
+``is_clip`` is an absolute cap (truncated IS). For the rollout/trainer mismatch use
+:func:`~jaxrl_llm.losses.rollout_correction_weights` and multiply the per-token loss by
+its weights.
 
 Reduce a per-token loss with :func:`~jaxrl_llm.losses.aggregate` (see
 :mod:`jaxrl_llm.losses`).
@@ -60,8 +61,6 @@ from jaxrl_llm.losses._common import (
     ArrayLike, Coef, LossAndMetrics, check_nonnegative, check_positive,
     check_token_inputs, finish, masked_f32)
 from jaxrl_llm.masked import masked_mean
-
-_CISPO_MODES = ("trl", "verl")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -292,11 +291,127 @@ def gspo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike
   return finish(loss, valid, dtype), metrics
 
 
+def _cispo_loss(logp, old_logp, advantages, mask, weight_fn, log_ratio_clamp):
+  """CISPO's body: ``-sg(w(rho)) A log pi`` for a weight rule ``weight_fn(rho)``."""
+  check_token_inputs(logp, mask, [("old_logp", old_logp)])
+  dtype = v.out_dtype(logp)
+  valid = v.as_f32(mask) > 0
+  lp, kappa = _log_ratio(logp, old_logp, valid, log_ratio_clamp)
+  adv = _token_advantages(advantages, logp, valid)
+
+  ratio = jnp.exp(kappa)
+  weight = weight_fn(ratio)
+  loss = -jax.lax.stop_gradient(weight) * adv * lp
+  metrics = _policy_metrics(kappa, ratio, mask, clipfrac=weight != ratio)
+  return finish(loss, valid, dtype), metrics
+
+
+def cispo_trl_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
+                          mask: ArrayLike, *, clip_high: Coef = 5.0,
+                          log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
+  r"""CISPO in TRL's convention: REINFORCE with an absolutely capped, stop-gradient
+  importance weight (MiniMax-M1).
+
+  .. math:: L = -\mathrm{sg}(\min(\rho, \epsilon_{hi}))\,A\,\log\pi
+
+  TRL's ``loss_type="cispo"`` (``epsilon_high`` is the cap, 5.0 recommended): there is
+  no lower bound. Every token keeps a gradient (the weight is a constant), unlike
+  PPO, which zeroes the gradient of clipped tokens. There is no dual clip: the weight
+  is already a bounded constant and the loss is not a ratio surrogate, so PPO's cap
+  :math:`-Ac` has nothing to act on. For verl's relative bounds see
+  :func:`cispo_verl_policy_loss`.
+
+  Args:
+    logp: current log-probs, [B, T].
+    old_logp: behaviour log-probs, [B, T].
+    advantages: [B, T] or [B].
+    mask: [B, T].
+    clip_high: :math:`\epsilon_{hi}`, the absolute cap on the weight (traced; a Python
+      number must be > 0).
+    log_ratio_clamp: clip of the log-ratio before ``exp`` (only changes metrics, since
+      the weight is capped anyway; > 0); None disables.
+
+  Returns:
+    ``(per_token_loss, metrics)``; ``pg_clipfrac`` = fraction of tokens whose weight
+    was truncated.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> logp, old = jnp.log(jnp.array([[0.5, 0.5]])), jnp.log(jnp.array([[0.05, 0.25]]))
+    >>> loss, m = cispo_trl_policy_loss(logp, old, jnp.array([1.0]), jnp.ones((1, 2)))
+    >>> [round(float(x), 4) for x in loss[0]]   # weights min(10, 5)=5 and 2
+    [3.4657, 1.3863]
+  """
+  if clip_high is None:
+    raise ValueError("`clip_high` (the absolute cap of TRL's CISPO weight) must be set; "
+                     "got None.")
+  check_positive("clip_high", clip_high)
+  _check_ratio_clips(None, clip_high, None, log_ratio_clamp)
+  return _cispo_loss(logp, old_logp, advantages, mask,
+                     lambda ratio: jnp.minimum(ratio, clip_high), log_ratio_clamp)
+
+
+def cispo_verl_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
+                           mask: ArrayLike, *, clip_low: Coef | None = None,
+                           clip_high: Coef | None = 5.0,
+                           log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
+  r"""CISPO in verl's convention: the stop-gradient weight clipped to bounds relative
+  to 1 (MiniMax-M1).
+
+  .. math::
+
+     L = -\mathrm{sg}(\mathrm{clip}(\rho, 1-\epsilon_{lo}, 1+\epsilon_{hi}))\,A\,\log\pi
+
+  verl's ``policy_loss.loss_mode="cispo"`` (``clip_ratio_low`` / ``clip_ratio_high``).
+  The bounds are relative to 1, so the default ``clip_high=5.0`` caps the weight at
+  6.0, and ``clip_low=None`` means no lower bound (the MiniMax-M1 paper's choice;
+  verl emulates it with a large ``clip_ratio_low``). As in
+  :func:`cispo_trl_policy_loss`, every token keeps a gradient and there is no dual clip.
+
+  Args:
+    logp: current log-probs, [B, T].
+    old_logp: behaviour log-probs, [B, T].
+    advantages: [B, T] or [B].
+    mask: [B, T].
+    clip_low: :math:`\epsilon_{lo}`, traced; None = no lower bound. A Python number
+      must be >= 0.
+    clip_high: :math:`\epsilon_{hi}`, traced (>= 0); None means ``clip_low``
+      (symmetric, as in PPO; then ``clip_low`` must be set).
+    log_ratio_clamp: clip of the log-ratio before ``exp`` (> 0); None disables.
+
+  Returns:
+    ``(per_token_loss, metrics)``; ``pg_clipfrac`` = fraction of tokens whose weight
+    was truncated (either bound).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> logp, old = jnp.log(jnp.array([[0.5, 0.5]])), jnp.log(jnp.array([[0.05, 0.25]]))
+    >>> loss, m = cispo_verl_policy_loss(logp, old, jnp.array([1.0]), jnp.ones((1, 2)),
+    ...                                  clip_low=0.2, clip_high=0.2)
+    >>> [round(float(x), 4) for x in loss[0]]   # weights clip(10 and 2, 0.8, 1.2) = 1.2
+    [0.8318, 0.8318]
+  """
+  if clip_high is None:
+    if clip_low is None:
+      raise ValueError("`clip_high` may be None only in mode='verl' with `clip_low` set "
+                       "(then it means clip_low); got mode='verl', clip_low=None.")
+    clip_high = clip_low
+  _check_ratio_clips(clip_low, clip_high, None, log_ratio_clamp)
+  lower = 0.0 if clip_low is None else 1.0 - clip_low
+  return _cispo_loss(logp, old_logp, advantages, mask,
+                     lambda ratio: jnp.clip(ratio, lower, 1.0 + clip_high),
+                     log_ratio_clamp)
+
+
+_CISPO_LOSSES = {"trl": cispo_trl_policy_loss, "verl": cispo_verl_policy_loss}
+
+
 def cispo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
                       mask: ArrayLike, *, clip_low: Coef | None = None,
                       clip_high: Coef | None = 5.0, mode: str = "trl",
                       log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
-  r"""CISPO: REINFORCE with a clipped, stop-gradient importance weight (MiniMax-M1).
+  r"""CISPO: REINFORCE with a clipped, stop-gradient importance weight (MiniMax-M1), in
+  either library's convention.
 
   .. math::
 
@@ -305,6 +420,7 @@ def cispo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLik
      \text{verl:}\quad L = -\mathrm{sg}(\mathrm{clip}(\rho, 1-\epsilon_{lo},
      1+\epsilon_{hi}))\,A\,\log\pi
 
+  ``mode`` selects :func:`cispo_trl_policy_loss` or :func:`cispo_verl_policy_loss`.
   The two conventions are not interchangeable: in ``mode="trl"`` ``clip_high`` is an
   *absolute* cap on the weight (TRL recommends 5.0) and there is no lower bound
   (``clip_low`` must be None); in ``mode="verl"`` the bounds are relative to 1, so the
@@ -339,34 +455,18 @@ def cispo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLik
     >>> [round(float(x), 4) for x in loss[0]]   # weights min(10, 5)=5 and 2
     [3.4657, 1.3863]
   """
-  v.check_choice("mode", mode, _CISPO_MODES)
-  if mode == "trl" and clip_low is not None:
-    raise ValueError("`clip_low` must be None in mode='trl' (TRL's CISPO has no lower "
-                     f"bound); got {clip_low!r}. Use mode='verl' for a two-sided clip.")
-  if clip_high is None:
-    if mode == "trl" or clip_low is None:
+  v.check_choice("mode", mode, tuple(_CISPO_LOSSES))
+  if mode == "trl":
+    if clip_low is not None:
+      raise ValueError("`clip_low` must be None in mode='trl' (TRL's CISPO has no lower "
+                       f"bound); got {clip_low!r}. Use mode='verl' for a two-sided clip.")
+    if clip_high is None:
       raise ValueError("`clip_high` may be None only in mode='verl' with `clip_low` set "
-                       f"(then it means clip_low); got mode={mode!r}, "
-                       f"clip_low={clip_low!r}.")
-    clip_high = clip_low
-  if mode == "trl":
-    check_positive("clip_high", clip_high)
-  _check_ratio_clips(clip_low, clip_high, None, log_ratio_clamp)
-  check_token_inputs(logp, mask, [("old_logp", old_logp)])
-  dtype = v.out_dtype(logp)
-  valid = v.as_f32(mask) > 0
-  lp, kappa = _log_ratio(logp, old_logp, valid, log_ratio_clamp)
-  adv = _token_advantages(advantages, logp, valid)
-
-  ratio = jnp.exp(kappa)
-  if mode == "trl":
-    weight = jnp.minimum(ratio, clip_high)
-  else:
-    lower = 0.0 if clip_low is None else 1.0 - clip_low
-    weight = jnp.clip(ratio, lower, 1.0 + clip_high)
-  loss = -jax.lax.stop_gradient(weight) * adv * lp
-  metrics = _policy_metrics(kappa, ratio, mask, clipfrac=weight != ratio)
-  return finish(loss, valid, dtype), metrics
+                       f"(then it means clip_low); got mode='trl', clip_low={clip_low!r}.")
+    return cispo_trl_policy_loss(logp, old_logp, advantages, mask, clip_high=clip_high,
+                                 log_ratio_clamp=log_ratio_clamp)
+  return cispo_verl_policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low,
+                                clip_high=clip_high, log_ratio_clamp=log_ratio_clamp)
 
 
 def sapo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
@@ -559,5 +659,6 @@ def reinforce_policy_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLik
   return finish(loss, valid, dtype), metrics
 
 
-__all__ = ["ppo_policy_loss", "gspo_policy_loss", "cispo_policy_loss", "sapo_policy_loss",
+__all__ = ["ppo_policy_loss", "gspo_policy_loss", "cispo_policy_loss",
+           "cispo_trl_policy_loss", "cispo_verl_policy_loss", "sapo_policy_loss",
            "gmpo_policy_loss", "reinforce_policy_loss"]
