@@ -60,7 +60,7 @@ import functools
 import json
 import math
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -290,13 +290,98 @@ def hf_config_from(config: TransformerConfig) -> dict:
 # ---------------------------------------------------------------------------- layout
 
 
+def _norm(s: slice, n: int) -> slice:
+  start, stop, step = s.indices(n)
+  if step != 1:
+    raise ValueError(f"strided shard index {s} is not supported.")
+  return slice(start, stop)
+
+
+def _head_rows(s: slice, hd: int) -> slice:
+  return slice(s.start * hd, s.stop * hd)
+
+
+def _read_heads_in(tensor, idx, hd: int) -> np.ndarray:
+  sd, sn, sk = idx
+  x = tensor[_head_rows(sn, hd), sd]                  # [n*hd, nd]
+  x = x.reshape(sn.stop - sn.start, hd, -1).transpose(2, 0, 1)
+  return x[:, :, sk]
+
+
+def _read_heads_out(tensor, idx, hd: int) -> np.ndarray:
+  sn, sk, sd = idx
+  x = tensor[sd, _head_rows(sn, hd)]                  # [nd, n*hd]
+  x = x.reshape(-1, sn.stop - sn.start, hd).transpose(1, 2, 0)
+  return x[:, sk, :]
+
+
+def _read_heads_bias(tensor, idx, hd: int) -> np.ndarray:
+  sn, sk = idx
+  return tensor[_head_rows(sn, hd)].reshape(sn.stop - sn.start, hd)[:, sk]
+
+
+class LayoutKind(NamedTuple):
+  """How one kind of parameter relates to its Hugging Face tensor.
+
+  Attributes:
+    hf_shape: ``hf_shape(shape) -> hf_shape``, the Hugging Face tensor shape of a
+      parameter of ``shape`` (our layout).
+    to_hf: ``to_hf(x) -> tensor``, a parameter (NumPy, our layout) as the Hugging
+      Face tensor.
+    read_slice: ``read_slice(tensor, idx, head_dim) -> block``: the block ``idx`` (a
+      tuple of unit-stride slices of *our* layout) read from a safetensors slice
+      handle, in our layout.
+
+  :data:`LAYOUT_KINDS` maps each kind named by :func:`hf_layout` to its functions.
+
+  Examples:
+    >>> LAYOUT_KINDS["heads_in"].hf_shape((64, 4, 16))   # [D, N, d] <- [N*d, D]
+    (64, 64)
+    >>> x = np.arange(6.0).reshape(1, 2, 3)                # [D=1, N=2, d=3]
+    >>> LAYOUT_KINDS["heads_in"].to_hf(x)[:, 0].tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+  """
+  hf_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+  to_hf: Callable[[np.ndarray], np.ndarray]
+  read_slice: Callable[[Any, tuple[slice, ...], int], np.ndarray]
+
+
+# Our layout <- Hugging Face's: D model width, N heads, d head_dim.
+LAYOUT_KINDS: dict[str, LayoutKind] = {
+    "id": LayoutKind(                    # the same array
+        hf_shape=lambda shape: shape,
+        to_hf=lambda x: x,
+        read_slice=lambda tensor, idx, hd: tensor[idx]),
+    "T": LayoutKind(                     # [in, out] <- torch Linear's [out, in]
+        hf_shape=lambda shape: shape[::-1],
+        to_hf=lambda x: x.T,
+        read_slice=lambda tensor, idx, hd: tensor[idx[::-1]].T),
+    "heads_in": LayoutKind(              # [D, N, d] <- [N*d, D]
+        hf_shape=lambda shape: (shape[1] * shape[2], shape[0]),
+        to_hf=lambda x: x.transpose(1, 2, 0).reshape(-1, x.shape[0]),
+        read_slice=_read_heads_in),
+    "heads_out": LayoutKind(             # [N, d, D] <- [D, N*d]
+        hf_shape=lambda shape: (shape[2], shape[0] * shape[1]),
+        to_hf=lambda x: x.transpose(2, 0, 1).reshape(x.shape[2], -1),
+        read_slice=_read_heads_out),
+    "heads_bias": LayoutKind(            # [N, d] <- [N*d]
+        hf_shape=lambda shape: (shape[0] * shape[1],),
+        to_hf=lambda x: x.reshape(-1),
+        read_slice=_read_heads_bias),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry:
   """One parameter: its Hugging Face tensor name and how the layouts relate."""
 
   name: str
-  kind: str        # "id", "T", "heads_in", "heads_out", "heads_bias"
+  kind: str        # a key of LAYOUT_KINDS
   head_dim: int = 0
+
+  @property
+  def layout(self) -> LayoutKind:
+    return LAYOUT_KINDS[self.kind]
 
 
 def hf_layout(config: TransformerConfig) -> dict[str, _Entry]:
@@ -331,62 +416,19 @@ def hf_layout(config: TransformerConfig) -> dict[str, _Entry]:
 
 def _hf_shape(entry: _Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
   """The Hugging Face tensor shape of a parameter of ``shape``."""
-  if entry.kind == "id":
-    return shape
-  if entry.kind == "T":
-    return shape[::-1]
-  if entry.kind == "heads_in":      # [D, N, d] <- [N*d, D]
-    return (shape[1] * shape[2], shape[0])
-  if entry.kind == "heads_out":     # [N, d, D] <- [D, N*d]
-    return (shape[2], shape[0] * shape[1])
-  return (shape[0] * shape[1],)      # heads_bias: [N, d] <- [N*d]
+  return entry.layout.hf_shape(shape)
 
 
 def _to_hf(entry: _Entry, x: np.ndarray) -> np.ndarray:
   """A parameter as the Hugging Face tensor."""
-  if entry.kind == "id":
-    return x
-  if entry.kind == "T":
-    return x.T
-  if entry.kind == "heads_in":
-    return x.transpose(1, 2, 0).reshape(-1, x.shape[0])
-  if entry.kind == "heads_out":
-    return x.transpose(2, 0, 1).reshape(x.shape[2], -1)
-  return x.reshape(-1)
-
-
-def _norm(s: slice, n: int) -> slice:
-  start, stop, step = s.indices(n)
-  if step != 1:
-    raise ValueError(f"strided shard index {s} is not supported.")
-  return slice(start, stop)
-
-
-def _head_rows(s: slice, hd: int) -> slice:
-  return slice(s.start * hd, s.stop * hd)
+  return entry.layout.to_hf(x)
 
 
 def _read_slice(entry: _Entry, tensor, shape: tuple[int, ...], index) -> np.ndarray:
   """The block ``index`` (a tuple of slices of *our* layout) read from ``tensor``
   (a safetensors slice handle), in our layout."""
   idx = tuple(_norm(s, n) for s, n in zip(index, shape))
-  if entry.kind == "id":
-    return tensor[idx]
-  if entry.kind == "T":
-    return tensor[idx[::-1]].T
-  hd = entry.head_dim
-  if entry.kind == "heads_in":
-    sd, sn, sk = idx
-    x = tensor[_head_rows(sn, hd), sd]                  # [n*hd, nd]
-    x = x.reshape(sn.stop - sn.start, hd, -1).transpose(2, 0, 1)
-    return x[:, :, sk]
-  if entry.kind == "heads_out":
-    sn, sk, sd = idx
-    x = tensor[sd, _head_rows(sn, hd)]                  # [nd, n*hd]
-    x = x.reshape(-1, sn.stop - sn.start, hd).transpose(1, 2, 0)
-    return x[:, sk, :]
-  sn, sk = idx
-  return tensor[_head_rows(sn, hd)].reshape(sn.stop - sn.start, hd)[:, sk]
+  return entry.layout.read_slice(tensor, idx, entry.head_dim)
 
 
 # ------------------------------------------------------------------------ checkpoint
@@ -747,6 +789,6 @@ def num_params(config: TransformerConfig) -> int:
   return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract))
 
 
-__all__ = ["ARCHITECTURES", "VALUE_HEAD_FILE", "config_from_hf", "config_model_type",
-           "from_pretrained", "hf_config_from", "hf_layout", "num_params",
-           "read_hf_config", "save_pretrained", "save_value_head"]
+__all__ = ["ARCHITECTURES", "LAYOUT_KINDS", "LayoutKind", "VALUE_HEAD_FILE", "config_from_hf",
+           "config_model_type", "from_pretrained", "hf_config_from", "hf_layout",
+           "num_params", "read_hf_config", "save_pretrained", "save_value_head"]
