@@ -19,7 +19,7 @@ for
 ``T``). ``devices=8`` compiles for 8 forced CPU devices (``XLA_FLAGS`` is set in a
 subprocess before jax is imported) on ``make_mesh(data=1, sequence=8)`` with token
 arrays sharded ``P(None, "sequence")`` and the step traced under the ambient mesh, as
-:func:`jaxrl_llm.parallel.shard_train_step` does: the attention is
+:func:`jaxrl_llm.train.shard_train_step` does: the attention is
 :func:`jaxrl_llm.parallel.ring_attention` and every per-token computation holds
 ``T / 8`` tokens per device.
 
@@ -73,9 +73,9 @@ def compile_case(name: str, devices: int, length: int) -> dict:
   from jax.sharding import NamedSharding, PartitionSpec
 
   from jaxrl_llm.models.transformer import Transformer, make_apply_fn, split_model
-  from jaxrl_llm.parallel import (ambient_mesh, batch_shardings, make_mesh,
-                                  shard_apply_fn, state_shardings)
-  from jaxrl_llm.train import TrainConfig, init_train_state, make_ppo_train_step
+  from jaxrl_llm.parallel import ambient_mesh, batch_shardings, make_mesh, state_shardings
+  from jaxrl_llm.train import (TrainConfig, init_train_state, make_ppo_train_step,
+                               shard_apply_fn)
 
   cfg = model_config(name)
   graphdef, params = split_model(nnx.eval_shape(lambda: Transformer(cfg,

@@ -5,8 +5,8 @@ Run: ``python -m benchmarks.sharding [--quick] [--json out.json]``.
 On 8 devices (8 forced CPU devices unless ``XLA_FLAGS`` already sets a device count;
 the flag is set before jax is imported) the ``small`` reference transformer runs one
 PPO step config (value head, GAE, 2 microbatches, SGD with momentum) under
-:func:`jaxrl_llm.parallel.shard_train_step`, built from
-:func:`jaxrl_llm.parallel.shard_apply_fn` (batch-sharded activations), for several
+:func:`jaxrl_llm.train.shard_train_step`, built from
+:func:`jaxrl_llm.train.shard_apply_fn` (batch-sharded activations), for several
 mesh layouts, against the same step on one device; ``fsdp8 (no shard_apply_fn)``
 shows the FSDP step without the activation constraints. Per layout:
 
@@ -48,9 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import machine, markdown_table, write_json  # noqa: E402
 from jaxrl_llm.models.transformer import (Transformer, TransformerConfig,  # noqa: E402
                                           make_apply_fn, split_model)
-from jaxrl_llm.parallel import (make_mesh, shard_apply_fn, shard_batch,  # noqa: E402
-                                shard_train_step)
-from jaxrl_llm.train import TrainConfig, init_train_state, make_train_step  # noqa: E402
+from jaxrl_llm.parallel import make_mesh, shard_batch  # noqa: E402
+from jaxrl_llm.train import (TrainConfig, init_train_state, make_train_step,  # noqa: E402
+                             shard_apply_fn, shard_train_step)
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                "collective-permute")

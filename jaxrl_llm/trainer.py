@@ -72,10 +72,11 @@ def _say(message: str) -> None:
 
 def _compile_step(run: RunConfig, step_fn, state):
   """``(jitted step, placed state, batch placer)``: one device, or a mesh via
-  :func:`jaxrl_llm.parallel.shard_train_step` when ``mesh_*`` asks for one."""
+  :func:`jaxrl_llm.train.shard_train_step` when ``mesh_*`` asks for one."""
   if (run.mesh_data, run.mesh_fsdp, run.mesh_tensor) == (1, 1, 1):
     return jax.jit(step_fn, donate_argnums=0), state, lambda batch: batch
-  from jaxrl_llm.parallel import make_mesh, shard_batch, shard_train_step
+  from jaxrl_llm.parallel import make_mesh, shard_batch
+  from jaxrl_llm.train.sharded import shard_train_step
   mesh = make_mesh(data=run.mesh_data, fsdp=run.mesh_fsdp, tensor=run.mesh_tensor)
   jitted, state = shard_train_step(step_fn, state, mesh)
   return jitted, state, lambda batch: shard_batch(batch, mesh)

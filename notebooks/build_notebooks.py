@@ -285,7 +285,7 @@ def nb03():
           "# 03 - Sharded, long-sequence PPO\n\n"
           "Builds a mesh from the devices that exist (a TPU slice, GPUs, or 8 CPU devices "
           "forced with `XLA_FLAGS`), shards the PPO train step with "
-          "`jaxrl_llm.parallel.shard_train_step` (parameters, optimizer state and batch "
+          "`jaxrl_llm.train.shard_train_step` (parameters, optimizer state and batch "
           "laid out by their logical axis names), shows the memory each device holds, "
           "and compares the chunked log-prob path with a full-vocabulary log-softmax at a "
           "long sequence length." + colab_intro(NOTEBOOKS[2])),
@@ -296,6 +296,7 @@ def nb03():
           "from flax import nnx\n"
           "import jaxrl_llm as rl\n"
           "from jaxrl_llm import parallel\n"
+          "from jaxrl_llm.train import shard_train_step\n"
           "from jaxrl_llm.models.transformer import (Transformer, get_config, "
           "make_apply_fn, split_model)\n"
           "print(jax.default_backend(), len(jax.devices()), 'devices:', jax.devices()[:4])"),
@@ -324,8 +325,7 @@ def nb03():
           "                  attention_mask=np.ones((B, L), np.float32), loss_mask=loss_mask,\n"
           "                  old_logp=np.full((B, L), -np.log(vocab), np.float32) * loss_mask,\n"
           "                  old_values=np.zeros((B, L), np.float32), rewards=rewards)\n"
-          "step, sharded_state = parallel.shard_train_step(step_fn, state, mesh,\n"
-          "                                                batch=host_batch)\n"
+          "step, sharded_state = shard_train_step(step_fn, state, mesh, batch=host_batch)\n"
           "batch = parallel.shard_batch(host_batch, mesh)\n"
           "for _ in range(2):\n"
           "  sharded_state, metrics = step(sharded_state, batch)\n"

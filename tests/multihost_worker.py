@@ -32,10 +32,10 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_disable_most_optimizations", True)
 
 from jaxrl_llm.parallel import (gather_to_host, host_local_batch,  # noqa: E402
-                                initialize_multihost, make_mesh, shard_apply_fn,
-                                shard_batch, shard_train_step)
+                                initialize_multihost, make_mesh, shard_batch)
 from jaxrl_llm.parallel.multihost import shutdown_multihost  # noqa: E402
-from jaxrl_llm.train import init_train_state, make_train_step  # noqa: E402
+from jaxrl_llm.train import (init_train_state, make_train_step,  # noqa: E402
+                             shard_apply_fn, shard_train_step)
 from tests import parallel_setup as S  # noqa: E402
 
 LAYOUTS = {"data4": dict(data=4), "data2_fsdp2": dict(data=2, fsdp=2)}

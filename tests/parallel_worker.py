@@ -34,10 +34,12 @@ jax.config.update("jax_disable_most_optimizations", True)
 from jaxrl_llm.advantages import gae  # noqa: E402
 from jaxrl_llm.logprobs import token_logprobs_from_hidden  # noqa: E402
 from jaxrl_llm.parallel import (  # noqa: E402
-    gather_to_host, make_mesh, make_pmap_train_step, replicate, sequence_parallel_gae,
-    sequence_parallel_token_logprobs, shard_apply_fn, shard_batch, shard_train_step,
-    sharding_summary, split_batch, state_shardings)
-from jaxrl_llm.train import init_train_state, make_train_step  # noqa: E402
+    gather_to_host, make_mesh, replicate, sequence_parallel_gae,
+    sequence_parallel_token_logprobs, shard_batch, sharding_summary, split_batch,
+    state_shardings)
+from jaxrl_llm.train import (  # noqa: E402
+    init_train_state, make_pmap_train_step, make_train_step, shard_apply_fn,
+    shard_train_step)
 from tests import parallel_setup as S  # noqa: E402
 from tests.utils import random_mask  # noqa: E402
 

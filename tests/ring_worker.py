@@ -29,9 +29,9 @@ jax.config.update("jax_disable_most_optimizations", True)
 from jaxrl_llm.attention import (attention_with_lse, dot_product_attention,  # noqa: E402
                                  register_attention)
 from jaxrl_llm.parallel import (gather_to_host, make_mesh, ring_attention,  # noqa: E402
-                                ring_dot_product_attention, shard_apply_fn, shard_batch,
-                                shard_train_step)
-from jaxrl_llm.train import init_train_state, make_train_step  # noqa: E402
+                                ring_dot_product_attention, shard_batch)
+from jaxrl_llm.train import (init_train_state, make_train_step,  # noqa: E402
+                             shard_apply_fn, shard_train_step)
 from tests import ring_setup as R  # noqa: E402
 
 

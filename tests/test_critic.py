@@ -1,4 +1,5 @@
-"""A separate critic through the unchanged train step (jaxrl_llm.models.critic)."""
+"""A separate critic through the unchanged train step (jaxrl_llm.models.critic,
+jaxrl_llm.train.optim)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,9 @@ from flax import nnx
 
 from jaxrl_llm import losses as L
 from jaxrl_llm.models import Transformer, TransformerConfig, make_apply_fn, split_model
-from jaxrl_llm.models.critic import (
-  actor_critic_apply,
-  actor_critic_optimizer,
-  actor_critic_params,
-)
+from jaxrl_llm.models.critic import actor_critic_apply, actor_critic_params
 from jaxrl_llm.train import TrainConfig, init_train_state, make_train_step
+from jaxrl_llm.train.optim import actor_critic_optimizer
 
 V = 16
 CFG = {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,

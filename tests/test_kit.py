@@ -12,9 +12,9 @@ import optax
 import pytest
 
 from jaxrl_llm.loop.config import RunConfig, make_optimizer
-from jaxrl_llm.models.critic import (actor_critic_params, policy_value_optimizer,
-                                     value_param_labels)
+from jaxrl_llm.models.critic import actor_critic_params, value_param_labels
 from jaxrl_llm.train import TrainConfig, make_train_step, policy_forward
+from jaxrl_llm.train.optim import policy_value_optimizer
 from tests.utils import train_two_steps
 
 V = 5
@@ -63,7 +63,7 @@ def test_value_param_labels_split_value_head_and_critic():
 
 
 def test_frozen_optimizer_starts_fresh_after_warmup():
-  from jaxrl_llm.models.critic import freeze_for
+  from jaxrl_llm.train.optim import freeze_for
   params = jnp.array([1.0, -0.0, 2.0])
   g = [jnp.array([0.3, -1.0, 2.0]), jnp.array([1.0, 1.0, -1.0]),
        jnp.array([0.5, 0.25, 4.0])]

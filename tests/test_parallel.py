@@ -32,10 +32,10 @@ from jaxrl_llm.parallel import (DEFAULT_RULES, MESH_AXES, batch_specs, host_loca
                                 initialize_multihost, logical_to_spec, make_mesh,
                                 make_rules, param_specs, replicate,
                                 resolve_multihost_args, sequence_parallel_gae,
-                                sequence_parallel_token_logprobs, shard_apply_fn,
-                                shard_batch, split_batch, state_specs, unreplicate)
+                                sequence_parallel_token_logprobs, shard_batch,
+                                split_batch, state_specs, unreplicate)
 from jaxrl_llm.parallel.sequence import _gae_shard
-from jaxrl_llm.train import TrainConfig, init_train_state
+from jaxrl_llm.train import TrainConfig, init_train_state, shard_apply_fn
 from tests import parallel_setup as S
 from tests.utils import assert_close, assert_no_recompile, random_mask, run_worker
 

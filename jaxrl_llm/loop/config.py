@@ -407,7 +407,7 @@ def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
   (:meth:`RunConfig.value_learning_rate`) or a critic warm-up: Adam at ``run.lr`` for
   the policy and at the value learning rate for the value parameters, the policy's
   frozen for the warm-up's ``critic_warmup_steps * num_epochs * num_minibatches``
-  optimizer updates (:func:`jaxrl_llm.models.critic.policy_value_optimizer`).
+  optimizer updates (:func:`jaxrl_llm.train.optim.policy_value_optimizer`).
   """
   import optax
   value_lr = run.value_learning_rate()
@@ -415,7 +415,7 @@ def make_optimizer(run: RunConfig) -> optax.GradientTransformation:
   warmup = run.setting("critic_warmup_steps") * config.num_epochs * config.num_minibatches
   if run.critic is None and (not config.use_value or (value_lr == run.lr and not warmup)):
     return optax.adam(run.lr)
-  from jaxrl_llm.models.critic import policy_value_optimizer
+  from jaxrl_llm.train.optim import policy_value_optimizer
   return policy_value_optimizer(optax.adam(run.lr), optax.adam(value_lr),
                                 warmup_updates=warmup)
 

@@ -90,7 +90,8 @@ def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
   zero-initialised value head; sampling and the KL reference use the policy part
   only (the reference keeps no value head either: :meth:`Policy.ref_params`).
   """
-  from jaxrl_llm.models import DecodeFns, make_apply_fn, make_decode_fns
+  from jaxrl_llm.models import make_apply_fn, make_decode_fns
+  from jaxrl_llm.rollout import DecodeFns
   tok = task.tokenizer
   separate = run.critic is not None and config.use_value
   if not separate and not is_checkpoint(run.model):

@@ -3,7 +3,6 @@ Hugging Face bridge (``from_pretrained`` / ``save_pretrained``: Llama, Qwen2, Qw
 
 from jaxrl_llm.models.hf import from_pretrained
 from jaxrl_llm.models.hf import save_pretrained
-from jaxrl_llm.rollout.protocol import DecodeFns  # re-export (it moved to rollout)
 from jaxrl_llm.models.transformer import KVCache
 from jaxrl_llm.models.transformer import PRESETS
 from jaxrl_llm.models.transformer import RopeScaling
@@ -17,7 +16,6 @@ from jaxrl_llm.models.transformer import rope_frequencies
 from jaxrl_llm.models.transformer import split_model
 
 __all__ = [
-    "DecodeFns",
     "KVCache",
     "PRESETS",
     "RopeScaling",

@@ -1,4 +1,5 @@
-r"""A separate critic: its own parameters, optimizer and learning rate.
+r"""A separate critic: its own parameters (and, through :mod:`jaxrl_llm.train.optim`,
+its own optimizer and learning rate).
 
 Beside the shared-trunk value head (one :class:`~jaxrl_llm.models.Transformer` with
 ``value_head=True``), PPO on LLMs usually trains a *separate* critic, a second
@@ -10,8 +11,8 @@ is a parameter layout, not a new train step:
 * :func:`actor_critic_apply` is an ``apply_fn`` with the usual protocol
   ``(params, tokens, positions, attention_mask) -> (hidden, values, lm_head)``:
   ``hidden`` and ``lm_head`` from the policy, ``values`` from the critic;
-* :func:`actor_critic_optimizer` is ``optax.multi_transform`` with one optimizer per
-  part (so each has its own learning rate, schedule, clipping and state).
+* :func:`jaxrl_llm.train.actor_critic_optimizer` is ``optax.multi_transform`` with one
+  optimizer per part (so each has its own learning rate, schedule, clipping and state).
 
 :func:`jaxrl_llm.train.make_train_step` (``use_value=True``) then runs unchanged: its
 loss :math:`\mathcal{L} = \mathcal{L}_{pg}(\theta) + c_v\,\mathcal{L}_{v}(\phi)` splits
@@ -34,20 +35,16 @@ Examples:
   >>> hidden, values, lm_head = apply(params, jnp.ones((2, 5), jnp.int32))
   >>> hidden.shape, values.shape, lm_head.shape
   ((2, 5, 64), (2, 5), (64, 32))
-  >>> opt = actor_critic_optimizer(optax.adam(1e-6), optax.adam(1e-5))
-  >>> state = opt.init(params)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import dataclasses
 
 import jax
-import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jaxrl_llm.models.transformer import Transformer, make_apply_fn, split_model
@@ -58,7 +55,7 @@ VALUE_HEAD_PARAMS = ("value_w", "value_b")
 
 def actor_critic_params(policy_params: Any, critic_params: Any) -> dict:
   """``{"policy": policy_params, "critic": critic_params}``, the layout the functions
-  of this module (and :func:`actor_critic_optimizer`'s labels) expect."""
+  of this module (and :func:`jaxrl_llm.train.actor_critic_optimizer`'s labels) expect."""
   return {POLICY: policy_params, CRITIC: critic_params}
 
 
@@ -122,26 +119,20 @@ def drop_value_head(graphdef, params) -> tuple[Any, Any]:
   return ref_graphdef, nnx.filter_state(params, keep)
 
 
-def _labels(params):
+def actor_critic_labels(params: Any) -> dict:
+  """``"policy"`` / ``"critic"`` per leaf of :func:`actor_critic_params` (ValueError for
+  any other pytree): the labels of :func:`jaxrl_llm.train.actor_critic_optimizer`.
+
+  Examples:
+    >>> actor_critic_labels(actor_critic_params({"w": 1.0}, {"v": 2.0}))
+    {'policy': {'w': 'policy'}, 'critic': {'v': 'critic'}}
+  """
   if not isinstance(params, dict) or set(params) != {POLICY, CRITIC}:
     keys = sorted(params) if isinstance(params, dict) else type(params).__name__
     raise ValueError(f"actor-critic params must be a dict with keys "
                      f"['critic', 'policy'], got {keys}.")
   return {name: jax.tree_util.tree_map(lambda _, n=name: n, part)
           for name, part in params.items()}
-
-
-def actor_critic_optimizer(policy_optimizer: optax.GradientTransformation,
-                           critic_optimizer: optax.GradientTransformation
-                           ) -> optax.GradientTransformation:
-  """One optimizer per part of :func:`actor_critic_params` (``optax.multi_transform``).
-
-  Each part gets its own learning rate, schedule, gradient clipping and state; e.g.
-  ``actor_critic_optimizer(optax.chain(optax.clip_by_global_norm(1.0),
-  optax.adamw(1e-6)), optax.adamw(1e-5))`` (verl's defaults: critic lr 10x actor lr).
-  """
-  return optax.multi_transform({POLICY: policy_optimizer, CRITIC: critic_optimizer},
-                               _labels)
 
 
 def value_param_labels(params: Any) -> Any:
@@ -157,7 +148,7 @@ def value_param_labels(params: Any) -> Any:
     {'embed': 'policy', 'value_w': 'critic'}
   """
   if isinstance(params, dict) and set(params) == {POLICY, CRITIC}:
-    return _labels(params)
+    return actor_critic_labels(params)
 
   def label(path, _):
     first = path[0] if path else None
@@ -167,77 +158,5 @@ def value_param_labels(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(label, params)
 
 
-class FrozenState(NamedTuple):
-  """State of :func:`freeze_for`: updates seen (saturating at n) and the inner state."""
-  updates: jax.Array
-  inner: Any
-
-
-def freeze_for(inner: optax.GradientTransformation,
-               num_updates: int) -> optax.GradientTransformation:
-  """``inner``, but its first ``num_updates`` updates are exact no-ops.
-
-  During them the parameters it updates stay bit-identical (the update is ``-0.0``,
-  the exact additive identity) and ``inner``'s state does not move, so ``inner``
-  starts afterwards as if fresh (Adam's moments and bias correction from zero).
-  Used for critic warm-up (:func:`policy_value_optimizer`).
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> opt = freeze_for(optax.sgd(1.0), 1)
-    >>> state = opt.init(jnp.ones(2))
-    >>> u, state = opt.update(jnp.ones(2), state)
-    >>> u2, _ = opt.update(jnp.ones(2), state)
-    >>> u.tolist(), u2.tolist()
-    ([-0.0, -0.0], [-1.0, -1.0])
-  """
-  if not isinstance(num_updates, int) or num_updates < 0:
-    raise ValueError(f"`num_updates` must be an int >= 0, got {num_updates!r}.")
-
-  def init(params):
-    return FrozenState(jnp.zeros((), jnp.int32), inner.init(params))
-
-  def update(updates, state, params=None):
-    new_updates, new_inner = inner.update(updates, state.inner, params)
-    active = state.updates >= num_updates
-    out = jax.tree_util.tree_map(lambda u: jnp.where(active, u, jnp.full_like(u, -0.0)),
-                                 new_updates)
-    kept = jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), new_inner,
-                                  state.inner)
-    return out, FrozenState(jnp.minimum(state.updates + 1, num_updates), kept)
-
-  return optax.GradientTransformation(init, update)
-
-
-def policy_value_optimizer(policy_optimizer: optax.GradientTransformation,
-                           value_optimizer: optax.GradientTransformation, *,
-                           warmup_updates: int = 0) -> optax.GradientTransformation:
-  """One optimizer for the policy and one for the value parameters
-  (:func:`value_param_labels`), the policy's frozen for ``warmup_updates`` updates.
-
-  Critic warm-up: during the first ``warmup_updates`` optimizer updates only the
-  value parameters move (the separate critic; or, with a shared trunk, the value head
-  alone: the trunk is the policy's and stays frozen too); the policy parameters stay
-  bit-identical and the policy optimizer starts fresh afterwards
-  (:func:`freeze_for`). With ``warmup_updates=0`` and actor-critic parameters this
-  is :func:`actor_critic_optimizer`.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> params = {"value_w": jnp.ones(1), "embed": jnp.ones(1)}
-    >>> opt = policy_value_optimizer(optax.sgd(1.0), optax.sgd(0.5), warmup_updates=1)
-    >>> state = opt.init(params)
-    >>> grads = {"value_w": jnp.ones(1), "embed": jnp.ones(1)}
-    >>> u, state = opt.update(grads, state, params)
-    >>> float(u["embed"][0]), float(u["value_w"][0])
-    (-0.0, -0.5)
-  """
-  if warmup_updates:
-    policy_optimizer = freeze_for(policy_optimizer, warmup_updates)
-  return optax.multi_transform({POLICY: policy_optimizer, CRITIC: value_optimizer},
-                               value_param_labels)
-
-
-__all__ = ["actor_critic_apply", "actor_critic_optimizer", "actor_critic_params",
-           "drop_value_head", "value_param_labels", "freeze_for", "policy_value_optimizer",
-           "VALUE_HEAD_PARAMS"]
+__all__ = ["actor_critic_apply", "actor_critic_labels", "actor_critic_params",
+           "drop_value_head", "value_param_labels", "POLICY", "CRITIC", "VALUE_HEAD_PARAMS"]

@@ -1,4 +1,4 @@
-r"""Sharding rules and ``jax.jit``-sharded train steps (the modern ``pjit``).
+r"""Sharding rules: logical axis names to mesh axes, for parameters, states and batches.
 
 Parameters carry *logical* axis names (``vocab``, ``embed``, ``heads``, ``kv_heads``,
 ``head_dim``, ``mlp``; see :mod:`jaxrl_llm.models.transformer`); a *rules* table maps
@@ -27,20 +27,15 @@ with* a parameter's key path and has its shape (Adam's ``mu``/``nu``, momentum, 
 gets that parameter's sharding; the rest (step counts, hyperparameters, controller
 states, the PRNG key) is replicated.
 
-:func:`shard_apply_fn` anchors the model's activations to the batch sharding and
-:func:`shard_train_step` jits a global-batch train step
-(:func:`jaxrl_llm.train.make_train_step` without ``axis_name``) with these shardings;
-XLA inserts the collectives (gradient all-reduce over ``data``, weight all-gathers and
-gradient reduce-scatters over ``fsdp``, activation all-reduces over ``tensor``). The
-update is the single-device update up to float rounding.
+The sharded train step built on these rules (``jax.jit`` with parameter, state and
+batch shardings) is :func:`jaxrl_llm.train.shard_train_step`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-from typing import Callable, Mapping, Sequence, Union
+from typing import Mapping, Sequence, Union
 
 import jax
 import numpy as np
@@ -48,7 +43,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.parallel.mesh import MESH_AXES, mesh_axis_sizes
-from jaxrl_llm.train.step import as_model_output
 
 AxisRule = Union[None, str, Sequence[str]]
 
@@ -228,14 +222,13 @@ def param_shardings(params, mesh, rules=None, *, logical_specs=None):
   """:class:`NamedSharding` of every parameter (:func:`param_specs` on ``mesh``).
 
   Examples:
-    >>> from flax import nnx
-    >>> from jaxrl_llm.models.transformer import (Transformer, TransformerConfig,
-    ...                                           split_model)
     >>> from jaxrl_llm.parallel.mesh import make_mesh
-    >>> _, params = split_model(Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0)))
-    >>> shardings = nnx.to_pure_dict(param_shardings(params, make_mesh()))
-    >>> shardings["embed"].spec, shardings["blocks"][0]["attn"]["wq"].spec
-    (P(None, None), P(None, None, None))
+    >>> params = {"embed": np.zeros((32, 8)), "w_up": np.zeros((8, 16))}
+    >>> logical = {"embed": PartitionSpec("vocab", "embed"),   # what nnx.Param metadata
+    ...            "w_up": PartitionSpec("embed", "mlp")}      # of the model gives
+    >>> shardings = param_shardings(params, make_mesh(), logical_specs=logical)
+    >>> shardings["embed"].spec, shardings["w_up"].spec     # one device: replicated
+    (P(None, None), P(None, None))
   """
   return _named(mesh, param_specs(params, mesh, rules, logical_specs=logical_specs))
 
@@ -283,16 +276,14 @@ def state_shardings(state, mesh, rules=None, *, params=None, logical_specs=None)
 
   Examples:
     >>> import optax
-    >>> from flax import nnx
-    >>> from jaxrl_llm.models.transformer import (Transformer, TransformerConfig,
-    ...                                           split_model)
     >>> from jaxrl_llm.parallel.mesh import make_mesh
-    >>> from jaxrl_llm.train import TrainConfig, init_train_state
-    >>> _, params = split_model(Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0)))
-    >>> state = init_train_state(params, optax.adam(1e-3), TrainConfig())
-    >>> shardings = state_shardings(state, make_mesh())
-    >>> shardings.step.spec
-    P()
+    >>> params = {"w_up": np.zeros((8, 16))}
+    >>> state = {"params": params, "opt_state": optax.adam(1e-3).init(params),
+    ...          "step": np.zeros((), np.int32)}
+    >>> shardings = state_shardings(state, make_mesh(), params=params,
+    ...                             logical_specs={"w_up": PartitionSpec("embed", "mlp")})
+    >>> shardings["opt_state"][0].mu["w_up"].spec, shardings["step"].spec
+    (P(None, None), P())
   """
   return _named(mesh, state_specs(state, mesh, rules, params=params,
                                   logical_specs=logical_specs))
@@ -424,50 +415,6 @@ def host_local_batch(batch, mesh, rules=None):
   return jax.tree_util.tree_map_with_path(one, batch)
 
 
-def shard_apply_fn(apply_fn: Callable, mesh, rules=None) -> Callable:
-  """Wraps a model forward so its batch inputs and outputs stay batch-sharded.
-
-  ``apply(params, tokens, positions, attention_mask)`` gets
-  ``jax.lax.with_sharding_constraint`` on its inputs and on its per-token outputs
-  (``hidden``/``logits`` and ``values``; not the LM head): rows over
-  ``rules["batch"]``, tokens over ``rules["sequence"]`` (:func:`batch_spec`). Without
-  these anchors XLA's sharding propagation may keep FSDP-sharded weights in place and
-  shard the activations along the model width instead (all-reducing activations
-  rather than all-gathering weights); with them an FSDP step becomes the ZeRO-3
-  pattern. Values are unchanged. Build the step from the wrapped function:
-  ``make_train_step(shard_apply_fn(apply_fn, mesh), optimizer, config)``.
-
-  With a ``sequence`` mesh axis > 1 the model runs under ``mesh`` as the ambient mesh
-  (:func:`ambient_mesh`), so :func:`jaxrl_llm.dot_product_attention` with
-  ``implementation=None`` picks ring attention
-  (:func:`jaxrl_llm.parallel.ring_attention`) and the whole forward is split over the
-  tokens.
-
-  Raises:
-    ValueError: at trace time, if a (micro)batch dimension is not divisible by its
-      mesh axes (e.g. ``B / num_microbatches`` rows over ``data * fsdp`` devices).
-  """
-  rules = make_rules(rules)
-
-  def constrain(name, x):
-    if x is None or np.ndim(x) == 0:
-      return x
-    spec = batch_spec(np.shape(x), mesh, rules, where=f"model {name}")
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-  def apply(params, tokens, positions=None, attention_mask=None):
-    with ambient_mesh(mesh, tokens):
-      out = apply_fn(params, constrain("tokens", tokens),
-                     constrain("positions", positions),
-                     constrain("attention_mask", attention_mask))
-    out = as_model_output(out)
-    if out.hidden is not None:
-      return constrain("hidden", out.hidden), constrain("values", out.values), out.lm_head
-    return constrain("logits", out.logits), constrain("values", out.values)
-
-  return apply
-
-
 # ------------------------------------------------------------------------ ambient mesh
 
 
@@ -495,17 +442,6 @@ def ambient_mesh(mesh, *arrays):
   return jax.set_mesh(mesh)
 
 
-def _under_mesh(fn: Callable, mesh) -> Callable:
-  """``fn`` traced with ``mesh`` as the ambient (abstract) mesh."""
-
-  @functools.wraps(fn)
-  def wrapped(*args, **kwargs):
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return fn(*args, **kwargs)
-
-  return wrapped
-
-
 # ------------------------------------------------------------------------- placement
 
 
@@ -529,91 +465,6 @@ def put_sharded(tree, shardings):
   return jax.tree_util.tree_map(one, tree, shardings)
 
 
-def shard_train_step(step_fn: Callable, state, mesh, *, rules=None, batch=None,
-                     donate: bool = True):
-  """Jits a global-batch train step with parameter, state and batch shardings.
-
-  .. code-block:: python
-
-    jax.jit(step_fn,
-            in_shardings=(state_shardings, batch_shardings),
-            out_shardings=(state_shardings, replicated),   # metrics replicated
-            donate_argnums=0)
-
-  ``step_fn`` is a ``train_step(state, batch) -> (state, metrics)`` written for the
-  whole batch (:func:`jaxrl_llm.train.make_train_step` *without* ``axis_name``): the
-  shardings only tell XLA where data lives and the update equals the single-device
-  one up to float rounding. The output state has the input state's shardings, so
-  repeated calls never re-layout or recompile. Build ``step_fn`` from
-  :func:`shard_apply_fn` (as in the example) so activations stay batch-sharded; with
-  FSDP this is what makes XLA all-gather weights instead of all-reducing activations.
-
-  Long sequences: on a mesh with a ``sequence`` axis > 1 (token arrays sharded
-  ``P(("data", "fsdp"), "sequence")``) the step is traced under the mesh as the
-  ambient mesh (:func:`ambient_mesh`), so the model's attention
-  (:func:`jaxrl_llm.dot_product_attention` with ``implementation=None``) is ring
-  attention (:func:`jaxrl_llm.parallel.ring_attention`) and every per-token
-  computation of the step (forward and backward, log-probs, losses) runs on ``T / n``
-  tokens per device; XLA partitions the rest.
-
-  Args:
-    step_fn: the pure train step.
-    state: the initial state (host or device arrays); it is placed on the mesh.
-    mesh: the mesh (:func:`jaxrl_llm.parallel.make_mesh`).
-    rules: rule overrides (see :func:`make_rules`).
-    batch: an example global batch (arrays or ``jax.ShapeDtypeStruct``) giving
-      per-key batch shardings (and checking divisibility). Without it every batch
-      array is split along dimension 0 only, which requires a ``sequence`` axis of
-      size 1.
-    donate: donate the input state's buffers to the output (``donate_argnums=0``).
-
-  Returns:
-    ``(jitted_step, sharded_state)``. Feed the jitted step batches placed with
-    :func:`shard_batch` (required with several processes) or host arrays (one
-    process).
-
-  Examples:
-    >>> import optax
-    >>> from flax import nnx
-    >>> from jaxrl_llm.models.transformer import (Transformer, TransformerConfig,
-    ...                                           make_apply_fn, split_model)
-    >>> from jaxrl_llm.parallel.mesh import make_mesh
-    >>> from jaxrl_llm.train import TrainConfig, init_train_state, make_train_step
-    >>> graphdef, params = split_model(
-    ...     Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0)))
-    >>> opt, config = optax.sgd(1e-2), TrainConfig()
-    >>> mesh = make_mesh(data=-1)
-    >>> apply_fn = shard_apply_fn(make_apply_fn(graphdef), mesh)
-    >>> step, state = shard_train_step(make_train_step(apply_fn, opt, config),
-    ...                                init_train_state(params, opt, config), mesh)
-    >>> tokens = np.ones((8, 8), np.int32)     # 8 rows: split over 1, 2, 4 or 8 devices
-    >>> zeros, ones = np.zeros((8, 8), np.float32), np.ones((8, 8), np.float32)
-    >>> batch = shard_batch(dict(tokens=tokens, attention_mask=ones, loss_mask=ones,
-    ...     old_logp=zeros, old_values=zeros, rewards=ones), mesh)
-    >>> state, metrics = step(state, batch)
-    >>> int(state.step)
-    1
-  """
-  rules = make_rules(rules)
-  if mesh_axis_sizes(mesh).get("sequence", 1) > 1:
-    step_fn = _under_mesh(step_fn, mesh)
-  s_shardings = state_shardings(state, mesh, rules)
-  if batch is not None:
-    b_shardings = batch_shardings(batch, mesh, rules)
-  else:
-    if mesh_axis_sizes(mesh).get("sequence", 1) > 1:
-      raise ValueError("a mesh with a `sequence` axis > 1 needs an example `batch` to "
-                       "build per-key batch shardings.")
-    # One sharding for the whole batch dict (a pytree prefix): rows split.
-    b_shardings = NamedSharding(mesh, logical_to_spec(("batch",), (0,), mesh, rules,
-                                                      where="batch"))
-  replicated = NamedSharding(mesh, PartitionSpec())
-  jitted = jax.jit(step_fn, in_shardings=(s_shardings, b_shardings),
-                   out_shardings=(s_shardings, replicated),
-                   donate_argnums=(0,) if donate else ())
-  return jitted, put_sharded(state, s_shardings)
-
-
 def sharding_summary(tree) -> dict:
   """``{key path: str(spec)}`` of the ``NamedSharding`` s of a pytree of arrays."""
   out = {}
@@ -626,5 +477,4 @@ def sharding_summary(tree) -> dict:
 __all__ = ["DEFAULT_RULES", "make_rules", "logical_to_spec", "param_specs",
            "param_shardings", "state_specs", "state_shardings", "batch_spec",
            "batch_specs", "batch_shardings", "shard_batch", "host_local_batch",
-           "put_sharded", "shard_apply_fn", "shard_train_step", "sharding_summary",
-           "ambient_mesh"]
+           "put_sharded", "sharding_summary", "ambient_mesh"]

@@ -1,4 +1,5 @@
-"""Train state and pure train steps (PPO / GRPO family).
+"""Train state and pure train steps (PPO / GRPO family), their optimizers, and the
+sharded (``jax.jit`` on a mesh) and ``jax.pmap`` wrappers of the step.
 
 ``jaxrl_llm.train`` is the train-*step* package (one pure update of a
 :class:`TrainState` on a batch); the RL *loop* (sampling, scoring, evaluation,
@@ -23,6 +24,10 @@ if TYPE_CHECKING:  # the names as static imports, for type checkers and IDEs
                                     default_positions, make_grpo_train_step,
                                     make_ppo_train_step, make_train_step, policy_forward,
                                     prepare_batch, validate_batch)
+  from jaxrl_llm.train.optim import (FrozenState, actor_critic_optimizer, freeze_for,
+                                     policy_value_optimizer)
+  from jaxrl_llm.train.sharded import shard_apply_fn, shard_train_step
+  from jaxrl_llm.train.pmap import make_pmap_train_step
 
 # Module -> its public names, imported on first access (see jaxrl_llm._lazy).
 _EXPORTS = {
@@ -37,6 +42,10 @@ _EXPORTS = {
         "POLICY_LOSS_REGISTRY", "ADVANTAGE_ESTIMATOR_REGISTRY", "AdvantageInputs",
         "register_policy_loss", "register_advantage_estimator", "get_policy_loss",
         "get_advantage_estimator", "compute_advantages"),
+    "jaxrl_llm.train.optim": ("actor_critic_optimizer", "policy_value_optimizer",
+                              "freeze_for", "FrozenState"),
+    "jaxrl_llm.train.sharded": ("shard_train_step", "shard_apply_fn"),
+    "jaxrl_llm.train.pmap": ("make_pmap_train_step",),
 }
 __all__ = public_names(_EXPORTS)
 
