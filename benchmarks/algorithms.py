@@ -5,10 +5,10 @@ Run: ``python -m benchmarks.algorithms [--quick] [--seeds 3] [--task repeat]
 [--algos ppo,vapo,grpo,dapo,rloo] [--json out.json]``.
 
 Part 1 (full RL runs). Each algorithm trains the tiny reference transformer with
-:func:`jaxrl_llm.trainer.run_training` under the same compute budget: ``prompts_per_step x
+:func:`jaxrl_llm.loop.run.run_training` under the same compute budget: ``prompts_per_step x
 group_size`` sampled completions per step, the same number of steps, the same
 optimizer. PPO uses a value head, GAE and whitened advantages with the KL in the
-reward (the ``ppo`` recipe of :mod:`jaxrl_llm.recipes`); VAPO (the ``vapo`` recipe) adds
+reward (the ``ppo`` recipe of :mod:`jaxrl_llm.loop.recipes`); VAPO (the ``vapo`` recipe) adds
 decoupled, length-adaptive GAE, a critic warm-up, a 2x value learning rate,
 clip-higher and the positive-example NLL; GRPO and RLOO use their group baselines with
 the KL in the loss; DAPO (the ``dapo`` recipe) is the group baseline with clip-higher,
@@ -20,7 +20,7 @@ throughput counts the ``B`` trained samples) and the soft overlong penalty. Over
   reference log-probs, advantages, update): ``B / time_s`` of each step (the trainer's
   per-step timer, evals excluded), median over steps 2.. (step 1 compiles).
 * ``rollout samples/s``: the rollout part of that (sampling, scoring, old and
-  reference log-probs: :func:`jaxrl_llm.trainer.build_batch`), timed inside the run.
+  reference log-probs: :func:`jaxrl_llm.loop.batch.build_batch`), timed inside the run.
 * ``update samples/s (in run)``: the jitted, donated train step of the run itself
   (step time minus rollout time), median over steps 2..; ``(fixed batch)``: the same
   step jitted without donation and timed on the first rollout's batch (full mode
@@ -82,6 +82,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -91,14 +92,18 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import machine, markdown_table, timeit, write_json  # noqa: E402
 from jaxrl_llm import advantages as A  # noqa: E402
-from jaxrl_llm import trainer as T  # noqa: E402
+from jaxrl_llm.loop import run as T  # noqa: E402
+from jaxrl_llm.loop.config import RunConfig  # noqa: E402
+from jaxrl_llm.loop.policy import Policy  # noqa: E402
+from jaxrl_llm.loop.resolve import resolve  # noqa: E402
 from jaxrl_llm.losses import kl_penalty  # noqa: E402
 from jaxrl_llm.models.transformer import (Transformer, get_config, make_apply_fn,  # noqa: E402
                                           make_decode_fns, split_model)
 from jaxrl_llm.rollout.sampler import sample  # noqa: E402
 from jaxrl_llm.tasks import get_task  # noqa: E402
 from jaxrl_llm.train import (POLICY_LOSS_REGISTRY, AdvantageInputs,  # noqa: E402
-                             compute_advantages, make_train_step)
+                             compute_advantages, get_advantage_estimator,
+                             make_train_step)
 
 ALGOS = ("ppo", "vapo", "grpo", "dapo", "rloo")
 TASKS = ("reverse", "repeat")
@@ -128,24 +133,25 @@ def _in_step_raw_advantages(config, batch, mask):
     rewards = rewards - config.kl_coef * kl_penalty(
         jnp.asarray(batch["old_logp"]), jnp.asarray(batch["ref_logp"]),
         config.reward_kl_kind, mask=mask)
+  spec = get_advantage_estimator(config.advantage_estimator)
+  static = tuple((k, getattr(config, k)) for k in spec.static)
   return np.asarray(_estimate(rewards, batch["old_values"], mask, config.hparams(),
-                             estimator=config.advantage_estimator,
-                             method=config.gae_method))
+                             estimator=config.advantage_estimator, static=static))
 
 
-@functools.partial(jax.jit, static_argnames=("estimator", "method"))
-def _estimate(rewards, values, mask, hparams, *, estimator, method):
-  """The estimator's advantages, compiled once per (estimator, method, shape)."""
+@functools.partial(jax.jit, static_argnames=("estimator", "static"))
+def _estimate(rewards, values, mask, hparams, *, estimator, static):
+  """The estimator's advantages, compiled once per (estimator, static fields, shape)."""
   adv, _ = compute_advantages(estimator, AdvantageInputs(rewards=rewards, values=values,
-                                                         mask=mask), hparams, method=method)
+                                                         mask=mask), hparams, **dict(static))
   return adv
 
 
-def token_variances(run, task, batch, scores):
+def token_variances(resolved, batch, scores):
   """``(Var_t[A~], Var_t[R])`` over the batch's response tokens (see module docstring)."""
   mask = np.asarray(batch["loss_mask"], np.float32)
   s = np.asarray(scores, np.float32)
-  config = run.train_config(task.max_new_tokens)
+  run, config = resolved.run, resolved.train
   if run.algo in ("ppo", "vapo"):
     adv = _in_step_raw_advantages(config, batch, mask)
   elif run.algo in ("grpo", "dapo"):
@@ -168,7 +174,7 @@ def _variance_ratio(rows):
 
 
 class _Recorder:
-  """Wraps :func:`jaxrl_llm.trainer.build_batch` to record per-rollout statistics.
+  """Wraps :func:`jaxrl_llm.loop.batch.build_batch` to record per-rollout statistics.
 
   The batch rows' scores come from ``build_batch``'s ``info`` (as the advantages saw
   them: after dynamic sampling, with the overlong penalty), so the training run
@@ -180,15 +186,15 @@ class _Recorder:
     self.first_batch = None
     self._orig = T.build_batch
 
-  def __call__(self, run, task, policy, params, ref_params, rng_np, key, *args):
+  def __call__(self, resolved, task, policy, params, ref_params, rng_np, key):
     t0 = time.perf_counter()
     info: dict = {}
-    batch, stats = self._orig(run, task, policy, params, ref_params, rng_np, key, *args,
+    batch, stats = self._orig(resolved, task, policy, params, ref_params, rng_np, key,
                               info=info)
     t1 = time.perf_counter()
     if self.first_batch is None:
       self.first_batch = {k: np.array(val) for k, val in batch.items()}
-    adv_var, score_var = token_variances(run, task, batch, info["scores"])
+    adv_var, score_var = token_variances(resolved, batch, info["scores"])
     # Our own bookkeeping is subtracted from the trainer's step time.
     self.rows.append({"adv_var": adv_var, "score_var": score_var, "rollout_s": t1 - t0,
                       "overhead_s": time.perf_counter() - t1})
@@ -209,12 +215,13 @@ def _update_samples_per_s(run, batch, repeats):
   """Samples/s of the jitted train step alone on ``batch`` (no donation)."""
   task = get_task(run.task)
   tok = task.tokenizer
-  config = run.train_config(task.max_new_tokens)
-  policy = T.Policy.reference(run.model, tok.vocab_size,
+  resolved = resolve(run, task)
+  config = resolved.train
+  policy = Policy.reference(run.model, tok.vocab_size,
                               task.max_prompt_len + task.max_new_tokens, tok.pad_id,
                               value_head=config.use_value, seed=run.seed,
                               temperature=config.temperature)
-  step_fn = make_train_step(policy.apply, T.make_optimizer(run), config)
+  step_fn = make_train_step(policy.apply, resolved.optimizer.build(), config)
   step = jax.jit(step_fn)
   state = step_fn.init(policy.init_params, rng=jax.random.PRNGKey(run.seed))
   batch = {k: jnp.asarray(val) for k, val in batch.items()}
@@ -233,7 +240,7 @@ def _quarter_means(values):
 
 def run_one(algo, seed, size, out_dir, target, update_repeats, train=None,
             task="reverse", target_metric="accuracy"):
-  run = T.RunConfig(algo=algo, seed=seed, steps=size["steps"], train=dict(train or {}),
+  run = RunConfig(algo=algo, seed=seed, steps=size["steps"], train=dict(train or {}),
                     task=task,
                     prompts_per_step=size["prompts"], group_size=size["group"],
                     eval_every=size["eval_every"], eval_size=size["eval_size"],
@@ -365,9 +372,11 @@ def long_generation(model, batch, prompt_len, new_tokens, repeats, vocab=64):
     value = algo == "ppo"
     cfg = get_config(model, vocab, value_head=value, max_seq_len=max_len)
     graphdef, params = split_model(Transformer(cfg, rngs=nnx.Rngs(0)))
-    run = T.RunConfig(algo=algo, model=model, lr=1e-4)
-    config = run.train_config(new_tokens)
-    step_fn = make_train_step(make_apply_fn(graphdef), T.make_optimizer(run), config)
+    # resolve reads the task's response budget alone: the generation length here.
+    resolved = resolve(RunConfig(algo=algo, model=model, lr=1e-4),
+                       types.SimpleNamespace(max_new_tokens=new_tokens))
+    step_fn = make_train_step(make_apply_fn(graphdef), resolved.optimizer.build(),
+                              resolved.train)
     step = jax.jit(step_fn)
     state = step_fn.init(params, rng=jax.random.PRNGKey(0))
     data = _synthetic_batch(rng, batch, prompt_len, new_tokens, vocab, value)

@@ -14,3 +14,9 @@ AGGREGATION_MODES = (
 # The solvers of the reverse linear recurrence behind GAE and returns
 # (jaxrl_llm.advantages.reverse_linear_recurrence).
 GAE_METHODS = ("scan", "associative")
+
+# The levels of rollout correction (jaxrl_llm.rollout_correction_weights).
+ROLLOUT_LEVELS = ("token", "sequence")
+
+# The reference transformer's size presets (jaxrl_llm.models.get_config).
+MODEL_PRESETS = ("tiny", "small")

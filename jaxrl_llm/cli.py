@@ -12,26 +12,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import os
 import re
 import sys
+import types
 import typing
 from typing import Any, Optional, Sequence
+
+from jaxrl_llm.loop.config import flag
 
 PLOT_KEYS = (("reward", "train reward"), ("eval_accuracy", "eval accuracy (greedy)"),
              ("kl_ref", "KL to reference"), ("pg_clipfrac", "clip fraction"),
              ("entropy", "entropy"), ("adv_raw_var", "advantage variance"))
 
 
-# Other flag names of a field (earlier names, and the papers' names).
-ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("--tensor",),
-           "clip_low": ("--clip",), "algo": ("--recipe",), "lam": ("--lam-policy",),
-           "value_lr": ("--critic-lr",)}
-# TrainConfig fields that are not command-line values (set through other flags).
-NOT_FLAGS = ("clip_schedule", "loss_hparams")
-# Command-line behaviour beyond the field's own docstring.
+# Other flag names of a field (the mesh axes' short names).
+ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("--tensor",)}
+# Command-line behaviour beyond the field's own help.
 NOTES = {"hybrid_n": " Giving it alone selects --advantage-estimator hybrid."}
 # The subcommands (build_parser adds each; train is the default).
 COMMANDS = ("train", "eval", "plot", "export")
@@ -39,48 +37,20 @@ TRAIN_PREFIX = "train__"
 LOSS_PREFIX = "loss__"
 
 
-def attribute_docs(cls: type) -> dict:
-  """``{field: help}`` from the ``Attributes:`` section of a class docstring.
+def plain_help(text: str) -> str:
+  """A field's help text without reStructuredText markup.
 
   Examples:
-    >>> class C:
-    ...   '''Doc.
-    ...
-    ...   Attributes:
-    ...     a: the a,
-    ...       continued.
-    ...     b: the b.
-    ...   '''
-    >>> attribute_docs(C)
-    {'a': 'the a, continued.', 'b': 'the b.'}
+    >>> plain_help("see :func:`jaxrl_llm.aggregate` and ``kl_mode``")
+    'see jaxrl_llm.aggregate and kl_mode'
   """
-  docs: dict = {}
-  lines = (inspect.getdoc(cls) or "").splitlines()
-  try:
-    first = next(i for i, line in enumerate(lines) if line.strip() == "Attributes:")
-  except StopIteration:
-    return docs
-  name = None
-  for line in lines[first + 1:]:
-    if not line.strip():
-      continue
-    indent = len(line) - len(line.lstrip())
-    if indent == 0:
-      break
-    match = re.match(r"\s+(\w+): (.*)", line)
-    if match and indent <= 2:
-      name = match.group(1)
-      docs[name] = match.group(2).strip()
-    elif name is not None:
-      docs[name] += " " + line.strip()
-  return {k: re.sub(r"``|:\w+:`~?([^`]*)`", lambda m: m.group(1) or "", val)
-          for k, val in docs.items()}
+  return re.sub(r"``|:\w+:`~?([^`]*)`", lambda m: m.group(1) or "", text)
 
 
 def _optional(tp) -> tuple:
   """``(base type, is_optional)`` of a field annotation."""
   args = [a for a in typing.get_args(tp) if a is not type(None)]
-  if typing.get_origin(tp) is typing.Union and len(args) == 1:
+  if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
     return args[0], True
   return tp, False
 
@@ -94,11 +64,13 @@ def _parse(base, optional: bool):
   return parse
 
 
-def _add_field(group, cls, f, hints, docs, *, dest, default, shown, choices=None):
-  """One option for dataclass field ``f`` (its docstring entry is the help)."""
+def _add_field(group, f, hints, *, dest, default, shown):
+  """One option for the declared dataclass field ``f`` (its metadata: help, choices)."""
+  from jaxrl_llm.train.config import field_choices
   base, optional = _optional(hints[f.name])
-  names = ("--" + f.name.replace("_", "-"),) + ALIASES.get(f.name, ())
-  help_text = docs.get(f.name, "") + NOTES.get(f.name, "")
+  names = (flag(f.name),) + ALIASES.get(f.name, ())
+  choices = field_choices(f)
+  help_text = plain_help(f.metadata["help"]) + NOTES.get(f.name, "")
   if choices:
     help_text += f" One of: {', '.join(map(str, choices))}."
   help_text += f" (default: {shown})"
@@ -111,66 +83,65 @@ def _add_field(group, cls, f, hints, docs, *, dest, default, shown, choices=None
                        metavar=(f.name.upper() if choices is None else None))
 
 
-def _recipe_note(name: str, part: str = "train") -> str:
-  """``ppo=..., grpo=...`` for the recipes that set field ``name`` (of TrainConfig,
-  ``part="train"``, or of RunConfig, ``part="run"``)."""
-  from jaxrl_llm.recipes import RECIPES
+def _recipe_note(settings: dict, default: Any = dataclasses.MISSING) -> str:
+  """``; --algo sets X for ppo, ...`` for the recipes whose setting differs from
+  ``default`` (``settings``: recipe name -> its setting, absent when it sets none)."""
   groups: dict = {}
-  for r in RECIPES.values():
-    fields = getattr(r, part)
-    if name in fields:
-      groups.setdefault(str(fields[name]), []).append(r.name)
+  for name, val in settings.items():
+    if val is not dataclasses.MISSING and val != default:
+      groups.setdefault(str(val), []).append(name)
   if not groups:
     return ""
-  if len(groups) == 1 and len(next(iter(groups.values()))) == len(RECIPES):
+  if len(groups) == 1 and len(next(iter(groups.values()))) == len(settings):
     return f"; every --algo sets {next(iter(groups))}"
   return "; --algo sets " + "; ".join(f"{val} for {', '.join(names)}"
                                       for val, names in groups.items())
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-  """The ``train`` options, generated from RunConfig and TrainConfig fields."""
+  """The ``train`` options, generated from the RunConfig and TrainConfig declarations."""
   from jaxrl_llm.loop.config import RunConfig
-  from jaxrl_llm.recipes import RECIPE_RUN_FIELDS, RECIPES
-  from jaxrl_llm.tasks import TASKS
+  from jaxrl_llm.loop.recipes import RECIPES, Recipe
   from jaxrl_llm.train import TrainConfig
   from jaxrl_llm.train.registry import POLICY_LOSS_REGISTRY
-  from jaxrl_llm.train.state import field_choices
 
   run_group = p.add_argument_group("run")
-  hints, docs = typing.get_type_hints(RunConfig), attribute_docs(RunConfig)
-  # --model also takes a Hugging Face model folder (checked by RunConfig.validate).
-  run_choices = {"task": sorted(TASKS), "algo": list(RECIPES)}
+  hints = typing.get_type_hints(RunConfig)
+  # A None that stands for the recipe's setting shows what a recipe that sets nothing
+  # uses, then the recipes that set another value.
+  plain = Recipe("", "grpo", "").run_settings()
   for f in dataclasses.fields(RunConfig):
-    if f.name == "train":
+    if not f.metadata["flag"]:
       continue
-    shown = (f"{RECIPE_RUN_FIELDS[f.name]}{_recipe_note(f.name, 'run')}"
-             if f.name in RECIPE_RUN_FIELDS else f.default)
-    _add_field(run_group, RunConfig, f, hints, docs, dest=f.name, default=f.default,
-               shown=shown, choices=run_choices.get(f.name))
+    shown = f.default
+    if f.name in plain:
+      shown = f"{plain[f.name]}" + _recipe_note(
+          {r.name: r.run_settings()[f.name] for r in RECIPES.values()}, plain[f.name])
+    _add_field(run_group, f, hints, dest=f.name, default=f.default, shown=shown)
   step_group = p.add_argument_group(
       "train step (TrainConfig; unset options take the --algo recipe's value)")
-  hints, docs = typing.get_type_hints(TrainConfig), attribute_docs(TrainConfig)
+  hints = typing.get_type_hints(TrainConfig)
   for f in dataclasses.fields(TrainConfig):
-    if f.name in NOT_FLAGS:
+    if not f.metadata["flag"]:
       continue
+    note = _recipe_note({r.name: r.train.get(f.name, dataclasses.MISSING)
+                         for r in RECIPES.values()})
     # Left out of the namespace unless given, so that an explicit ``none`` is kept.
-    _add_field(step_group, TrainConfig, f, hints, docs, dest=TRAIN_PREFIX + f.name,
-               default=argparse.SUPPRESS, shown=f"{f.default}{_recipe_note(f.name)}",
-               choices=field_choices(f.name))
+    _add_field(step_group, f, hints, dest=TRAIN_PREFIX + f.name,
+               default=argparse.SUPPRESS, shown=f"{f.default}{note}")
   loss_group = p.add_argument_group("policy-loss hyperparameters")
   extras: dict = {}
   for spec in POLICY_LOSS_REGISTRY.values():
     for name, default in spec.extra_hparams.items():
       extras.setdefault(name, []).append(f"{spec.name}: {default}")
   for name, notes in extras.items():
-    loss_group.add_argument("--" + name.replace("_", "-"), dest=LOSS_PREFIX + name,
+    loss_group.add_argument(flag(name), dest=LOSS_PREFIX + name,
                             type=float, default=argparse.SUPPRESS, metavar=name.upper(),
                             help=f"(default: {'; '.join(notes)})")
 
 
 def _train_epilog() -> str:
-  from jaxrl_llm.recipes import RECIPES
+  from jaxrl_llm.loop.recipes import RECIPES
   from jaxrl_llm.tasks import TASKS
   from jaxrl_llm.train.registry import POLICY_LOSS_REGISTRY
   lines = ["algorithms (--algo):"]
@@ -182,7 +153,7 @@ def _train_epilog() -> str:
 
 
 def run_config_from_args(args: argparse.Namespace) -> Any:
-  """The :class:`~jaxrl_llm.trainer.RunConfig` of parsed ``train`` arguments.
+  """The :class:`~jaxrl_llm.loop.config.RunConfig` of parsed ``train`` arguments.
 
   Train-step and policy-loss options are in ``args`` only when given (their default is
   ``argparse.SUPPRESS``), so ``--clip-high none`` sets None over the recipe's value.
@@ -202,13 +173,9 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
   return RunConfig(**run, train=train)
 
 
-def _flag(name: str) -> str:
-  return "--" + name.replace("_", "-")
-
-
 def _flags_in_message(message: str) -> str:
   """``ValueError`` text with backticked config field names as the flags that set them."""
-  return re.sub(r"`(\w+)`", lambda m: _flag(m.group(1)), message)
+  return re.sub(r"`(\w+)`", lambda m: flag(m.group(1)), message)
 
 
 def _explicit_train_dests(argv: list) -> set:
@@ -220,22 +187,6 @@ def _explicit_train_dests(argv: list) -> set:
   return set(vars(p.parse_known_args(argv)[0]))
 
 
-# Run fields whose effective value is derived beyond ``RunConfig.setting``.
-EFFECTIVE_RUN_FIELDS = {
-    "value_lr": lambda run: run.value_learning_rate(),
-    "overlong_buffer": lambda run: run.overlong_buffer_tokens()}
-
-
-def _effective(run: Any, name: str) -> Any:
-  """The RunConfig field ``name`` as the run uses it: a None that stands for the
-  recipe's value (or ``--lr`` times its scale) filled in, so that restating it on
-  ``--resume`` is no contradiction."""
-  from jaxrl_llm.recipes import RECIPE_RUN_FIELDS
-  if name in EFFECTIVE_RUN_FIELDS:
-    return EFFECTIVE_RUN_FIELDS[name](run)
-  return run.setting(name) if name in RECIPE_RUN_FIELDS else getattr(run, name)
-
-
 def _resume_config(args: argparse.Namespace, argv: list):
   """The run to continue on ``--resume``: the saved config, changed only by the
   resumable options given on the command line. A given option whose value differs
@@ -243,6 +194,7 @@ def _resume_config(args: argparse.Namespace, argv: list):
   naming it."""
   from jaxrl_llm import run_folder as rf
   from jaxrl_llm.loop.config import RESUMABLE_FIELDS, RunConfig
+  from jaxrl_llm.loop.resolve import effective, resolve
   saved = RunConfig.from_dict(rf.read_json(os.path.join(args.out, rf.CONFIG_FILE)))
   given = run_config_from_args(args)
   # The given options, and the estimator that --hybrid-n alone implies.
@@ -250,7 +202,7 @@ def _resume_config(args: argparse.Namespace, argv: list):
                                             if k != "loss_hparams"}
   changes: dict = {"resume": True, "overwrite": False, "out": args.out}
   conflicts = []
-  saved_train = saved.train_config(saved.response_budget())
+  saved_train = resolve(saved).train
   for dest in sorted(explicit):
     if dest.startswith(TRAIN_PREFIX):
       name = dest[len(TRAIN_PREFIX):]
@@ -264,12 +216,14 @@ def _resume_config(args: argparse.Namespace, argv: list):
       if name in RESUMABLE_FIELDS:
         changes[name] = value
         continue
-      value = _effective(dataclasses.replace(saved, **{name: value}), name)
-      before = _effective(saved, name)
+      # A None that stands for the recipe's value is filled in, so that restating
+      # it on --resume is no contradiction.
+      value = effective(dataclasses.replace(saved, **{name: value}), name)
+      before = effective(saved, name)
     if value != before:
-      conflicts.append(f"{_flag(name)} {value} (the saved run has {before})")
+      conflicts.append(f"{flag(name)} {value} (the saved run has {before})")
   if conflicts:
-    allowed = ", ".join(_flag(f) for f in RESUMABLE_FIELDS
+    allowed = ", ".join(flag(f) for f in RESUMABLE_FIELDS
                         if f not in ("out", "resume", "overwrite"))
     raise ValueError(f"--resume continues the run saved in {args.out}; "
                      f"{'; '.join(conflicts)} contradicts it. Only {allowed} may change "
@@ -288,18 +242,18 @@ def cmd_train(args: argparse.Namespace) -> int:
       run = run_config_from_args(args)
       if args.resume:
         print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
-    run.validate()
+    from jaxrl_llm.loop.resolve import resolve
+    resolve(run)      # the run's own checks and the recipe's (before the task is built)
     import jax
     run.check_devices(jax.device_count())
   except (ValueError, OSError) as e:
     print(f"error: {_flags_in_message(str(e))}", file=sys.stderr)
     return 2
   from jaxrl_llm.checkpoint import CheckpointError
-  from jaxrl_llm.trainer import (RunFolderError, SkippedUpdatesError, format_summary,
-                                 run_training)
+  from jaxrl_llm.loop.run import SkippedUpdatesError, format_summary, run_training
   try:
     summary = run_training(run)
-  except RunFolderError as e:
+  except rf.RunFolderError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except (rf.RunFolderIOError, CheckpointError, SkippedUpdatesError) as e:
@@ -468,7 +422,7 @@ def _early_note(argv: list) -> None:
     return
   p = argparse.ArgumentParser(add_help=False)
   p.add_argument("--out", default="runs/default")
-  p.add_argument("--algo", "--recipe", default="grpo")
+  p.add_argument("--algo", default="grpo")
   p.add_argument("--task", default="reverse")
   p.add_argument("--resume", action="store_true")
   known = p.parse_known_args(argv[1:])[0]

@@ -221,7 +221,7 @@ def nb02():
       new_markdown_cell(
           "# 02 - PPO vs GRPO vs RLOO\n\n"
           "Trains the tiny reference transformer on the default task (reverse a digit "
-          "string) with each algorithm through `jaxrl_llm.trainer.train`, under the same "
+          "string) with each algorithm through `jaxrl_llm.loop.run.run_training`, under the same "
           "budget (prompts per step x group size samples per step, same steps), into a "
           "temporary folder, and plots the reward, the advantage variance and the KL to "
           "the reference side by side. `python -m benchmarks.algorithms` measures the "
@@ -230,7 +230,8 @@ def nb02():
       new_code_cell(SETUP),
       new_code_cell(
           "import json\nimport tempfile\n" + PLOTS +
-          "from jaxrl_llm.trainer import RunConfig, format_summary, train\n\n"
+          "from jaxrl_llm.loop.config import RunConfig\n"
+          "from jaxrl_llm.loop.run import format_summary, run_training\n\n"
           "tmp = tempfile.TemporaryDirectory(prefix='jaxrl_llm_nb02_')\n"
           "size = (dict(steps=3, prompts_per_step=4, group_size=2, eval_every=3, eval_size=8)\n"
           "        if SMALL else\n"
@@ -242,7 +243,7 @@ def nb02():
           "for algo in ('ppo', 'grpo', 'rloo'):\n"
           "  run = RunConfig(algo=algo, out=os.path.join(tmp.name, algo), progress=False,\n"
           "                  save_every=10**9, **size)\n"
-          "  summaries[algo] = train(run)\n"
+          "  summaries[algo] = run_training(run)\n"
           "  with open(os.path.join(run.out, 'metrics.jsonl')) as f:\n"
           "    histories[algo] = [json.loads(line) for line in f if line.strip()]\n"
           "  print(algo)\n"
@@ -401,7 +402,7 @@ def nb04():
           "BPE tokenizer, a chat template and two end-of-turn ids, as Llama-3 and Qwen "
           "checkpoints have), loads it with `jaxrl_llm.models.from_pretrained`, trains a "
           "few PPO steps on a small JSONL dataset with the `math` reward through "
-          "`jaxrl_llm.trainer.run_training`, writes the trained policy back with "
+          "`jaxrl_llm.loop.run.run_training`, writes the trained policy back with "
           "`save_pretrained` and reloads it to show the logits match. Everything is "
           "local: with a real checkpoint, point `MODEL` at its folder (e.g. a downloaded "
           "`Qwen/Qwen3-0.6B`) and skip the cell that builds the tiny one. transformers is "
@@ -514,7 +515,8 @@ def nb04():
           "value head GAE gives zero advantages, so the policy moves only on steps "
           "where some completion earned a reward (with a real checkpoint, most steps)."),
       new_code_cell(
-          "from jaxrl_llm.trainer import RunConfig, format_summary, run_training\n\n"
+          "from jaxrl_llm.loop.config import RunConfig\n"
+          "from jaxrl_llm.loop.run import format_summary, run_training\n\n"
           "DATA = os.path.join(tmp.name, 'train.jsonl')\n"
           "rng = np.random.default_rng(0)\n"
           "with open(DATA, 'w') as f:\n"

@@ -107,9 +107,13 @@ def test_lazy_package_namespace_is_the_eager_one():
     for name in pkg.__all__:
       assert getattr(pkg, name) is not None, (pkg.__name__, name)
   from jaxrl_llm.advantages import gae
-  from jaxrl_llm.train.state import TrainState
-  from jaxrl_llm.train.train_state import TrainState as Moved
-  assert jaxrl_llm.gae is gae and TrainState is Moved is jaxrl_llm.TrainState
+  from jaxrl_llm.train.config import TrainConfig
+  from jaxrl_llm.train.train_state import TrainState
+  assert jaxrl_llm.gae is gae and TrainState is jaxrl_llm.TrainState
+  assert TrainConfig is jaxrl_llm.TrainConfig is jaxrl_llm.train.TrainConfig
+  # train/config.py holds TrainConfig alone: no lazy way back to the train state
+  import jaxrl_llm.train.config
+  assert not hasattr(jaxrl_llm.train.config, "TrainState")
   with pytest.raises(AttributeError, match="no attribute 'nope'"):
     jaxrl_llm.nope  # noqa: B018
 

@@ -162,18 +162,18 @@ def _main(capsys, *argv):
     # settings the recipe's train step would crash on or silently ignore
     (["--algo", "ppo", "--no-use-value"],
      ["--no-use-value: --algo ppo computes its advantages in the train step"]),
-    (["--recipe", "vapo", "--lam-policy", "0.9"],
+    (["--algo", "vapo", "--lam", "0.9"],
      ["--lam 0.9 is not used by --advantage-estimator vapo_gae",
       "--advantage-estimator decoupled_gae"]),
     (["--algo", "ppo", "--lam-value", "0.9"],
      ["--lam-value 0.9 is not used by --advantage-estimator gae", "decoupled_gae"]),
     (["--algo", "ppo", "--hybrid-mix", "0.3"],
      ["--hybrid-mix 0.3 is not used by --advantage-estimator gae", "hybrid"]),
-    (["--recipe", "vapo", "--hybrid-mix", "0.3"],
+    (["--algo", "vapo", "--hybrid-mix", "0.3"],
      ["--hybrid-mix 0.3 is not used by --advantage-estimator vapo_gae"]),
     (["--critic", "policy"], ["--critic policy needs a recipe with a value model "
                               "(--algo grpo has none"]),
-    (["--algo", "dapo", "--critic-lr", "0.01"],
+    (["--algo", "dapo", "--value-lr", "0.01"],
      ["--value-lr 0.01 needs a recipe with a value model (--algo dapo has none"]),
     (["--critic-warmup-steps", "2"], ["--critic-warmup-steps 2 needs a recipe with a value"]),
     (["--algo", "rloo", "--hybrid-n", "3"],
@@ -187,6 +187,19 @@ def test_flag_mistakes_are_one_line_errors_and_write_nothing(capsys, tmp_path, f
   out = tmp_path / "run"
   _one_line_error(_main(capsys, "train", *flags, "--out", str(out)), *parts)
   assert not out.exists()                      # a failed start leaves nothing behind
+
+
+@pytest.mark.parametrize("alias,value", [("--clip", "0.1"), ("--recipe", "ppo"),
+                                         ("--lam-policy", "0.9"), ("--critic-lr", "1e-4")])
+def test_the_removed_flag_aliases_are_argparse_errors(capsys, alias, value):
+  """--clip, --recipe, --lam-policy and --critic-lr are gone (--clip-low, --algo, --lam
+  and --value-lr are the flags)."""
+  from jaxrl_llm.cli import build_parser
+  with pytest.raises(SystemExit) as info:
+    build_parser().parse_args(["train", alias, value])
+  assert info.value.code == 2
+  err = capsys.readouterr().err
+  assert alias in err and ("unrecognized arguments" in err or "ambiguous option" in err)
 
 
 def test_a_real_command_line_mistake_is_one_line(tmp_path):

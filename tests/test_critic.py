@@ -139,11 +139,11 @@ def test_reference_keeps_only_the_policy_and_its_logprobs_are_unchanged(critic):
   """The trainer's frozen KL reference (``policy.ref_params``) holds no value-head or
   critic leaves, and its log-probs are the policy's own (values aside)."""
   from jaxrl_llm.loop import RunConfig
+  from jaxrl_llm.loop.resolve import resolve
   from jaxrl_llm.loop.setup import make_policy, make_task
   run = RunConfig(algo="ppo", critic=critic, seed=3)
   task = make_task(run)
-  config = run.train_config(task.max_new_tokens)
-  policy = make_policy(run, task, config)
+  policy = make_policy(resolve(run, task), task)
   ref = policy.ref_params(policy.init_params)
   paths = [jax.tree_util.keystr(p) for p, _ in
            jax.tree_util.tree_flatten_with_path(ref)[0]]

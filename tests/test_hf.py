@@ -658,7 +658,7 @@ def _tiny_hf_folder(tmp_path):
 
 @pytest.mark.parametrize("algo, extra", [
     ("ppo", []), ("grpo", []),
-    ("ppo", ["--critic", "policy", "--critic-lr", "1e-4"]),   # a separate critic
+    ("ppo", ["--critic", "policy", "--value-lr", "1e-4"]),   # a separate critic
 ])
 def test_cli_train_on_local_checkpoint_and_jsonl(tmp_path, capsys, algo, extra):
   from jaxrl_llm import cli

@@ -11,7 +11,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl_llm.loop.config import RunConfig, make_optimizer
+from jaxrl_llm.loop.config import RunConfig
+from jaxrl_llm.loop.resolve import effective, resolve
 from jaxrl_llm.models.critic import actor_critic_params, value_param_labels
 from jaxrl_llm.train import TrainConfig, make_train_step, policy_forward
 from jaxrl_llm.train.optim import policy_value_optimizer
@@ -119,20 +120,20 @@ def test_critic_warmup_with_a_separate_critic_moves_only_the_critic():
 
 
 def test_run_value_lr_and_warmup_settings():
-  assert RunConfig(algo="vapo", lr=1e-3).value_learning_rate() == pytest.approx(2e-3)
-  assert RunConfig(algo="vapo", lr=1e-3, value_lr=5e-3).value_learning_rate() == 5e-3
-  assert RunConfig(algo="ppo", lr=1e-3).value_learning_rate() == 1e-3
-  assert RunConfig.from_dict({"critic_lr": 1e-4}).value_lr == 1e-4   # earlier name
-  assert RunConfig(algo="vapo").setting("critic_warmup_steps") == 10
-  assert RunConfig(algo="vapo", critic_warmup_steps=0).setting("critic_warmup_steps") == 0
-  assert RunConfig(algo="ppo").setting("critic_warmup_steps") == 0
+  value_lr = lambda run: resolve(run).optimizer.value_lr
+  assert value_lr(RunConfig(algo="vapo", lr=1e-3)) == pytest.approx(2e-3)
+  assert value_lr(RunConfig(algo="vapo", lr=1e-3, value_lr=5e-3)) == 5e-3
+  assert value_lr(RunConfig(algo="ppo", lr=1e-3)) == 1e-3
+  assert resolve(RunConfig(algo="vapo")).critic_warmup_steps == 10
+  assert resolve(RunConfig(algo="vapo", critic_warmup_steps=0)).critic_warmup_steps == 0
+  assert resolve(RunConfig(algo="ppo")).critic_warmup_steps == 0
   # plain Adam (unchanged state layout) unless a value lr or warm-up asks otherwise
   params = _shared_params()
-  assert isinstance(make_optimizer(RunConfig(algo="ppo")).init(params), tuple)
-  state = make_optimizer(RunConfig(algo="vapo")).init(params)
+  assert isinstance(resolve(RunConfig(algo="ppo")).optimizer.build().init(params), tuple)
+  state = resolve(RunConfig(algo="vapo")).optimizer.build().init(params)
   assert state.inner_states["policy"].inner_state.updates == 0   # the freeze counter
   with pytest.raises(ValueError, match="critic-warmup-steps .* value model"):
-    RunConfig(algo="grpo", critic_warmup_steps=3).validate()
+    resolve(RunConfig(algo="grpo", critic_warmup_steps=3))
 
 
 # ---------------------------------------------------------------- positive-example NLL
@@ -272,8 +273,8 @@ def test_dynamic_sampling_never_trains_on_an_all_equal_group():
   task = _fake_task(score)
   policy = _FakePolicy(6, task.tokenizer.vocab_size)
   info: dict = {}
-  batch, stats = build_batch(run, task, policy, None, None, np.random.default_rng(0),
-                             jax.random.PRNGKey(0), info=info)
+  batch, stats = build_batch(resolve(run, task), task, policy, None, None,
+                             np.random.default_rng(0), jax.random.PRNGKey(0), info=info)
   adv = batch["advantages"].reshape(-1, 2)
   assert batch["tokens"].shape[0] == 16
   assert np.all(np.abs(adv).max(axis=1) > 0)            # no all-equal group
@@ -283,12 +284,12 @@ def test_dynamic_sampling_never_trains_on_an_all_equal_group():
   assert stats["groups_drawn"] == 8 * stats["sampling_draws"]
   # the overlong penalty (a 1-token buffer of the 6-token budget) is applied
   assert stats["overlong_penalty"] < 0
-  batch, stats = build_batch(run, task, _FakePolicy(6, 40), None, None,
+  batch, stats = build_batch(resolve(run, task), task, _FakePolicy(6, 40), None, None,
                              np.random.default_rng(0), jax.random.PRNGKey(0))
   assert stats["groups_kept"] > 0
   # no group with signal at all: the batch trains nothing (an exact no-op update)
   flat = _fake_task(lambda problems, texts: np.zeros(len(texts)))
-  batch, stats = build_batch(run, flat, _FakePolicy(6, 40), None, None,
+  batch, stats = build_batch(resolve(run, flat), flat, _FakePolicy(6, 40), None, None,
                              np.random.default_rng(0), jax.random.PRNGKey(0))
   assert stats["groups_kept"] == 0 and stats["sampling_draws"] == 3
   assert batch["loss_mask"].sum() == 0
@@ -299,7 +300,7 @@ def test_build_batch_carries_rollout_logp_and_positive_marks():
   task = _fake_task(lambda problems, texts: np.arange(len(texts)) % 2 * 1.0)
   run = RunConfig(algo="vapo", prompts_per_step=2, group_size=2,
                   train={"rollout_correction": "token"})
-  batch, _ = build_batch(run, task, _FakePolicy(6, 40), None, None,
+  batch, _ = build_batch(resolve(run, task), task, _FakePolicy(6, 40), None, None,
                          np.random.default_rng(0), jax.random.PRNGKey(0))
   np.testing.assert_array_equal(batch["positive"], [0.0, 1.0, 0.0, 1.0])
   np.testing.assert_array_equal(batch["rollout_logp"], -batch["loss_mask"])
@@ -310,64 +311,62 @@ def test_build_batch_carries_rollout_logp_and_positive_marks():
 
 def test_recipes_vapo_and_dapo_and_flags_override_them():
   from jaxrl_llm.cli import build_parser, run_config_from_args
-  vapo = RunConfig(algo="vapo").train_config(200)
+  vapo = resolve(RunConfig(algo="vapo")).train
   assert (vapo.advantage_estimator, vapo.lam_value, vapo.lam_alpha, vapo.clip_range(),
           vapo.pos_nll_coef, vapo.loss_agg_mode, vapo.use_value, vapo.kl_mode) == (
       "vapo_gae", 1.0, 0.05, (0.2, 0.28), 0.1, "token-mean", True, "none")
   dapo = RunConfig(algo="dapo")
-  cfg = dapo.train_config(200)
+  cfg = resolve(dapo).train
   assert (cfg.use_value, cfg.kl_mode, cfg.clip_range()) == (False, "none", (0.2, 0.28))
   # The overlong buffer: a quarter of a dataset's budget; none on a built-in task,
   # whose budget is its longest answer + eos (a buffer would hit every correct answer).
-  assert dapo.setting("dynamic_sampling") and dapo.overlong_buffer_tokens() == 0
+  assert resolve(dapo).sampling.dynamic_sampling
+  assert resolve(dapo).sampling.overlong_buffer == 0
   on_dataset = RunConfig(algo="dapo", dataset="d.jsonl", max_new_tokens=200)
-  assert on_dataset.overlong_buffer_tokens() == 50
+  assert effective(on_dataset, "overlong_buffer") == 50
   args = build_parser().parse_args(
-      ["train", "--recipe", "vapo", "--critic-warmup-steps", "0",
+      ["train", "--algo", "vapo", "--critic-warmup-steps", "0",
        "--lam-value", "0.99", "--lam-alpha", "0.1", "--clip-high", "0.3",
        "--value-lr", "0.01", "--no-dynamic-sampling", "--overlong-buffer", "4"])
-  run = run_config_from_args(args)
-  run.validate()
-  cfg = run.train_config(200)
-  assert run.algo == "vapo" and run.setting("critic_warmup_steps") == 0
+  resolved = resolve(run_config_from_args(args))
+  cfg = resolved.train
+  assert resolved.run.algo == "vapo" and resolved.critic_warmup_steps == 0
   assert (cfg.lam, cfg.lam_value, cfg.lam_alpha, cfg.clip_high) == (0.95, 0.99, 0.1, 0.3)
-  assert run.value_learning_rate() == 0.01 and run.overlong_buffer_tokens() == 4
-  assert run.setting("dynamic_sampling") is False
-  # vapo_gae's policy lambda is length-adaptive: --lam-policy needs decoupled_gae.
-  args = build_parser().parse_args(["train", "--recipe", "vapo", "--lam-policy", "0.9"])
+  assert resolved.optimizer.value_lr == 0.01 and resolved.sampling.overlong_buffer == 4
+  assert resolved.sampling.dynamic_sampling is False
+  # vapo_gae's policy lambda is length-adaptive: --lam needs decoupled_gae.
+  args = build_parser().parse_args(["train", "--algo", "vapo", "--lam", "0.9"])
   with pytest.raises(ValueError, match="--advantage-estimator decoupled_gae"):
-    run_config_from_args(args).validate()
-  args = build_parser().parse_args(["train", "--recipe", "vapo", "--lam-policy", "0.9",
+    resolve(run_config_from_args(args))
+  args = build_parser().parse_args(["train", "--algo", "vapo", "--lam", "0.9",
                                     "--advantage-estimator", "decoupled_gae"])
-  run = run_config_from_args(args)
-  run.validate()
-  assert run.train_config(200).lam == 0.9
+  assert resolve(run_config_from_args(args)).train.lam == 0.9
 
 
 @pytest.mark.parametrize("argv,field,value", [
-    (["--recipe", "vapo", "--pos-nll-coef", "none"], "pos_nll_coef", None),
-    (["--recipe", "vapo", "--lam-value", "none"], "lam_value", None),
-    (["--recipe", "vapo", "--lam-alpha", "None"], "lam_alpha", None),
-    (["--recipe", "dr_grpo", "--norm-length", "none"], "norm_length", None),
-    (["--recipe", "dapo", "--clip-high", "none"], "clip_high", None),
-    (["--recipe", "vapo"], "pos_nll_coef", 0.1),             # not given: the recipe's
-    (["--recipe", "dapo"], "clip_high", 0.28),
+    (["--algo", "vapo", "--pos-nll-coef", "none"], "pos_nll_coef", None),
+    (["--algo", "vapo", "--lam-value", "none"], "lam_value", None),
+    (["--algo", "vapo", "--lam-alpha", "None"], "lam_alpha", None),
+    (["--algo", "dr_grpo", "--norm-length", "none"], "norm_length", None),
+    (["--algo", "dapo", "--clip-high", "none"], "clip_high", None),
+    (["--algo", "vapo"], "pos_nll_coef", 0.1),             # not given: the recipe's
+    (["--algo", "dapo"], "clip_high", 0.28),
 ])
 def test_an_explicit_none_flag_replaces_the_recipes_value(argv, field, value):
   from jaxrl_llm.cli import build_parser, run_config_from_args
   run = run_config_from_args(build_parser().parse_args(["train", *argv]))
-  run.validate()
+  config = resolve(run).train
   assert run.train == ({field: None} if value is None else {})
-  assert getattr(run.train_config(16), field) == value
+  assert getattr(config, field) == value
   if field == "clip_high" and value is None:
-    assert run.train_config(16).clip_range() == (0.2, None)   # symmetric
+    assert config.clip_range() == (0.2, None)   # symmetric
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["vapo", "dapo"])
 def test_cli_recipe_trains_two_steps_without_nan(recipe, tmp_path):
   warmup = ["--critic-warmup-steps", "1"] if recipe == "vapo" else []
-  rows = train_two_steps(str(tmp_path / recipe), "--recipe", recipe, *warmup)
+  rows = train_two_steps(str(tmp_path / recipe), "--algo", recipe, *warmup)
   if recipe == "vapo":
     assert rows[1]["critic_warmup"] == 1.0 and "critic_warmup" not in rows[2]
     assert np.isfinite(rows[2]["pos_nll"]) and np.isfinite(rows[2]["vf_loss"])
@@ -378,14 +377,13 @@ def test_cli_recipe_trains_two_steps_without_nan(recipe, tmp_path):
 @pytest.mark.slow
 def test_critic_init_warm_starts_the_value_head_from_a_run_folder(tmp_path, capsys):
   from jaxrl_llm.loop.setup import make_policy, make_task, warm_start_value_params
-  from jaxrl_llm.trainer import train
+  from jaxrl_llm.loop.run import run_training
   small = dict(prompts_per_step=4, group_size=2, eval_every=2, eval_size=8, progress=False)
   src = str(tmp_path / "warm")
-  train(RunConfig(algo="ppo", steps=2, save_every=2, out=src, seed=1, **small))
+  run_training(RunConfig(algo="ppo", steps=2, save_every=2, out=src, seed=1, **small))
   run = RunConfig(algo="vapo", critic_init=src, out=str(tmp_path / "b"), **small)
-  run.validate()
   task = make_task(run)
-  policy = make_policy(run, task, run.train_config(task.max_new_tokens))
+  policy = make_policy(resolve(run, task), task)
   params = warm_start_value_params(run, policy.init_params)
   ours = jax.tree_util.tree_leaves_with_path(params)
   init = dict(jax.tree_util.tree_leaves_with_path(policy.init_params))
@@ -393,7 +391,7 @@ def test_critic_init_warm_starts_the_value_head_from_a_run_folder(tmp_path, caps
            if not np.array_equal(np.asarray(leaf), np.asarray(init[p]))}
   assert moved == {"['value_b'].value", "['value_w'].value"}, moved
   with pytest.raises(ValueError, match="value model"):
-    RunConfig(algo="grpo", critic_init=src).validate()
+    resolve(RunConfig(algo="grpo", critic_init=src))
   # A separate critic cannot start from a value head: one line, exit 2, nothing written.
   from jaxrl_llm.cli import main
   bad = tmp_path / "separate"

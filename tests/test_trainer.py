@@ -10,11 +10,22 @@ import typing
 import numpy as np
 import pytest
 
-from jaxrl_llm.trainer import ALGOS, RunConfig, RunFolderError, train
+from jaxrl_llm.loop.config import RunConfig
+from jaxrl_llm.loop.recipes import RECIPES
+from jaxrl_llm.loop.resolve import resolve
+from jaxrl_llm.loop.run import run_training
+from jaxrl_llm.run_folder import RunFolderError
 from tests.utils import train_two_steps
+
+ALGOS = tuple(RECIPES)
 
 SMALL = dict(steps=3, prompts_per_step=4, group_size=2, eval_every=3, eval_size=8,
              save_every=2, progress=False)
+
+
+def _budget(max_new_tokens):
+  """A stand-in task for :func:`resolve`: only its response budget is read."""
+  return argparse.Namespace(max_new_tokens=max_new_tokens)
 
 
 def _rows(out):
@@ -25,7 +36,7 @@ def _rows(out):
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ALGOS)
 def test_three_steps_of_every_algo_give_finite_metrics(algo, tmp_path):
-  summary = train(RunConfig(algo=algo, out=str(tmp_path), **SMALL))
+  summary = run_training(RunConfig(algo=algo, out=str(tmp_path), **SMALL))
   rows = _rows(tmp_path)
   assert [r["step"] for r in rows] == [0, 1, 2, 3]
   for row in rows[1:]:
@@ -50,9 +61,9 @@ def test_keyboard_interrupt_checkpoints_the_last_step_and_resumes(tmp_path):
       raise KeyboardInterrupt
 
   with pytest.raises(KeyboardInterrupt):
-    train(RunConfig(out=str(tmp_path), **cfg), on_step=stop_after_two)
+    run_training(RunConfig(out=str(tmp_path), **cfg), on_step=stop_after_two)
   assert os.listdir(tmp_path / "checkpoints") == ["2"]
-  train(RunConfig(out=str(tmp_path), resume=True, **cfg))
+  run_training(RunConfig(out=str(tmp_path), resume=True, **cfg))
   resumed = _rows(tmp_path)
   assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
   assert all(np.isfinite(r["loss"]) and r["skipped"] == 0 for r in resumed[1:])
@@ -68,11 +79,11 @@ def test_bad_input_is_refused_with_clear_messages(tmp_path):
     RunConfig(algo="grpo", group_size=1).validate()
   RunConfig(algo="self_critical", group_size=1).validate()   # not a group estimator
   out = str(tmp_path / "run")
-  train(RunConfig(out=out, **dict(SMALL, steps=1)))
+  run_training(RunConfig(out=out, **dict(SMALL, steps=1)))
   with pytest.raises(RunFolderError, match="different config.*lr"):
-    train(RunConfig(out=out, lr=0.5, **dict(SMALL, steps=1)))
+    run_training(RunConfig(out=out, lr=0.5, **dict(SMALL, steps=1)))
   with pytest.raises(RunFolderError, match="--resume"):
-    train(RunConfig(out=out, **dict(SMALL, steps=1)))
+    run_training(RunConfig(out=out, **dict(SMALL, steps=1)))
 
 
 @pytest.mark.slow
@@ -110,35 +121,33 @@ def test_cli_train_eval_plot_as_subprocess(tmp_path):
 
 def test_run_config_composes_the_train_config():
   from jaxrl_llm.loop import RunConfig as LoopRunConfig
-  from jaxrl_llm.recipes import RECIPES
   assert LoopRunConfig is RunConfig
   ppo = RunConfig(algo="ppo", train={"kl_coef": 0.01, "policy_loss": "gspo"})
-  cfg = ppo.train_config(max_new_tokens=8)
+  cfg = resolve(ppo, _budget(8)).train
   assert (cfg.use_value, cfg.kl_mode, cfg.kl_coef, cfg.policy_loss) == (
       True, "reward", 0.01, "gspo")
   assert cfg.clip_range() == (3e-4, 4e-4)
-  dr = RunConfig(algo="dr_grpo").train_config(max_new_tokens=8)
+  dr = resolve(RunConfig(algo="dr_grpo"), _budget(8)).train
   assert (dr.use_value, dr.loss_agg_mode, dr.norm_length) == (
       False, "seq-mean-token-sum-norm", 8)
-  assert set(ALGOS) == set(RECIPES)
-  # earlier flat form (config.json of older runs) still loads
-  old = RunConfig.from_dict({"algo": "ppo", "clip": 0.1, "hybrid_n": 3, "kl_coef": 0.0})
-  assert old.train == {"clip_low": 0.1, "hybrid_n": 3, "advantage_estimator": "hybrid",
-                       "kl_coef": 0.0}
+  saved = RunConfig.from_dict({"algo": "ppo", "train": {"clip_low": 0.1}})
+  assert saved.train == {"clip_low": 0.1}
+  # the earlier flat form and key names are gone (0.1.0 has no older runs to load)
+  for old in ({"clip": 0.1}, {"kl_coef": 0.0}, {"critic_lr": 1e-4}, {"nonsense": 1}):
+    with pytest.raises(ValueError, match=next(iter(old))):
+      RunConfig.from_dict(old)
   with pytest.raises(ValueError, match="lam"):
-    RunConfig(train={"lam": 2.0}).validate()
-  with pytest.raises(ValueError, match="nonsense"):
-    RunConfig.from_dict({"nonsense": 1})
+    resolve(RunConfig(train={"lam": 2.0}))
 
 
 def test_clip_end_schedule_reaches_clip_end_on_the_last_step():
   # The step's schedule reads state.step: 0 on the first train step, steps - 1 on the last.
-  cfg = RunConfig(steps=5, clip_end=0.05).train_config(max_new_tokens=8)
+  cfg = resolve(RunConfig(steps=5, clip_end=0.05), _budget(8)).train
   clips = [float(cfg.clip_schedule(s)) for s in range(5)]
   np.testing.assert_allclose(clips, [0.2, 0.1625, 0.125, 0.0875, 0.05], rtol=1e-6)
-  one = RunConfig(steps=1, clip_end=0.05).train_config(max_new_tokens=8)
+  one = resolve(RunConfig(steps=1, clip_end=0.05), _budget(8)).train
   assert float(one.clip_schedule(0)) == pytest.approx(0.2)   # one step: the start value
-  assert RunConfig(steps=5).train_config(max_new_tokens=8).clip_schedule is None
+  assert resolve(RunConfig(steps=5), _budget(8)).train.clip_schedule is None
 
 
 class _FakeState(typing.NamedTuple):
@@ -175,7 +184,7 @@ def test_a_step_counts_as_skipped_only_when_all_its_updates_were(
   """The loop's reading of metrics["skipped"] (a count of the step's skipped updates)."""
   import jax.numpy as jnp
 
-  import jaxrl_llm.trainer as T
+  import jaxrl_llm.loop.run as T
 
   def fake_step(state, batch):
     metrics = {"skipped": jnp.float32(skipped), "loss": jnp.float32(0)}
@@ -196,7 +205,7 @@ def test_a_step_counts_as_skipped_only_when_all_its_updates_were(
     with pytest.raises(T.SkippedUpdatesError, match=error):
       T.run_training(run, policy=policy)
   assert [r.get("skipped") for r in _rows(run.out)][1:3] == [skipped, skipped]
-  config = run.train_config(8)
+  config = resolve(run).train
   assert not T.step_skipped({"skipped": 1.0}, config)
   assert T.step_skipped({"skipped": 2.0}, config) and not T.step_skipped({}, config)
 
@@ -222,14 +231,14 @@ def test_cli_help_lists_every_loss_algo_and_task_with_defaults():
 def test_cli_arguments_become_the_run_config():
   from jaxrl_llm.cli import build_parser, run_config_from_args
   args = build_parser().parse_args(
-      ["train", "--algo", "ppo", "--policy-loss", "sapo", "--tau-pos", "2", "--clip", "0.1",
+      ["train", "--algo", "ppo", "--policy-loss", "sapo", "--tau-pos", "2", "--clip-low", "0.1",
        "--hybrid-n", "3", "--no-whiten-advantages", "--data", "2", "--clip-high", "none"])
   run = run_config_from_args(args)
   assert run.algo == "ppo" and run.mesh_data == 2
   assert run.train == {"policy_loss": "sapo", "clip_low": 0.1, "hybrid_n": 3,
                        "whiten_advantages": False, "loss_hparams": {"tau_pos": 2.0},
                        "advantage_estimator": "hybrid", "clip_high": None}
-  cfg = run.train_config(8)
+  cfg = resolve(run).train
   assert cfg.hparam_values()["tau_pos"] == 2.0 and cfg.advantage_estimator == "hybrid"
 
 
@@ -258,7 +267,7 @@ def test_every_recipe_pushes_the_rewarded_completion_up(algo):
   import jax.numpy as jnp
   import optax
 
-  from jaxrl_llm.recipes import get_recipe
+  from jaxrl_llm.loop.recipes import get_recipe
   from jaxrl_llm.train import AdvantageInputs, compute_advantages, make_train_step
   from jaxrl_llm.train import policy_forward
 
@@ -276,7 +285,7 @@ def test_every_recipe_pushes_the_rewarded_completion_up(algo):
   logp0, _, values = policy_forward(apply, params, batch)
   batch.update(old_logp=np.asarray(logp0), ref_logp=np.asarray(logp0))
   run = RunConfig(algo=algo, group_size=2)
-  config = run.train_config(max_new_tokens=2)
+  config = resolve(run, _budget(2)).train
   recipe = get_recipe(algo)
   if config.use_value:
     batch["old_values"] = np.asarray(values)

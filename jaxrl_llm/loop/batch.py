@@ -1,6 +1,6 @@
 """One rollout turned into a train batch: prompts -> G completions -> scores -> batch.
 
-The advantage estimator is the recipe's (:mod:`jaxrl_llm.recipes`): a critic-based
+The advantage estimator is the recipe's (:mod:`jaxrl_llm.loop.recipes`): a critic-based
 one (PPO's GAE) runs inside the train step, so the batch carries ``rewards`` and
 ``old_values``; the others run here, through the registry
 (:func:`jaxrl_llm.train.compute_advantages`), and the batch carries ``advantages``.
@@ -13,25 +13,17 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jaxrl_llm.loop.config import RunConfig
 from jaxrl_llm.loop.evaluation import decode, stop_ids
 from jaxrl_llm.loop.policy import Policy
-from jaxrl_llm.recipes import get_recipe
+from jaxrl_llm.loop.resolve import Resolved, SamplingSettings
+from jaxrl_llm.tasks.base import Task
 from jaxrl_llm.train import AdvantageInputs, TrainConfig, compute_advantages
-from jaxrl_llm.train.registry import get_advantage_estimator
 
 
-def sequence_advantages(run: RunConfig, scores: Any, greedy_scores: Any = None) -> Any:
-  """Per-sequence advantages ``[B]`` of the run's critic-free group / greedy estimator."""
-  adv, _ = compute_advantages(get_recipe(run.algo).estimator, AdvantageInputs(
-      scores=scores, greedy_scores=greedy_scores, group_size=run.group_size), {})
-  return adv
-
-
-def _rollout(run: RunConfig, task: Any, policy: Policy, params: Any,
+def _rollout(sampling: SamplingSettings, task: Task, policy: Policy, params: Any,
              rng_np: np.random.Generator, key: jax.Array, config: TrainConfig,
              num_prompts: int) -> tuple[dict, list]:
-  """Samples ``run.group_size`` completions of ``num_prompts`` prompts and scores them.
+  """Samples ``group_size`` completions of ``num_prompts`` prompts and scores them.
 
   Returns ``(rows, problems)``: ``rows`` a dict of per-row numpy arrays (groups are
   contiguous rows; ``problem`` indexes ``problems``).
@@ -40,12 +32,12 @@ def _rollout(run: RunConfig, task: Any, policy: Policy, params: Any,
   problems = task.sample_prompts(rng_np, num_prompts)
   prompts, prompt_mask = tok.encode_batch([p.prompt for p in problems],
                                           task.max_prompt_len)
-  rep = lambda x: np.repeat(x, run.group_size, axis=0)
+  rep = lambda x: np.repeat(x, sampling.group_size, axis=0)
   out = policy.generate(params, rep(prompts), rep(prompt_mask), key,
                         max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
                         temperature=config.temperature)
   texts = decode(tok, out.completion, out.completion_mask)
-  group_problems = [p for p in problems for _ in range(run.group_size)]
+  group_problems = [p for p in problems for _ in range(sampling.group_size)]
   prompt_len = prompts.shape[1]
   completion_mask = np.asarray(out.completion_mask, np.float32)
   pad = np.zeros((len(texts), prompt_len), np.float32)
@@ -63,16 +55,16 @@ def _rollout(run: RunConfig, task: Any, policy: Policy, params: Any,
   return rows, problems
 
 
-def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_params: Any,
-                rng_np: np.random.Generator, key: jax.Array,
-                config: Optional[TrainConfig] = None, *,
+def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
+                ref_params: Any, rng_np: np.random.Generator, key: jax.Array, *,
                 info: Optional[dict] = None) -> tuple[dict, dict]:
   """One rollout: ``(batch, stats)`` with ``stats`` reward, accuracy, response length.
 
   ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible
   from ``(seed, step)``. ``ref_params`` is ``policy.ref_params(...)`` of the frozen
-  reference weights (scored by ``policy.ref_forward``). ``config`` is the run's
-  TrainConfig (built when None).
+  reference weights (scored by ``policy.ref_forward``). ``resolved`` is the run
+  (:func:`jaxrl_llm.loop.resolve.resolve`): its sampling settings, train config and
+  advantage estimator.
   ``info``: a dict that receives the batch rows' ``scores`` (``[B]``, as the
   advantages see them: overlong penalty included) and ``task_scores`` / ``exact``
   (the task's own), for benchmarks.
@@ -86,16 +78,16 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
   ``pos_nll_coef``). ``reward`` / ``accuracy`` / ``response_length`` in the stats
   are over the first draw (the policy's unfiltered samples).
   """
-  config = config or run.train_config(task.max_new_tokens)
-  recipe = get_recipe(run.algo)
+  config, sampling, estimator = resolved.train, resolved.sampling, resolved.estimator
   tok = task.tokenizer
-  first, problems = _rollout(run, task, policy, params, rng_np, key, config,
-                             run.prompts_per_step)
+  group_size = sampling.group_size
+  first, problems = _rollout(sampling, task, policy, params, rng_np, key, config,
+                             sampling.prompts_per_step)
   stats = {"reward": float(np.mean(first["scores"])),
            "accuracy": float(np.mean(first["exact"])),
            "response_length": float(np.mean(first["lengths"]))}
   rows = first
-  if run.setting("dynamic_sampling"):
+  if sampling.dynamic_sampling:
     from jaxrl_llm.rollout.dapo import dynamic_sampling
     all_problems: list = []
 
@@ -103,15 +95,15 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
       if not all_problems:
         drawn, probs = first, problems
       else:
-        drawn, probs = _rollout(run, task, policy, params, rng_np,
+        drawn, probs = _rollout(sampling, task, policy, params, rng_np,
                                 jax.random.fold_in(key, len(all_problems)), config, n)
       drawn = {**drawn, "problem": drawn["problem"] + sum(map(len, all_problems))}
       all_problems.append(probs)
       return drawn
 
-    kept, ds = dynamic_sampling(draw, num_groups=run.prompts_per_step,
-                                group_size=run.group_size,
-                                max_draws=run.max_sampling_draws)
+    kept, ds = dynamic_sampling(draw, num_groups=sampling.prompts_per_step,
+                                group_size=group_size,
+                                max_draws=sampling.max_sampling_draws)
     problems = [p for probs in all_problems for p in probs]
     if kept is None:     # no group with signal: an exact no-op update
       rows = {**first, "loss_mask": np.zeros_like(first["loss_mask"])}
@@ -120,14 +112,14 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
     stats.update(sampling_draws=float(ds.draws), groups_drawn=float(ds.groups_drawn),
                  groups_kept=float(ds.groups_kept),
                  groups_repeated=float(ds.groups_repeated))
-  problems = [problems[i] for i in rows["problem"][::run.group_size]]
+  problems = [problems[i] for i in rows["problem"][::group_size]]
   scores = rows["scores"]
-  buffer = run.overlong_buffer_tokens()
+  buffer = sampling.overlong_buffer
   if buffer > 0:
     from jaxrl_llm.rollout.dapo import overlong_penalty
     penalty = np.asarray(overlong_penalty(rows["lengths"], max_length=task.max_new_tokens,
                                           buffer_length=buffer,
-                                          penalty=run.overlong_penalty))
+                                          penalty=sampling.overlong_penalty))
     scores = scores + penalty
     stats["overlong_penalty"] = float(np.mean(penalty))
 
@@ -150,11 +142,11 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
   rewards[np.arange(len(scores)), last] = scores
   if config.use_value:
     batch["old_values"] = np.asarray(old_values)
-  if recipe.in_step:
+  if estimator.needs_values:
     batch["rewards"] = rewards
   else:
     greedy_scores = None
-    if get_advantage_estimator(recipe.estimator).needs_greedy:
+    if estimator.needs_greedy:
       prompts, prompt_mask = tok.encode_batch([p.prompt for p in problems],
                                               task.max_prompt_len)
       g = policy.generate(params, prompts, prompt_mask, None,
@@ -162,13 +154,13 @@ def build_batch(run: RunConfig, task: Any, policy: Policy, params: Any, ref_para
                           greedy=True)
       greedy_scores = np.repeat(task.score(problems, decode(tok, g.completion,
                                                             g.completion_mask)),
-                                run.group_size, axis=0)
-    adv, _ = compute_advantages(recipe.estimator, AdvantageInputs(
+                                group_size, axis=0)
+    adv, _ = compute_advantages(estimator.name, AdvantageInputs(
         rewards=rewards, mask=loss_mask, scores=np.asarray(scores, np.float32),
-        greedy_scores=greedy_scores, group_size=run.group_size),
+        greedy_scores=greedy_scores, group_size=group_size),
         config.hparam_values())
     batch["advantages"] = np.asarray(adv)
   return batch, stats
 
 
-__all__ = ["build_batch", "sequence_advantages"]
+__all__ = ["build_batch"]

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxrl_llm.loop.policy import Policy
+from jaxrl_llm.tasks.base import Problem, Task
 
 
 def decode(tokenizer: Any, completion: Any, completion_mask: Any) -> list:
@@ -28,7 +29,7 @@ def stop_ids(tokenizer: Any) -> Any:
   return ids if len(ids) > 1 else tokenizer.eos_id
 
 
-def evaluate(policy: Policy, params: Any, task: Any, problems: Sequence[Any]) -> dict:
+def evaluate(policy: Policy, params: Any, task: Task, problems: Sequence[Problem]) -> dict:
   """Greedy accuracy (exact match) and mean reward on ``problems``.
 
   Returns:

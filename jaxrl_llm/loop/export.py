@@ -50,6 +50,7 @@ def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
   """
   from flax import nnx
 
+  from jaxrl_llm.loop.resolve import resolve
   from jaxrl_llm.loop.setup import (is_checkpoint, load_models, make_task, read_run,
                                     restore_state)
   from jaxrl_llm.models.critic import CRITIC, POLICY
@@ -59,9 +60,9 @@ def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
     raise ValueError(f"the run in {run_dir} trained the preset model {run.model!r}; "
                      "export needs a run of a Hugging Face --model folder.")
   task = make_task(run)
-  config = run.train_config(task.max_new_tokens)
-  graphdef, params, critic_graphdef = load_models(run, task, config)
-  state, step = restore_state(run_dir, run, config, params)
+  resolved = resolve(run, task)
+  graphdef, params, critic_graphdef = load_models(resolved, task)
+  state, step = restore_state(run_dir, resolved, params)
   params = state.params
   if critic_graphdef is None:
     return run, nnx.merge(graphdef, params), None, step

@@ -1,7 +1,7 @@
 """A policy model as pure, jitted functions of a params pytree (the trainer's model).
 
 Any model that follows the two protocols can be trained by
-:func:`jaxrl_llm.trainer.run_training`: the train step's forward
+:func:`jaxrl_llm.loop.run.run_training`: the train step's forward
 ``apply_fn(params, tokens, positions, attention_mask)`` (see
 :func:`jaxrl_llm.train.policy_forward`) and the sampler's
 :class:`~jaxrl_llm.rollout.DecodeFns`. :meth:`Policy.reference` builds the reference

@@ -18,7 +18,8 @@ from typing import Any
 
 from jaxrl_llm.loop.config import RunConfig
 from jaxrl_llm.loop.policy import Policy
-from jaxrl_llm.train import TrainConfig
+from jaxrl_llm.loop.resolve import Resolved, resolve
+from jaxrl_llm.tasks.base import Task
 
 
 def is_checkpoint(model: str) -> bool:
@@ -26,7 +27,7 @@ def is_checkpoint(model: str) -> bool:
   return os.path.isfile(os.path.join(model, "config.json"))
 
 
-def make_task(run: RunConfig) -> Any:
+def make_task(run: RunConfig) -> Task:
   """The run's task: a JSONL dataset (``run.dataset``) or the built-in ``run.task``."""
   if run.dataset is None:
     if is_checkpoint(run.model):
@@ -45,7 +46,7 @@ def make_task(run: RunConfig) -> Any:
                    chat=chat, max_new_tokens=run.max_new_tokens)
 
 
-def _load(run: RunConfig, task: Any, *, value_head: bool, path: str | None = None):
+def _load(run: RunConfig, task: Task, *, value_head: bool, path: str | None = None):
   """``(graphdef, params)`` of ``path`` (default ``run.model``): a folder or a preset."""
   from jaxrl_llm.models import Transformer, from_pretrained, get_config, split_model
   from flax import nnx
@@ -62,7 +63,7 @@ def _load(run: RunConfig, task: Any, *, value_head: bool, path: str | None = Non
   return split_model(model)
 
 
-def load_models(run: RunConfig, task: Any, config: TrainConfig) -> tuple[Any, Any, Any]:
+def load_models(resolved: Resolved, task: Task) -> tuple[Any, Any, Any]:
   """``(graphdef, params, critic_graphdef)`` of the run's models, freshly loaded.
 
   With a separate critic (``run.critic`` and a recipe with a value model) ``params``
@@ -71,8 +72,8 @@ def load_models(run: RunConfig, task: Any, config: TrainConfig) -> tuple[Any, An
   a value head; otherwise ``critic_graphdef`` is None and the policy carries the value
   head when the recipe has a value model.
   """
-  separate = run.critic is not None and config.use_value
-  graphdef, params = _load(run, task, value_head=config.use_value and not separate)
+  run, separate = resolved.run, resolved.separate_critic
+  graphdef, params = _load(run, task, value_head=resolved.train.use_value and not separate)
   if not separate:
     return graphdef, params, None
   from jaxrl_llm.models.critic import actor_critic_params
@@ -81,7 +82,7 @@ def load_models(run: RunConfig, task: Any, config: TrainConfig) -> tuple[Any, An
   return graphdef, actor_critic_params(params, critic_params), critic_graphdef
 
 
-def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
+def make_policy(resolved: Resolved, task: Task) -> Policy:
   """The run's policy: ``run.model`` loaded from its folder, or the preset.
 
   With ``run.critic`` (and a recipe with a value model) the parameters are
@@ -93,13 +94,13 @@ def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
   from jaxrl_llm.models import make_apply_fn, make_decode_fns
   from jaxrl_llm.rollout import DecodeFns
   tok = task.tokenizer
-  separate = run.critic is not None and config.use_value
+  run, config, separate = resolved.run, resolved.train, resolved.separate_critic
   if not separate and not is_checkpoint(run.model):
     return Policy.reference(run.model, tok.vocab_size,
                             task.max_prompt_len + task.max_new_tokens, tok.pad_id,
                             value_head=config.use_value, seed=run.seed,
                             temperature=config.temperature)
-  graphdef, params, critic_graphdef = load_models(run, task, config)
+  graphdef, params, critic_graphdef = load_models(resolved, task)
   if critic_graphdef is None:
     return Policy.of_transformer(graphdef, params, pad_id=tok.pad_id,
                                  temperature=config.temperature)
@@ -116,8 +117,8 @@ def make_policy(run: RunConfig, task: Any, config: TrainConfig) -> Policy:
                 ref_part=lambda p: p[POLICY])
 
 
-def restore_latest(run_dir: str) -> tuple[RunConfig, Any, Policy, Any, int]:
-  """``(run, task, policy, state, step)``: the run folder ``run_dir`` rebuilt from its
+def restore_latest(run_dir: str) -> tuple[Resolved, Task, Policy, Any, int]:
+  """``(resolved, task, policy, state, step)``: the run folder ``run_dir`` rebuilt from its
   ``config.json`` and its newest checkpoint restored into that policy's
   :class:`~jaxrl_llm.train.TrainState`.
 
@@ -128,10 +129,10 @@ def restore_latest(run_dir: str) -> tuple[RunConfig, Any, Policy, Any, int]:
   """
   run = read_run(run_dir)
   task = make_task(run)
-  config = run.train_config(task.max_new_tokens)
-  policy = make_policy(run, task, config)
-  state, step = restore_state(run_dir, run, config, policy.init_params)
-  return run, task, policy, state, step
+  resolved = resolve(run, task)
+  policy = make_policy(resolved, task)
+  state, step = restore_state(run_dir, resolved, policy.init_params)
+  return resolved, task, policy, state, step
 
 
 def read_run(run_dir: str) -> RunConfig:
@@ -144,18 +145,16 @@ def read_run(run_dir: str) -> RunConfig:
   return RunConfig.from_dict(rf.read_json(os.path.join(run_dir, rf.CONFIG_FILE)))
 
 
-def restore_state(run_dir: str, run: RunConfig, config: TrainConfig,
-                  params: Any) -> tuple[Any, int]:
+def restore_state(run_dir: str, resolved: Resolved, params: Any) -> tuple[Any, int]:
   """``(state, step)``: the newest checkpoint of ``run_dir`` restored into a
   :class:`~jaxrl_llm.train.TrainState` template built on ``params``."""
   import jax
 
   from jaxrl_llm import run_folder as rf
   from jaxrl_llm.checkpoint import Checkpointer
-  from jaxrl_llm.loop.config import make_optimizer
   from jaxrl_llm.train import init_train_state
-  template = init_train_state(params, make_optimizer(run), config,
-                              rng=jax.random.PRNGKey(run.seed))
+  template = init_train_state(params, resolved.optimizer.build(), resolved.train,
+                              rng=jax.random.PRNGKey(resolved.run.seed))
   with Checkpointer(os.path.join(run_dir, rf.CHECKPOINTS_DIR)) as ckpt:
     state, extra = ckpt.restore(template)
   return state, int(extra["step"])

@@ -3,7 +3,7 @@ sharded (``jax.jit`` on a mesh) and ``jax.pmap`` wrappers of the step.
 
 ``jaxrl_llm.train`` is the train-*step* package (one pure update of a
 :class:`TrainState` on a batch); the RL *loop* (sampling, scoring, evaluation,
-checkpoints) is :func:`jaxrl_llm.trainer.run_training`.
+checkpoints) is :func:`jaxrl_llm.loop.run.run_training`.
 """
 
 from typing import TYPE_CHECKING
@@ -16,8 +16,7 @@ if TYPE_CHECKING:  # the names as static imports, for type checkers and IDEs
                                         get_advantage_estimator, get_policy_loss,
                                         register_advantage_estimator,
                                         register_policy_loss)
-  from jaxrl_llm.train.state import (GRPO_DEFAULTS, POLICY_LOSSES, TRACED_HPARAMS,
-                                     TrainConfig)
+  from jaxrl_llm.train.config import GRPO_DEFAULTS, TRACED_HPARAMS, TrainConfig
   from jaxrl_llm.train.train_state import TrainState, init_train_state
   from jaxrl_llm.train.step import (ModelOutput, TrainStep, as_model_output,
                                     check_hparams,
@@ -31,8 +30,7 @@ if TYPE_CHECKING:  # the names as static imports, for type checkers and IDEs
 
 # Module -> its public names, imported on first access (see jaxrl_llm._lazy).
 _EXPORTS = {
-    "jaxrl_llm.train.state": ("TrainConfig", "POLICY_LOSSES", "TRACED_HPARAMS",
-                              "GRPO_DEFAULTS"),
+    "jaxrl_llm.train.config": ("TrainConfig", "TRACED_HPARAMS", "GRPO_DEFAULTS"),
     "jaxrl_llm.train.train_state": ("TrainState", "init_train_state"),
     "jaxrl_llm.train.step": (
         "make_train_step", "make_ppo_train_step", "make_grpo_train_step",

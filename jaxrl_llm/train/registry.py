@@ -35,6 +35,9 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 import importlib
 
 CLIP_OPTIONS = ("clip_low", "clip_high", "dual_clip")
+# PPO's clip epsilon: the ``ppo`` and ``cispo`` losses' default, and the clip range's
+# lower side for a loss that declares none (:meth:`TrainConfig.clip_range`).
+DEFAULT_CLIP_LOW = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,11 +142,12 @@ def _reinforce(logp, old_logp, advantages, mask, **kwargs):
   return L.reinforce_policy_loss(logp, advantages, mask, **kwargs)
 
 
-register_policy_loss("ppo", "ppo_policy_loss", clip_low=0.2, clip_high=None,
+register_policy_loss("ppo", "ppo_policy_loss", clip_low=DEFAULT_CLIP_LOW, clip_high=None,
                      doc="PPO clipped surrogate (clip-higher, dual clip)")
 register_policy_loss("gspo", "gspo_policy_loss", clip_low=3e-4, clip_high=4e-4,
                      doc="GSPO sequence-ratio clip (epsilons at the 3e-4 scale)")
-register_policy_loss("cispo", "cispo_policy_loss", clip_low=0.2, clip_high=None,
+register_policy_loss("cispo", "cispo_policy_loss", clip_low=DEFAULT_CLIP_LOW,
+                     clip_high=None,
                      static={"mode": "verl"},
                      doc="CISPO clipped stop-gradient IS weight (verl form)")
 register_policy_loss("sapo", "sapo_policy_loss", tau_pos=1.0, tau_neg=1.05,
@@ -189,6 +193,12 @@ class AdvantageEstimatorSpec:
     needs_greedy: needs ``inputs.greedy_scores`` (one greedy rollout per prompt).
     group: a group baseline (needs ``group_size >= 2``).
     doc: one line for ``--help``.
+    hparams: the traced hyperparameters (``TrainConfig`` fields) ``fn`` reads from
+      ``hparams``.
+    defaults: values of the ones among them that a config may leave None (they are
+      then absent from ``hparams``): the estimator's own defaults.
+    static: the static ``TrainConfig`` fields passed to ``fn`` as keywords of the
+      same name (e.g. the hybrid estimator's ``hybrid_n``).
   """
   name: str
   fn: Callable[..., Any]
@@ -196,6 +206,14 @@ class AdvantageEstimatorSpec:
   needs_greedy: bool
   group: bool
   doc: str
+  hparams: tuple = ()
+  defaults: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  static: tuple = ()
+
+  @property
+  def reads(self) -> tuple:
+    """Every config field the estimator reads (traced and static)."""
+    return self.hparams + self.static
 
 
 ADVANTAGE_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimatorSpec] = {}
@@ -203,11 +221,20 @@ ADVANTAGE_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimatorSpec] = {}
 
 def register_advantage_estimator(name: str, fn: Callable[..., Any], *,
                                  needs_values: bool = False, needs_greedy: bool = False,
-                                 group: bool = False,
-                                 doc: str = "") -> AdvantageEstimatorSpec:
+                                 group: bool = False, doc: str = "",
+                                 hparams: tuple = (),
+                                 defaults: Optional[Mapping[str, float]] = None,
+                                 static: tuple = ()) -> AdvantageEstimatorSpec:
   """Registers an advantage estimator (see :class:`AdvantageEstimatorSpec`)."""
+  defaults = dict(defaults or {})
+  unknown = sorted(set(defaults) - set(hparams))
+  if unknown:
+    raise ValueError(f"register_advantage_estimator({name!r}): `defaults` has "
+                     f"{unknown}, not among its `hparams` {list(hparams)}.")
   spec = AdvantageEstimatorSpec(name=name, fn=fn, needs_values=needs_values,
-                                needs_greedy=needs_greedy, group=group, doc=doc)
+                                needs_greedy=needs_greedy, group=group, doc=doc,
+                                hparams=tuple(hparams), defaults=defaults,
+                                static=tuple(static))
   ADVANTAGE_ESTIMATOR_REGISTRY[name] = spec
   return spec
 
@@ -222,31 +249,31 @@ def _f32(x):
   return jnp.asarray(x, jnp.float32)
 
 
-def _gae(x: AdvantageInputs, hp, method=None):
+def _gae(x: AdvantageInputs, hp, *, gae_method=None):
   from jaxrl_llm import advantages as A
   return A.gae(x.rewards, x.values, x.mask, gamma=hp["gamma"], lam=hp["lam"],
-               method=method)
+               method=gae_method)
 
 
-def _hybrid(x: AdvantageInputs, hp, method=None, n=4):
+def _hybrid(x: AdvantageInputs, hp, *, hybrid_n, gae_method=None):
   from jaxrl_llm import advantages as A
-  return A.hybrid_advantages(x.rewards, x.values, x.mask, n=n, gamma=hp["gamma"],
-                             lam=hp["lam"], mix=hp["hybrid_mix"], method=method)
+  return A.hybrid_advantages(x.rewards, x.values, x.mask, n=hybrid_n, gamma=hp["gamma"],
+                             lam=hp["lam"], mix=hp["hybrid_mix"], method=gae_method)
 
 
-def _decoupled_gae(x: AdvantageInputs, hp, method=None):
-  from jaxrl_llm import advantages as A
-  return A.decoupled_gae(x.rewards, x.values, x.mask, gamma=hp["gamma"],
-                         lam_policy=hp["lam"], lam_value=hp.get("lam_value", 1.0),
-                         method=method)
-
-
-def _vapo_gae(x: AdvantageInputs, hp, method=None):
+def _decoupled_gae(x: AdvantageInputs, hp, *, gae_method=None):
   from jaxrl_llm import advantages as A
   return A.decoupled_gae(x.rewards, x.values, x.mask, gamma=hp["gamma"],
-                         lam_policy=A.length_adaptive_lambda(
-                             x.mask, alpha=hp.get("lam_alpha", 0.05)),
-                         lam_value=hp.get("lam_value", 1.0), method=method)
+                         lam_policy=hp["lam"], lam_value=hp["lam_value"],
+                         method=gae_method)
+
+
+def _vapo_gae(x: AdvantageInputs, hp, *, gae_method=None):
+  from jaxrl_llm import advantages as A
+  return A.decoupled_gae(x.rewards, x.values, x.mask, gamma=hp["gamma"],
+                         lam_policy=A.length_adaptive_lambda(x.mask,
+                                                             alpha=hp["lam_alpha"]),
+                         lam_value=hp["lam_value"], method=gae_method)
 
 
 def _group(name: str) -> Callable[..., Any]:
@@ -267,17 +294,28 @@ def _self_critical(x: AdvantageInputs, hp):
 
 def _reinforce_pp(x: AdvantageInputs, hp):
   from jaxrl_llm import advantages as A
-  return A.reinforce_pp_advantages(x.rewards, x.mask, gamma=hp.get("gamma", 1.0)), None
+  return A.reinforce_pp_advantages(x.rewards, x.mask, gamma=hp["gamma"]), None
 
 
-register_advantage_estimator("gae", _gae, needs_values=True,
+# VC-PPO's critic lambda (Monte-Carlo value targets), the default of both estimators
+# with a separate critic lambda.
+_LAM_VALUE = {"lam_value": 1.0}
+register_advantage_estimator("gae", _gae, needs_values=True, hparams=("gamma", "lam"),
+                             static=("gae_method",),
                              doc="GAE over token rewards and critic values")
 register_advantage_estimator("hybrid", _hybrid, needs_values=True,
+                             hparams=("gamma", "lam", "hybrid_mix"),
+                             static=("gae_method", "hybrid_n"),
                              doc="n-step returns mixed with GAE (hybrid_n, hybrid_mix)")
 register_advantage_estimator("decoupled_gae", _decoupled_gae, needs_values=True,
+                             hparams=("gamma", "lam", "lam_value"), defaults=_LAM_VALUE,
+                             static=("gae_method",),
                              doc="GAE with lam for the policy, lam_value (default 1) "
                                  "for the critic's targets (VC-PPO)")
 register_advantage_estimator("vapo_gae", _vapo_gae, needs_values=True,
+                             hparams=("gamma", "lam_value", "lam_alpha"),
+                             defaults={**_LAM_VALUE, "lam_alpha": 0.05},
+                             static=("gae_method",),
                              doc="decoupled GAE with VAPO's length-adaptive policy "
                                  "lambda (lam_alpha, default 0.05)")
 register_advantage_estimator("grpo", _group("grpo_advantages"), group=True,
@@ -288,13 +326,18 @@ register_advantage_estimator("rloo", _group("rloo_advantages"), group=True,
                              doc="leave-one-out group baseline")
 register_advantage_estimator("self_critical", _self_critical, needs_greedy=True,
                              doc="score minus the greedy completion's score")
-register_advantage_estimator("reinforce_pp", _reinforce_pp,
+register_advantage_estimator("reinforce_pp", _reinforce_pp, hparams=("gamma",),
                              doc="REINFORCE++ discounted returns, batch-whitened")
 
 
 def compute_advantages(name: str, inputs: AdvantageInputs, hparams: Mapping[str, Any],
                        **static: Any):
   """Runs the registered estimator ``name``: ``(advantages, returns or None)``.
+
+  ``hparams`` must hold the traced hyperparameters the estimator reads (its
+  ``spec.hparams``; those with ``spec.defaults`` may be absent) and ``static`` its
+  static fields (``spec.static``; one may be absent when ``spec.fn`` has a default for
+  it, e.g. ``gae_method=None``); a missing one is a ``ValueError`` naming it.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -304,11 +347,24 @@ def compute_advantages(name: str, inputs: AdvantageInputs, hparams: Mapping[str,
     ([1.0, -1.0, 0.0, 0.0], None)
   """
   spec = get_advantage_estimator(name)
-  return spec.fn(inputs, dict(hparams), **static)
+  hp = {**spec.defaults, **hparams}
+  params = inspect.signature(spec.fn).parameters
+  missing = [k for k in spec.hparams if k not in hp] + [
+      k for k in spec.static
+      if k not in static and params[k].default is inspect.Parameter.empty]
+  if missing:
+    raise ValueError(f"advantage estimator {name!r} reads {missing}, which were not "
+                     "given.")
+  unknown = sorted(set(static) - set(spec.static))
+  if unknown:
+    raise ValueError(f"advantage estimator {name!r} takes no static {unknown} (it "
+                     f"reads {list(spec.static)}).")
+  return spec.fn(inputs, hp, **static)
 
 
 __all__ = ["AdvantageInputs", "AdvantageEstimatorSpec", "PolicyLossSpec",
            "ADVANTAGE_ESTIMATOR_REGISTRY", "POLICY_LOSS_REGISTRY", "CLIP_OPTIONS",
+           "DEFAULT_CLIP_LOW",
            "register_policy_loss", "register_advantage_estimator", "get_policy_loss",
            "get_advantage_estimator", "compute_advantages"]
 

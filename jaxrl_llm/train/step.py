@@ -67,8 +67,9 @@ from jaxrl_llm import losses as L
 from jaxrl_llm.control import adaptive_clip_update, adaptive_kl_update
 from jaxrl_llm.logprobs import token_logprobs, token_logprobs_from_hidden
 from jaxrl_llm.masked import explained_variance
-from jaxrl_llm.train.registry import AdvantageInputs, compute_advantages, get_policy_loss
-from jaxrl_llm.train.state import GRPO_DEFAULTS, TrainConfig
+from jaxrl_llm.train.config import GRPO_DEFAULTS, TrainConfig
+from jaxrl_llm.train.registry import (AdvantageInputs, compute_advantages,
+                                      get_advantage_estimator, get_policy_loss)
 from jaxrl_llm.train.train_state import TrainState, init_train_state
 
 TOKEN_KEYS = ("attention_mask", "loss_mask", "old_logp", "rewards", "old_values",
@@ -294,13 +295,12 @@ def prepare_batch(batch: dict, state: TrainState, config: TrainConfig,
       kl = L.kl_penalty(batch["old_logp"], batch["ref_logp"], config.reward_kl_kind,
                         mask=mask)
       rewards = rewards - kl_coef * kl
-    static: dict[str, Any] = {"method": config.gae_method}
-    if config.advantage_estimator == "hybrid":
-      static["n"] = config.hybrid_n
+    # The static fields the estimator declares it reads (e.g. hybrid_n).
+    spec = get_advantage_estimator(config.advantage_estimator)
     adv, ret = compute_advantages(
         config.advantage_estimator,
         AdvantageInputs(rewards=rewards, values=batch["old_values"], mask=mask), hp,
-        **static)
+        **{k: getattr(config, k) for k in spec.static})
     batch["advantages"] = adv
     batch.setdefault("returns", ret)
   adv = v.as_f32(batch["advantages"])

@@ -11,7 +11,7 @@ import optax
 
 from jaxrl_llm.control import (AdaptiveClipState, AdaptiveKLState, adaptive_clip_init,
                                adaptive_kl_init)
-from jaxrl_llm.train.state import TrainConfig
+from jaxrl_llm.train.config import TrainConfig
 
 
 @flax.struct.dataclass

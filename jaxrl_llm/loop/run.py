@@ -1,13 +1,13 @@
 """The RL loop: sample G completions per prompt, score, estimate advantages, update.
 
-``run_training(RunConfig(...))`` runs a recipe (:mod:`jaxrl_llm.recipes`: PPO with a
-value head and GAE, or a critic-free estimator: GRPO, Dr.GRPO, RLOO, self-critical,
-REINFORCE++) with any registered policy loss on a built-in task, evaluating greedy
-accuracy on the task's held-out split and checkpointing with orbax. Everything random
-in step ``s`` is derived from ``(seed, s)``, so a run resumed from a checkpoint
-continues exactly as an uninterrupted one. The pieces live in :mod:`jaxrl_llm.loop`;
-this module is the loop itself (``train`` is the earlier name of ``run_training``;
-:mod:`jaxrl_llm.train` is the train-*step* package).
+``run_training(RunConfig(...))`` runs a recipe (:mod:`jaxrl_llm.loop.recipes`: PPO
+with a value head and GAE, VAPO, or a critic-free estimator: GRPO, Dr.GRPO, RLOO,
+self-critical, REINFORCE++, DAPO) with any registered policy loss on a built-in task or
+a dataset, evaluating greedy accuracy on the task's held-out split and checkpointing
+with orbax. The run is resolved once (:func:`jaxrl_llm.loop.resolve.resolve`); the
+pieces of :mod:`jaxrl_llm.loop` take the resolved parts. Everything random in step
+``s`` is derived from ``(seed, s)``, so a run resumed from a checkpoint continues
+exactly as an uninterrupted one (:mod:`jaxrl_llm.train` is the train-*step* package).
 
 Run folder layout: ``config.json`` (the run config), ``metrics.jsonl`` (one JSON object
 per step, eval results included on eval steps), ``checkpoints/<step>/`` (orbax).
@@ -40,21 +40,14 @@ import numpy as np
 
 from jaxrl_llm import run_folder as rf
 from jaxrl_llm.checkpoint import Checkpointer
-from jaxrl_llm.loop.batch import build_batch, sequence_advantages
-from jaxrl_llm.loop.config import (MODELS, RESUMABLE_FIELDS, RunConfig, algos,
-                                   make_optimizer, train_config_for)
+from jaxrl_llm.loop.batch import build_batch
+from jaxrl_llm.loop.config import RunConfig
 from jaxrl_llm.loop.evaluation import evaluate
 from jaxrl_llm.loop.policy import Policy
 from jaxrl_llm.loop.progress import report_progress
+from jaxrl_llm.loop.resolve import resolve
 from jaxrl_llm.loop.setup import make_policy, make_task
-from jaxrl_llm.recipes import RECIPES
 from jaxrl_llm.train import TrainConfig, make_train_step
-
-ALGOS = tuple(RECIPES)
-GROUP_ALGOS = tuple(name for name, r in RECIPES.items() if r.group)
-
-
-RunFolderError = rf.RunFolderError     # defined in run_folder; importable from here too
 
 
 class SkippedUpdatesError(RuntimeError):
@@ -90,11 +83,11 @@ def _check_run_folder(run: RunConfig) -> None:
     if saved_identity != run.identity():
       diff = sorted(k for k in set(saved_identity) | set(run.identity())
                     if saved_identity.get(k) != run.identity().get(k))
-      raise RunFolderError(f"{run.out} holds a run with a different config (fields "
+      raise rf.RunFolderError(f"{run.out} holds a run with a different config (fields "
                            f"{diff}); resume it with the saved config (--resume alone), "
                            "choose another --out, or pass --overwrite to replace it.")
     if not run.resume:
-      raise RunFolderError(f"{run.out} already holds a run; pass --resume to continue it "
+      raise rf.RunFolderError(f"{run.out} already holds a run; pass --resume to continue it "
                            "or --overwrite to replace it.")
   rf.probe_run_folder(run.out)
 
@@ -126,10 +119,11 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
   run.check_devices(jax.device_count())
   _check_run_folder(run)
   task = make_task(run)
-  config = run.train_config(task.max_new_tokens)
+  resolved = resolve(run, task)          # the one reading of the recipe
+  config = resolved.train
   if policy is None:
-    policy = make_policy(run, task, config)
-  step_fn = make_train_step(policy.apply, make_optimizer(run), config)
+    policy = make_policy(resolved, task)
+  step_fn = make_train_step(policy.apply, resolved.optimizer.build(), config)
   # A frozen copy of the policy's weights (no value head, no critic): the train step
   # donates (and so invalidates) the state's buffers.
   ref_params = jax.tree_util.tree_map(jnp.copy, policy.ref_params(policy.init_params))
@@ -140,7 +134,7 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
   state = step_fn.init(init_params, rng=jax.random.PRNGKey(run.seed))
   step_fn, state, place = _compile_step(run, step_fn, state)
   eval_problems = task.eval_problems(run.eval_size)
-  warmup_steps = run.setting("critic_warmup_steps")
+  warmup_steps = resolved.critic_warmup_steps
   _write_run_folder(run)                      # everything built: the run starts here
   metrics_path = os.path.join(run.out, rf.METRICS_FILE)
   ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), max_to_keep=2, log=_say)
@@ -164,13 +158,13 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
         rng_np = np.random.default_rng([run.seed, step])
         key = jax.random.fold_in(base_key, step)
         t_step = time.time()
-        batch, stats = build_batch(run, task, policy, state.params, ref_params, rng_np,
-                                   key, config)
+        batch, stats = build_batch(resolved, task, policy, state.params, ref_params,
+                                   rng_np, key)
         state, m = step_fn(state, place(batch))
         row = {"step": step, **stats, **{k: float(val) for k, val in m.items()},
                "time_s": time.time() - t_step}
         if step <= warmup_steps:
-          row["critic_warmup"] = 1.0     # the policy is frozen (make_optimizer)
+          row["critic_warmup"] = 1.0     # the policy is frozen (OptimizerSettings)
         if step % run.eval_every == 0 or step == run.steps:
           row.update(evaluate(policy, state.params, task, eval_problems))
         history.append(row)
@@ -234,9 +228,6 @@ def step_skipped(row: dict, config: TrainConfig) -> bool:
   """
   updates = config.num_epochs * config.num_minibatches
   return row.get("skipped", 0) >= updates - 0.5    # a float count (a mean times updates)
-
-
-train = run_training   # the earlier name (kept: ``from jaxrl_llm.trainer import train``)
 
 
 def _resume(run: RunConfig, ckpt: Checkpointer, metrics_path: str, state):
@@ -307,8 +298,5 @@ def format_summary(summary: dict) -> str:
   return "\n".join(lines)
 
 
-__all__ = ["run_training", "train", "RunConfig", "RunFolderError", "SkippedUpdatesError",
-           "Policy", "evaluate",
-           "build_batch", "sequence_advantages", "train_config_for", "make_optimizer",
-           "summarize", "format_summary", "step_skipped", "ALGOS", "GROUP_ALGOS", "MODELS",
-           "algos", "RESUMABLE_FIELDS", "TrainConfig"]
+__all__ = ["run_training", "SkippedUpdatesError", "summarize", "format_summary",
+           "step_skipped"]

@@ -1,0 +1,287 @@
+"""Resolve once: a run's plain-data configuration and its recipe turned into the parts
+the loop uses.
+
+:func:`resolve` is the one reader of recipes (:mod:`jaxrl_llm.loop.recipes`) and of
+the "None: the recipe's" run fields. It returns a :class:`Resolved`: the
+:class:`~jaxrl_llm.train.TrainConfig` of the train step, the optimizer settings, the
+rollout's sampling settings (dynamic sampling, the overlong buffer) and the critic
+warm-up. Everything downstream (the loop, evaluation, export, setup and the command)
+takes these resolved parts and never asks the recipe again.
+
+Examples:
+  >>> from jaxrl_llm.loop.config import RunConfig
+  >>> r = resolve(RunConfig(algo="dapo", dataset=None))
+  >>> r.sampling.dynamic_sampling, r.sampling.overlong_buffer, r.train.clip_high
+  (True, 0, 0.28)
+  >>> r = resolve(RunConfig(algo="vapo"))
+  >>> r.critic_warmup_steps, r.optimizer.value_lr, r.train.advantage_estimator
+  (10, 0.002, 'vapo_gae')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Optional
+
+from jaxrl_llm.loop.config import RunConfig, flag
+from jaxrl_llm.loop.recipes import Budget, Recipe, get_recipe, value_of
+from jaxrl_llm.train.config import TrainConfig
+from jaxrl_llm.train.registry import (ADVANTAGE_ESTIMATOR_REGISTRY, AdvantageEstimatorSpec,
+                                      get_advantage_estimator)
+
+if TYPE_CHECKING:   # optax (and JAX) are imported where used: the CLI checks flags first
+  import optax
+
+  from jaxrl_llm.tasks.base import Task
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+  """How a step's rollout is drawn and scored.
+
+  Attributes:
+    prompts_per_step: prompts sampled per step.
+    group_size: completions sampled per prompt.
+    dynamic_sampling: drop groups whose scores are all equal and draw more.
+    max_sampling_draws: bound on the draws of one step of dynamic sampling.
+    overlong_buffer: the soft overlong penalty zone in tokens (0: off).
+    overlong_penalty: the penalty at the full budget.
+  """
+  prompts_per_step: int
+  group_size: int
+  dynamic_sampling: bool
+  max_sampling_draws: int
+  overlong_buffer: int
+  overlong_penalty: float
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+  """The run's optimizer: Adam at ``lr``, or split policy / value parameters.
+
+  Attributes:
+    lr: the policy's (and, unsplit, every parameter's) learning rate.
+    value_lr: the value parameters' learning rate.
+    warmup_updates: optimizer updates (of the critic warm-up) during which the
+      policy's parameters stay frozen.
+    split: separate Adam states for the policy and the value parameters
+      (:func:`jaxrl_llm.models.critic.policy_value_optimizer`); False: one Adam.
+  """
+  lr: float
+  value_lr: float
+  warmup_updates: int
+  split: bool
+
+  def build(self) -> optax.GradientTransformation:
+    """The optax optimizer: the one place it is built."""
+    import optax
+    if not self.split:
+      return optax.adam(self.lr)
+    from jaxrl_llm.train.optim import policy_value_optimizer
+    return policy_value_optimizer(optax.adam(self.lr), optax.adam(self.value_lr),
+                                  warmup_updates=self.warmup_updates)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+  """A run with its recipe applied: what the loop reads.
+
+  Attributes:
+    run: the run configuration (plain data; its "None: the recipe's" fields are read
+      through the resolved parts below, never directly).
+    recipe: the run's recipe.
+    budget: the response budget (tokens per completion) and whether the task is a
+      dataset.
+    train: the train step's configuration.
+    optimizer: the optimizer settings.
+    sampling: the rollout's settings.
+    critic_warmup_steps: first steps that train only the value function.
+  """
+  run: RunConfig
+  recipe: Recipe
+  budget: Budget
+  train: TrainConfig
+  optimizer: OptimizerSettings
+  sampling: SamplingSettings
+  critic_warmup_steps: int
+
+  @property
+  def estimator(self) -> AdvantageEstimatorSpec:
+    """The advantage estimator (in the step when ``estimator.needs_values``)."""
+    return get_advantage_estimator(self.recipe.estimator)
+
+  @property
+  def separate_critic(self) -> bool:
+    """Whether the value model is a separate critic (``--critic`` with a value model)."""
+    return self.run.critic is not None and self.train.use_value
+
+  def effective(self, name: str) -> Any:
+    """The RunConfig field ``name`` as the run uses it (a None that stands for the
+    recipe's value filled in)."""
+    return effective(self.run, name, self.budget)
+
+
+def response_budget(run: RunConfig, task: Optional[Task] = None) -> Budget:
+  """The run's :class:`~jaxrl_llm.loop.recipes.Budget`: ``task.max_new_tokens``, or
+  without a task ``max_new_tokens`` on ``--dataset`` and the built-in task's own."""
+  if task is not None:
+    tokens = task.max_new_tokens
+  elif run.dataset is not None:
+    tokens = run.max_new_tokens
+  else:
+    from jaxrl_llm.tasks import get_task
+    tokens = get_task(run.task).max_new_tokens
+  return Budget(tokens, dataset=run.dataset is not None)
+
+
+def effective(run: RunConfig, name: str, budget: Optional[Budget] = None) -> Any:
+  """The RunConfig field ``name`` as the run uses it: ``value_lr`` (``--lr`` times
+  the recipe's scale when None), ``critic_warmup_steps``, ``dynamic_sampling`` and
+  ``overlong_buffer`` (in tokens; the recipe's when None); any other field as set.
+
+  Examples:
+    >>> effective(RunConfig(algo="dapo"), "dynamic_sampling")
+    True
+    >>> effective(RunConfig(algo="dapo", dynamic_sampling=False), "dynamic_sampling")
+    False
+  """
+  val = getattr(run, name)
+  if val is not None or name not in _RECIPE_DEFAULTED:
+    return val
+  recipe = get_recipe(run.algo)
+  if name == "value_lr":
+    return run.lr * recipe.value_lr_scale
+  if name == "overlong_buffer":
+    return int(value_of(recipe.sampling.overlong_buffer, budget or response_budget(run)))
+  return recipe.run_settings()[name]
+
+
+# RunConfig fields whose None is the recipe's value (``effective``).
+_RECIPE_DEFAULTED = ("value_lr", "critic_warmup_steps", "dynamic_sampling",
+                     "overlong_buffer")
+
+
+def resolve(run: RunConfig, task: Optional[Task] = None) -> Resolved:
+  """The run with its recipe applied, checked: the one reader of recipes.
+
+  Args:
+    run: the run configuration.
+    task: the run's task (its ``max_new_tokens`` is the response budget); None: the
+      budget from the run alone (the command checks its flags this way before it
+      builds the task or imports JAX).
+
+  Returns:
+    The :class:`Resolved` parts.
+
+  Raises:
+    ValueError: a one-line message for a bad setting (a run field, or one the
+      recipe's train step would ignore or fail on).
+  """
+  run.validate()
+  recipe = get_recipe(run.algo)
+  budget = response_budget(run, task)
+  if recipe.group and run.group_size < 2:
+    raise ValueError(f"--algo {run.algo} is a group estimator and needs --group-size "
+                     f">= 2 (got {run.group_size}): with one sample per prompt the "
+                     f"group baseline is the sample itself.")
+  warmup = effective(run, "critic_warmup_steps", budget)
+  buffer = effective(run, "overlong_buffer", budget)
+  if buffer > budget.max_new_tokens:
+    raise ValueError(f"--overlong-buffer {buffer} is longer than the task's response "
+                     f"budget of {budget.max_new_tokens} tokens")
+  dynamic = effective(run, "dynamic_sampling", budget)
+  if dynamic and run.group_size < 2:
+    raise ValueError("--dynamic-sampling drops groups whose rewards are all equal and "
+                     f"needs --group-size >= 2 (got {run.group_size})")
+  config = _train_config(run, recipe, budget)
+  _check_step_settings(run, recipe, config, warmup)
+  batch = run.prompts_per_step * run.group_size
+  chunks = config.num_minibatches * config.num_microbatches
+  if batch % chunks:
+    raise ValueError(
+        f"the batch of --prompts-per-step {run.prompts_per_step} x --group-size "
+        f"{run.group_size} = {batch} sequences does not split into "
+        f"--num-minibatches {config.num_minibatches} x --num-microbatches "
+        f"{config.num_microbatches} = {chunks} equal parts; choose sizes whose "
+        "product divides it")
+  value_lr = effective(run, "value_lr", budget)
+  warmup_updates = warmup * config.num_epochs * config.num_minibatches
+  split = run.critic is not None or (
+      config.use_value and (value_lr != run.lr or bool(warmup_updates)))
+  return Resolved(
+      run=run, recipe=recipe, budget=budget, train=config,
+      optimizer=OptimizerSettings(lr=run.lr, value_lr=value_lr,
+                                  warmup_updates=warmup_updates, split=split),
+      sampling=SamplingSettings(
+          prompts_per_step=run.prompts_per_step, group_size=run.group_size,
+          dynamic_sampling=bool(dynamic), max_sampling_draws=run.max_sampling_draws,
+          overlong_buffer=buffer, overlong_penalty=run.overlong_penalty),
+      critic_warmup_steps=warmup)
+
+
+def _train_config(run: RunConfig, recipe: Recipe, budget: Budget) -> TrainConfig:
+  """The :class:`TrainConfig` of the run: the recipe's fields, then ``run.train``, then
+  the clip schedule of ``clip_end``."""
+  fields = {**recipe.train_fields(budget), **run.train}
+  if run.clip_end is not None:
+    import optax
+    start = TrainConfig(**fields).clip_range()[0]
+    # The step counts train steps from 0: the last, steps - 1, uses clip_end.
+    fields["clip_schedule"] = optax.linear_schedule(start, run.clip_end,
+                                                    max(run.steps - 1, 1))
+  return TrainConfig(**fields)
+
+
+def _in_step_specs() -> list:
+  return [s for s in ADVANTAGE_ESTIMATOR_REGISTRY.values() if s.needs_values]
+
+
+def _check_step_settings(run: RunConfig, recipe: Recipe, config: TrainConfig,
+                         warmup: int) -> None:
+  """Refuses settings the recipe's train step would silently ignore or fail on: the
+  fields an in-step estimator reads are those its registration declares."""
+  if recipe.in_step and not config.use_value:
+    raise ValueError(f"--no-use-value: --algo {run.algo} computes its advantages in "
+                     f"the train step from a value model (--advantage-estimator "
+                     f"{config.advantage_estimator}); keep the value model, or choose "
+                     "a critic-free recipe (e.g. --algo grpo)")
+  if not config.use_value:
+    given = {"critic": run.critic, "critic_init": run.critic_init,
+             "value_lr": run.value_lr, "critic_warmup_steps": warmup or None}
+    for name, val in given.items():
+      if val is not None:
+        raise ValueError(f"{flag(name)} {val} needs a recipe with a value "
+                         f"model (--algo {run.algo} has none; e.g. --algo ppo or vapo)")
+  specs = _in_step_specs()
+  if recipe.in_step:
+    spec = get_advantage_estimator(config.advantage_estimator)
+    read_somewhere = dict.fromkeys(k for s in specs for k in s.reads)
+    for name in read_somewhere:
+      if name not in spec.reads and run.train.get(name) is not None:
+        readers = " or ".join(f"--advantage-estimator {s.name}" for s in specs
+                              if name in s.reads)
+        reads = ", ".join(flag(k) for k in spec.hparams)
+        raise ValueError(f"{flag(name)} {run.train[name]} is not used by "
+                         f"--advantage-estimator {config.advantage_estimator} (it reads "
+                         f"{reads}); {readers} reads it")
+    return
+  # Critic-free recipes hand the step ``advantages`` (computed on the rollout): the
+  # in-step estimator and the static fields only some in-step estimators read (e.g.
+  # hybrid_n) would be ignored.
+  computed = (f"--algo {run.algo} computes its advantages ({recipe.estimator}) on the "
+              "rollout, before the train step, which would ignore it")
+  shared = set.intersection(*(set(s.static) for s in specs))
+  selecting = list(dict.fromkeys(
+      k for s in specs for k in s.static if k not in shared)) + ["advantage_estimator"]
+  for name in selecting:
+    if name in run.train:
+      raise ValueError(f"{flag(name)} {run.train[name]} sets the in-step "
+                       f"advantage estimator, but {computed}; choose a recipe with a "
+                       "value model (e.g. --algo ppo)")
+  if config.kl_mode == "reward":
+    raise ValueError(f"--kl-mode reward puts the KL into the token rewards, but "
+                     f"{computed}; use --kl-mode loss")
+
+
+__all__ = ["Resolved", "SamplingSettings", "OptimizerSettings", "resolve", "effective",
+           "response_budget"]
