@@ -6,8 +6,9 @@ credit per correct digit), turn the scores into group-normalised advantages, and
 one jitted PPO-clipped update. Public API only; the library's own loop
 (``jaxrl-llm train``) adds checkpoints, a KL reference, metrics files and plots.
 
-Run: ``python examples/grpo_minimal.py`` (200 steps, a few minutes on 2 CPU cores: the
-mean reward rises from about 0.1); ``--steps 20`` for a quick look.
+Run: ``python examples/grpo_minimal.py``: 400 steps, about 7 minutes on 2 shared CPU
+cores, greedy eval accuracy 0 at the start, 0.19 at step 200 and 0.99 at step 400
+(``benchmarks/RESULTS.md``); ``--steps 20`` for a quick look.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from jaxrl_llm.rollout import sample
 from jaxrl_llm.tasks import get_task
 
 
-def main(steps: int = 200, prompts_per_step: int = 32, group_size: int = 8,
+def main(steps: int = 400, prompts_per_step: int = 32, group_size: int = 8,
          lr: float = 1e-3, eval_every: int = 50, eval_size: int = 256, seed: int = 0,
          log=print) -> dict:
   """Trains for ``steps`` steps; returns ``{"reward": [per step], "eval_accuracy":
@@ -60,6 +61,8 @@ def main(steps: int = 200, prompts_per_step: int = 32, group_size: int = 8,
 
   rng, key = np.random.default_rng(seed), jax.random.key(seed)
   history: dict = {"reward": [], "eval_accuracy": [evaluate(state.params)]}
+  log(f"step    0  eval accuracy {history['eval_accuracy'][0]:.3f}")
+  metrics: dict = {}
   for i in range(steps):
     # 1. Rollout: group_size completions per prompt, a group in consecutive rows.
     prompts = task.sample_prompts(rng, prompts_per_step)
@@ -84,14 +87,14 @@ def main(steps: int = 200, prompts_per_step: int = 32, group_size: int = 8,
       history["eval_accuracy"].append(evaluate(state.params))
       log(f"step {i + 1:4d}  reward {history['reward'][-1]:.3f}  "
           f"eval accuracy {history['eval_accuracy'][-1]:.3f}  "
-          f"clipfrac {float(metrics['pg_clipfrac']):.3f}")
+          f"entropy {float(metrics['entropy']):.3f}")
   history["metrics"] = {k: float(x) for k, x in metrics.items()}
   return history
 
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=200)
+  parser.add_argument("--steps", type=int, default=400)
   parser.add_argument("--prompts-per-step", type=int, default=32)
   parser.add_argument("--group-size", type=int, default=8)
   parser.add_argument("--lr", type=float, default=1e-3)

@@ -4,16 +4,14 @@ log-probs, pmap device-axis helpers, multi-host initialisation and watchdog.
 Data parallel, FSDP and tensor parallel layouts are all ``jax.jit`` with shardings
 derived from the parameters' logical axis names through a rules table
 (:func:`make_rules`, :func:`state_shardings`, :func:`shard_batch`); the train steps
-built on them are :func:`jaxrl_llm.train.shard_train_step` and
-:func:`jaxrl_llm.train.make_pmap_train_step`. The same code runs on one CPU, one
-accelerator, or a multi-host mesh. This package imports nothing from
-:mod:`jaxrl_llm.models` or :mod:`jaxrl_llm.train`.
+built on them (``shard_train_step``, ``shard_apply_fn``, ``make_pmap_train_step``) live
+in the train package, above this one: nothing here imports the models or the train
+step. The same code runs on one CPU, one accelerator, or a multi-host mesh.
 
 Importing this package registers :func:`ring_attention` as the ``"ring"``
 implementation of :func:`jaxrl_llm.dot_product_attention`; the model uses it whenever
-the ambient mesh has a ``sequence`` axis > 1 (:func:`ambient_mesh`;
-:func:`jaxrl_llm.train.shard_train_step` and :func:`jaxrl_llm.train.shard_apply_fn`
-set it), so the whole train step is split over the tokens.
+the ambient mesh has a ``sequence`` axis > 1 (:func:`ambient_mesh`; the sharded train
+step sets it), so the whole train step is split over the tokens.
 """
 
 from jaxrl_llm.parallel.mesh import MESH_AXES, make_mesh, mesh_axis_sizes

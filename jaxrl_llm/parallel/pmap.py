@@ -1,6 +1,6 @@
 r"""Device-axis helpers for ``jax.pmap`` programs: replicate a state, split a batch.
 
-State and batch of a pmapped step (:func:`jaxrl_llm.train.make_pmap_train_step`) carry
+State and batch of a pmapped step (``make_pmap_train_step`` of the train package) carry
 a leading device axis: :func:`replicate` the state, :func:`split_batch` the batch,
 :func:`unreplicate` to read results.
 """

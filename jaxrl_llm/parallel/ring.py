@@ -448,7 +448,7 @@ def ring_dot_product_attention(query, key, value, *, key_mask=None,
   :func:`jaxrl_llm.dot_product_attention` when :mod:`jaxrl_llm.parallel` is
   imported; the mesh is ``jax.sharding.get_abstract_mesh()`` (set it with
   ``jax.set_mesh(mesh)``, :func:`jaxrl_llm.parallel.ambient_mesh` or
-  :func:`jaxrl_llm.train.shard_train_step`). Without an ambient mesh holding a
+  the train package's ``shard_train_step``). Without an ambient mesh holding a
   ``sequence`` axis, or for cross-length / offset attention (``S != T`` or a
   ``query_offset``: KV-cache prefill and decode), it is the plain blockwise attention.
   The ring uses :func:`ring_attention`'s default (zig-zag) layout.

@@ -1,7 +1,7 @@
 r"""Sharding rules: logical axis names to mesh axes, for parameters, states and batches.
 
 Parameters carry *logical* axis names (``vocab``, ``embed``, ``heads``, ``kv_heads``,
-``head_dim``, ``mlp``; see :mod:`jaxrl_llm.models.transformer`); a *rules* table maps
+``head_dim``, ``mlp``; the reference transformer's parameters carry them); a *rules* table maps
 each logical name to mesh axes, so a layout is a table, never a per-parameter list:
 
 ==============  ====================  ===============================================
@@ -28,7 +28,7 @@ gets that parameter's sharding; the rest (step counts, hyperparameters, controll
 states, the PRNG key) is replicated.
 
 The sharded train step built on these rules (``jax.jit`` with parameter, state and
-batch shardings) is :func:`jaxrl_llm.train.shard_train_step`.
+batch shardings) is ``shard_train_step`` of the train package (``train/sharded.py``).
 """
 
 from __future__ import annotations
