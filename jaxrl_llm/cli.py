@@ -383,6 +383,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
   return 0
 
 
+def _run_default(name: str) -> Any:
+  """The declared default of the RunConfig field ``name``."""
+  from jaxrl_llm.loop.config import RunConfig
+  from jaxrl_llm.train.config import config_field
+  return config_field(RunConfig, name).default
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="jaxrl-llm", description="Train, evaluate and plot RL runs on language "
@@ -395,8 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
   add_train_args(p_train)
   p_train.set_defaults(func=cmd_train)
   p_eval = sub.add_parser("eval", help="evaluate a run's latest checkpoint")
-  p_eval.add_argument("--out", default="runs/default")
-  p_eval.add_argument("--eval-size", type=int, default=256)
+  p_eval.add_argument("--out", default=_run_default("out"))
+  p_eval.add_argument("--eval-size", type=int, default=_run_default("eval_size"))
   p_eval.set_defaults(func=cmd_eval)
   p_plot = sub.add_parser("plot", help="plot learning curves of runs into a PNG")
   p_plot.add_argument("runs", nargs="+", help="run folders")
@@ -421,9 +428,8 @@ def _early_note(argv: list) -> None:
   if argv[:1] != ["train"] or any(a in ("-h", "--help", "--no-progress") for a in argv):
     return
   p = argparse.ArgumentParser(add_help=False)
-  p.add_argument("--out", default="runs/default")
-  p.add_argument("--algo", default="grpo")
-  p.add_argument("--task", default="reverse")
+  for name in ("out", "algo", "task"):
+    p.add_argument(flag(name), default=_run_default(name))
   p.add_argument("--resume", action="store_true")
   known = p.parse_known_args(argv[1:])[0]
   what = "resuming" if known.resume else f"{known.algo} on {known.task}"

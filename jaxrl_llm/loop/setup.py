@@ -91,7 +91,8 @@ def make_policy(resolved: Resolved, task: Task) -> Policy:
   zero-initialised value head; sampling and the KL reference use the policy part
   only (the reference keeps no value head either: :meth:`Policy.ref_params`).
   """
-  from jaxrl_llm.models import DecodeFns, make_apply_fn, make_decode_fns
+  from jaxrl_llm.models import make_apply_fn, make_decode_fns
+  from jaxrl_llm.rollout import DecodeFns
   tok = task.tokenizer
   run, config, separate = resolved.run, resolved.train, resolved.separate_critic
   if not separate and not is_checkpoint(run.model):
