@@ -29,8 +29,6 @@ PLOT_KEYS = (("reward", "train reward"), ("eval_accuracy", "eval accuracy (greed
 
 # Other flag names of a field (the mesh axes' short names).
 ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("--tensor",)}
-# Command-line behaviour beyond the field's own help.
-NOTES = {"hybrid_n": " Giving it alone selects --advantage-estimator hybrid."}
 # The subcommands (build_parser adds each; train is the default).
 COMMANDS = ("train", "eval", "plot", "export")
 TRAIN_PREFIX = "train__"
@@ -70,7 +68,10 @@ def _add_field(group, f, hints, *, dest, default, shown):
   base, optional = _optional(hints[f.name])
   names = (flag(f.name),) + ALIASES.get(f.name, ())
   choices = field_choices(f)
-  help_text = plain_help(f.metadata["help"]) + NOTES.get(f.name, "")
+  help_text = plain_help(f.metadata["help"])
+  selects = selected_estimator(f.name)
+  if selects is not None:
+    help_text += f" Giving it alone selects --advantage-estimator {selects}."
   if choices:
     help_text += f" One of: {', '.join(map(str, choices))}."
   help_text += f" (default: {shown})"
@@ -81,6 +82,21 @@ def _add_field(group, f, hints, *, dest, default, shown):
     group.add_argument(*names, dest=dest, default=default, type=_parse(base, optional),
                        choices=choices, help=help_text,
                        metavar=(f.name.upper() if choices is None else None))
+
+
+def selected_estimator(name: str) -> Optional[str]:
+  """The in-step advantage estimator that a flag for TrainConfig field ``name``
+  selects when given alone: the one registered estimator whose static fields include
+  it (``hybrid_n``: ``hybrid``); None for any other field.
+
+  Examples:
+    >>> selected_estimator("hybrid_n"), selected_estimator("lam")
+    ('hybrid', None)
+  """
+  from jaxrl_llm.train.registry import ADVANTAGE_ESTIMATOR_REGISTRY
+  readers = [s.name for s in ADVANTAGE_ESTIMATOR_REGISTRY.values()
+             if s.needs_values and name in s.static]
+  return readers[0] if len(readers) == 1 else None
 
 
 def _recipe_note(settings: dict, default: Any = dataclasses.MISSING) -> str:
@@ -168,8 +184,10 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
           if k.startswith(LOSS_PREFIX)}
   if loss:
     train["loss_hparams"] = loss
-  if "hybrid_n" in train:
-    train.setdefault("advantage_estimator", "hybrid")
+  for name in list(train):
+    selects = selected_estimator(name)
+    if selects is not None:
+      train.setdefault("advantage_estimator", selects)
   return RunConfig(**run, train=train)
 
 
@@ -197,7 +215,7 @@ def _resume_config(args: argparse.Namespace, argv: list):
   from jaxrl_llm.loop.resolve import effective, resolve
   saved = RunConfig.from_dict(rf.read_json(os.path.join(args.out, rf.CONFIG_FILE)))
   given = run_config_from_args(args)
-  # The given options, and the estimator that --hybrid-n alone implies.
+  # The given options, and the estimator that one of them alone implies (--hybrid-n).
   explicit = _explicit_train_dests(argv) | {TRAIN_PREFIX + k for k in given.train
                                             if k != "loss_hparams"}
   changes: dict = {"resume": True, "overwrite": False, "out": args.out}
@@ -383,6 +401,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
   return 0
 
 
+def _run_default(name: str) -> Any:
+  """The declared default of the RunConfig field ``name``."""
+  from jaxrl_llm.loop.config import RunConfig
+  from jaxrl_llm.train.config import config_field
+  return config_field(RunConfig, name).default
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="jaxrl-llm", description="Train, evaluate and plot RL runs on language "
@@ -395,8 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
   add_train_args(p_train)
   p_train.set_defaults(func=cmd_train)
   p_eval = sub.add_parser("eval", help="evaluate a run's latest checkpoint")
-  p_eval.add_argument("--out", default="runs/default")
-  p_eval.add_argument("--eval-size", type=int, default=256)
+  p_eval.add_argument("--out", default=_run_default("out"))
+  p_eval.add_argument("--eval-size", type=int, default=_run_default("eval_size"))
   p_eval.set_defaults(func=cmd_eval)
   p_plot = sub.add_parser("plot", help="plot learning curves of runs into a PNG")
   p_plot.add_argument("runs", nargs="+", help="run folders")
@@ -421,9 +446,8 @@ def _early_note(argv: list) -> None:
   if argv[:1] != ["train"] or any(a in ("-h", "--help", "--no-progress") for a in argv):
     return
   p = argparse.ArgumentParser(add_help=False)
-  p.add_argument("--out", default="runs/default")
-  p.add_argument("--algo", default="grpo")
-  p.add_argument("--task", default="reverse")
+  for name in ("out", "algo", "task"):
+    p.add_argument(flag(name), default=_run_default(name))
   p.add_argument("--resume", action="store_true")
   known = p.parse_known_args(argv[1:])[0]
   what = "resuming" if known.resume else f"{known.algo} on {known.task}"

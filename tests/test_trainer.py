@@ -76,8 +76,8 @@ def test_bad_input_is_refused_with_clear_messages(tmp_path):
   with pytest.raises(ValueError, match="valid algos: ppo, grpo"):
     RunConfig(algo="dpo").validate()
   with pytest.raises(ValueError, match="group-size >= 2"):
-    RunConfig(algo="grpo", group_size=1).validate()
-  RunConfig(algo="self_critical", group_size=1).validate()   # not a group estimator
+    resolve(RunConfig(algo="grpo", group_size=1))   # the recipe's check
+  resolve(RunConfig(algo="self_critical", group_size=1))   # not a group estimator
   out = str(tmp_path / "run")
   run_training(RunConfig(out=out, **dict(SMALL, steps=1)))
   with pytest.raises(RunFolderError, match="different config.*lr"):
@@ -138,6 +138,27 @@ def test_run_config_composes_the_train_config():
       RunConfig.from_dict(old)
   with pytest.raises(ValueError, match="lam"):
     resolve(RunConfig(train={"lam": 2.0}))
+
+
+def test_a_recipe_with_rollout_side_settings_is_one_registration():
+  """A new algorithm (here a DAPO variant: a fixed 2-token overlong buffer, dynamic
+  sampling, critic-free, KL off) is one ``register_recipe`` call: ``resolve``, the
+  command's ``--algo`` choices and its help read the registry."""
+  from jaxrl_llm.cli import build_parser, run_config_from_args
+  from jaxrl_llm.loop.recipes import Recipe, Sampling, register_recipe
+  register_recipe(Recipe("dapo2", "grpo", "DAPO with a fixed buffer",
+                         dict(use_value=False, whiten_advantages=False, vf_clip=None),
+                         sampling=Sampling(dynamic_sampling=True, overlong_buffer=2)))
+  try:
+    run = run_config_from_args(build_parser().parse_args(["train", "--algo", "dapo2"]))
+    resolved = resolve(run)
+    assert (resolved.sampling.dynamic_sampling, resolved.sampling.overlong_buffer) == (
+        True, 2)
+    assert (resolved.train.use_value, resolved.train.kl_mode) == (False, "none")
+    assert resolved.critic_warmup_steps == 0 and not resolved.optimizer.split
+    assert resolve(RunConfig(algo="dapo2", overlong_buffer=0)).sampling.overlong_buffer == 0
+  finally:
+    del RECIPES["dapo2"]
 
 
 def test_clip_end_schedule_reaches_clip_end_on_the_last_step():

@@ -16,8 +16,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl_llm.loop.config import RunConfig
 from jaxrl_llm.rollout import DecodeFns, SampleOutput, sample
-from jaxrl_llm.train import policy_forward
+from jaxrl_llm.train import TrainConfig, policy_forward
+
+# The defaults of the run's settings (declared once, in the configs).
+_TEMPERATURE: float = TrainConfig.temperature
+_SEED: int = RunConfig.seed
 
 
 class Policy:
@@ -36,7 +41,7 @@ class Policy:
   """
 
   def __init__(self, apply_fn: Callable[..., Any], decode_fns: DecodeFns,
-               init_params: Any, *, pad_id: int, temperature: float = 1.0,
+               init_params: Any, *, pad_id: int, temperature: float = _TEMPERATURE,
                ref_apply_fn: Optional[Callable[..., Any]] = None,
                ref_part: Optional[Callable[[Any], Any]] = None):
     self.apply = apply_fn
@@ -55,7 +60,7 @@ class Policy:
 
   @classmethod
   def reference(cls, model: str, vocab_size: int, max_len: int, pad_id: int, *,
-                value_head: bool, seed: int = 0, temperature: float = 1.0) -> "Policy":
+                value_head: bool, seed: int = _SEED, temperature: float = _TEMPERATURE) -> "Policy":
     """The reference transformer preset ``model`` (``tiny`` / ``small``)."""
     from jaxrl_llm.models.transformer import Transformer, get_config, split_model
     cfg = get_config(model, vocab_size, value_head=value_head,
@@ -65,7 +70,7 @@ class Policy:
 
   @classmethod
   def of_transformer(cls, graphdef: Any, params: Any, *, pad_id: int,
-                     temperature: float = 1.0) -> "Policy":
+                     temperature: float = _TEMPERATURE) -> "Policy":
     """A :class:`~jaxrl_llm.models.Transformer` (``split_model`` output) as a policy;
     its KL reference is the same model without the value head."""
     from jaxrl_llm.models.critic import drop_value_head
@@ -87,7 +92,7 @@ class Policy:
 
   def generate(self, params: Any, tokens: Any, mask: Any, rng: Optional[jax.Array], *,
                max_new_tokens: int, eos_id: Optional[int | Sequence[int]],
-               temperature: float = 1.0,
+               temperature: float = _TEMPERATURE,
                greedy: bool = False) -> SampleOutput:
     """Samples completions of the prompts ``tokens`` (see :func:`jaxrl_llm.rollout.sample`)."""
     return self._sample(self.decode_fns, params, jnp.asarray(tokens), jnp.asarray(mask),

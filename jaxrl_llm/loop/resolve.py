@@ -115,11 +115,6 @@ class Resolved:
     """Whether the value model is a separate critic (``--critic`` with a value model)."""
     return self.run.critic is not None and self.train.use_value
 
-  def effective(self, name: str) -> Any:
-    """The RunConfig field ``name`` as the run uses it (a None that stands for the
-    recipe's value filled in)."""
-    return effective(self.run, name, self.budget)
-
 
 def response_budget(run: RunConfig, task: Optional[Task] = None) -> Budget:
   """The run's :class:`~jaxrl_llm.loop.recipes.Budget`: ``task.max_new_tokens``, or

@@ -188,7 +188,8 @@ def as_model_output(out: Any) -> ModelOutput:
 
 def policy_forward(apply_fn: Callable, params: Any, batch: dict, *,
                    chunk_size: Optional[int] = None,
-                   temperature: Any = 1.0) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
+                   temperature: Any = TrainConfig.temperature
+                   ) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
   """Token log-probs, entropies and values of ``batch['tokens']`` under ``params``.
 
   Returns ``(logp, entropy, values)``, each ``[B, L]`` aligned with the tokens (entry t
