@@ -226,15 +226,8 @@ FLOORS = {
 }
 CORE = ("_validate", "_names", "_lazy", "masked", "advantages", "losses", "control",
         "logprobs", "attention", "checkpoint", "run_folder")
-# Imports from a lower floor to a higher one that are known and scheduled to go.
-EXEMPT = {
-    # moved by the rooms branch: the sharded / pmap train-step wrappers leave parallel/
-    # for train/ (drop these when it merges).
-    ("jaxrl_llm.parallel.pmap", "jaxrl_llm.train.state"),
-    ("jaxrl_llm.parallel.pmap", "jaxrl_llm.train.config"),
-    ("jaxrl_llm.parallel.pmap", "jaxrl_llm.train.step"),
-    ("jaxrl_llm.parallel.sharding", "jaxrl_llm.train.step"),
-}
+# Imports from a lower floor to a higher one that are known and scheduled to go (none).
+EXEMPT: set = set()
 
 
 def floor(module: str) -> int:
