@@ -4,6 +4,7 @@ Hugging Face bridge (``from_pretrained`` / ``save_pretrained``: Llama, Qwen2, Qw
 from jaxrl_llm.models.hf import from_pretrained
 from jaxrl_llm.models.hf import save_pretrained
 from jaxrl_llm.rollout.protocol import DecodeFns  # re-export (it moved to rollout)
+from jaxrl_llm.rollout.protocol import PagedDecodeFns
 from jaxrl_llm.models.transformer import KVCache
 from jaxrl_llm.models.transformer import PRESETS
 from jaxrl_llm.models.transformer import RopeScaling
@@ -12,6 +13,7 @@ from jaxrl_llm.models.transformer import TransformerConfig
 from jaxrl_llm.models.transformer import get_config
 from jaxrl_llm.models.transformer import make_apply_fn
 from jaxrl_llm.models.transformer import make_decode_fns
+from jaxrl_llm.models.transformer import make_paged_decode_fns
 from jaxrl_llm.models.transformer import rope
 from jaxrl_llm.models.transformer import rope_frequencies
 from jaxrl_llm.models.transformer import split_model
@@ -19,6 +21,7 @@ from jaxrl_llm.models.transformer import split_model
 __all__ = [
     "DecodeFns",
     "KVCache",
+    "PagedDecodeFns",
     "PRESETS",
     "RopeScaling",
     "Transformer",
@@ -26,6 +29,7 @@ __all__ = [
     "get_config",
     "make_apply_fn",
     "make_decode_fns",
+    "make_paged_decode_fns",
     "from_pretrained",
     "rope",
     "rope_frequencies",
