@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -265,8 +266,11 @@ class RolloutEngine:
   def generate(self, params, requests: Sequence[Request], seed: int = 0
                ) -> list[Completion]:
     """Completes every request ``n`` times; returns the completions ordered by
-    ``(request, sample)``. ``self.stats`` then holds the run's counters (decode steps,
-    device calls, slot utilisation, pages in use).
+    ``(request, sample)``. ``self.stats`` then holds the run's counters: decode steps
+    and device calls, prefill calls and tokens, ``slot_utilisation`` (useful tokens /
+    (slots x decode steps)), ``peak_pages`` and ``mean_pages_in_use`` (weighted by
+    decode steps), ``page_bytes``, and host wall times ``prefill_s``, ``decode_s``,
+    ``total_s``.
 
     Raises:
       ValueError: ``requests`` not a sequence of :class:`Request`, or a request whose
@@ -294,6 +298,8 @@ class RolloutEngine:
     slots: list[_Slot | None] = [None] * s
     done: list[Completion] = []
     stats: collections.Counter[str] = collections.Counter()
+    timers = {"prefill_s": 0.0, "decode_s": 0.0}
+    started = time.perf_counter()
     page_steps = 0
 
     def group_of(i, j):
@@ -318,7 +324,7 @@ class RolloutEngine:
         logits, pages = self._forward(params, tokens, positions, table, pages)
         stats["prefill_calls"] += 1
       stats["prefill_tokens"] += len(prompt)
-      group.logits = logits[0]
+      group.logits = logits[0].block_until_ready()
 
     def admit(slot_index) -> bool:
       nonlocal pages, logits_state, vocab
@@ -334,7 +340,9 @@ class RolloutEngine:
       queue.popleft()
       if not group.pages:
         group.pages = pool.allocate(prompt_need)
+        start = time.perf_counter()
         prefill(group)
+        timers["prefill_s"] += time.perf_counter() - start
       if logits_state is None:
         vocab = group.logits.shape[-1]
         logits_state = jnp.zeros((s, vocab), jnp.float32)
@@ -400,10 +408,12 @@ class RolloutEngine:
         arrays["top_p"][index] = 1.0 if r.top_p is None else r.top_p
         if r.eos_ids is not None:
           eos[index, :len(r.eos_ids)] = r.eos_ids
+      start = time.perf_counter()
       pages, logits_state, out, steps = self._decode(
           params, pages, logits_state, table, eos, base_key, bool(queue),
           steps=k_steps, filtered=filtered, **arrays)
       steps = int(steps)
+      timers["decode_s"] += time.perf_counter() - start
       tokens, logps, flogps = (np.asarray(x)[:, :steps] for x in out)
       stats["decode_calls"] += 1
       stats["decode_steps"] += steps
@@ -425,7 +435,8 @@ class RolloutEngine:
     useful = sum(len(c.tokens) for c in done)
     steps_total = max(stats["decode_steps"], 1)
     self.stats = {
-        **stats, "useful_tokens": useful, "slots": s,
+        **stats, **timers, "total_s": time.perf_counter() - started,
+        "useful_tokens": useful, "slots": s,
         "slot_utilisation": useful / (s * steps_total),
         "mean_pages_in_use": page_steps / steps_total, "page_bytes": page_bytes,
         "pool_bytes": page_bytes * self.num_pages, "pages_in_use_after": pool.in_use,
