@@ -21,7 +21,8 @@ the same weights saved as a Llama checkpoint (batches of ``--slots`` rows, the f
 ``--hf-batches`` batches of each workload timed, tokens/s from those).
 Useful tokens are the tokens the requests asked for; tokens/s = useful tokens / wall
 time of the whole call (prefill included, compilation excluded: every contender runs
-once untimed on the same shapes first).
+once untimed on the same shapes first). (a) and (b) are timed once, (c) is the median
+of ``--group-repeats`` runs.
 
 Also reported: slot utilisation (useful tokens / (slots x decode steps)), KV-cache
 memory (the engine's pages in use, mean over decode steps and peak, against the
@@ -71,14 +72,18 @@ def _chunk(prompt_len: int) -> int:
   return min(128, 1 << max(3, (prompt_len - 1).bit_length()))
 
 
-def workloads(args):
-  rng = np.random.default_rng(0)
-  prompts = [rng.integers(1, args.vocab, args.prompt).tolist() for _ in range(args.requests)]
-  n_long = max(1, round(0.1 * args.requests))
-  lengths = np.array([args.long] * n_long + [args.short] * (args.requests - n_long))
+def heavy_tailed(args, count, seed=0):
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(1, args.vocab, args.prompt).tolist() for _ in range(count)]
+  n_long = max(1, round(0.1 * count))
+  lengths = np.array([args.long] * n_long + [args.short] * (count - n_long))
   rng.shuffle(lengths)
-  heavy = [Request(p, max_new_tokens=int(m)) for p, m in zip(prompts, lengths)]
-  uniform = [Request(p, max_new_tokens=args.uniform) for p in prompts]
+  return [Request(p, max_new_tokens=int(m)) for p, m in zip(prompts, lengths)]
+
+
+def workloads(args):
+  heavy = heavy_tailed(args, args.requests)
+  uniform = [Request(r.prompt, max_new_tokens=args.uniform) for r in heavy]
   return {"heavy_tailed": heavy, "uniform": uniform}
 
 
@@ -121,11 +126,15 @@ def run_sample(run, params, requests, rows):
   return time.perf_counter() - start, steps, kv
 
 
-def run_engine(engine, params, requests, warmup):
+def run_engine(engine, params, requests, warmup, repeats=1):
+  """(median seconds of ``repeats`` timed runs, the last run's stats)."""
   engine.generate(params, warmup, seed=1)   # compile on the same shapes
-  start = time.perf_counter()
-  out = engine.generate(params, requests, seed=0)
-  seconds = time.perf_counter() - start
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = engine.generate(params, requests, seed=0)
+    times.append(time.perf_counter() - start)
+  seconds = float(np.median(times))
   assert [len(c.tokens) for c in out] == [r.max_new_tokens for r in requests
                                           for _ in range(r.n)]
   return seconds, dict(engine.stats)
@@ -197,6 +206,7 @@ def main(argv=None):
   p.add_argument("--group", type=int, default=8)
   p.add_argument("--group-prompt", type=int, default=1024)
   p.add_argument("--group-new", type=int, default=64)
+  p.add_argument("--group-repeats", type=int, default=3, help="median of this many runs")
   p.add_argument("--page-size", type=int, default=16)
   p.add_argument("--steps-per-call", type=int, default=16)
   p.add_argument("--vocab", type=int, default=2048)
@@ -205,6 +215,9 @@ def main(argv=None):
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--kv-heads", type=int, default=2)
   p.add_argument("--d-ff", type=int, default=512)
+  p.add_argument("--util-requests", type=int, default=1024,
+                 help="also run the engine alone on a heavy-tailed workload this large "
+                      "(slot utilisation away from the single-long-request bound); 0: off")
   p.add_argument("--copy-mb", type=int, default=256)
   p.add_argument("--hf-batches", type=int, default=1,
                  help="batches of each workload timed through transformers.generate")
@@ -215,6 +228,7 @@ def main(argv=None):
     args.requests, args.prompt, args.short, args.long, args.uniform = 20, 8, 4, 32, 8
     args.slots, args.group, args.group_prompt, args.group_new = 8, 4, 64, 8
     args.vocab, args.d_model, args.layers, args.d_ff, args.copy_mb = 256, 64, 2, 128, 16
+    args.util_requests = 0
 
   model = _model(args)
   graphdef, params = split_model(model)
@@ -264,6 +278,18 @@ def main(argv=None):
         "bandwidth_use": (param_bytes + kv_mean) / bandwidth / step_s})
     print(f"{name}: done ({e_s:.1f} s engine, {s_s:.1f} s sample)", flush=True)
 
+  if args.util_requests:
+    requests = heavy_tailed(args, args.util_requests, seed=2)
+    e_s, stats = run_engine(engine, params, requests, warmup)
+    useful = sum(r.max_new_tokens for r in requests)
+    rows.append({"workload": f"heavy_tailed x{args.util_requests} (engine only)",
+                 "requests": len(requests), "useful_tokens": useful,
+                 "engine_tok_s": useful / e_s, "engine_util": stats["slot_utilisation"],
+                 "engine_s": e_s, "decode_steps": stats["decode_steps"],
+                 "decode_calls": stats["decode_calls"], "prefill_s": stats["prefill_s"],
+                 "decode_s": stats["decode_s"]})
+    print(f"heavy_tailed x{args.util_requests}: done ({e_s:.1f} s engine)", flush=True)
+
   # (c) shared prompt vs distinct prompts.
   rng = np.random.default_rng(1)
   g, gp, gn = args.group, args.group_prompt, args.group_new
@@ -274,13 +300,15 @@ def main(argv=None):
   distinct = [Request(rng.integers(1, args.vocab, gp).tolist(), max_new_tokens=gn)
               for _ in range(g)]
   warm = [Request([1] * gp, max_new_tokens=gn)]
-  sh_s, sh_stats = run_engine(group_engine, params, shared, warm)
-  di_s, di_stats = run_engine(group_engine, params, distinct, warm)
+  sh_s, sh_stats = run_engine(group_engine, params, shared, warm, args.group_repeats)
+  di_s, di_stats = run_engine(group_engine, params, distinct, warm, args.group_repeats)
   sa_s, _, _ = run_sample(run, params, distinct, g)
   group_rows = [{"case": f"{g} samples of 1 prompt (engine, shared)", "seconds": sh_s,
+                 "prefill_s": sh_stats["prefill_s"], "decode_s": sh_stats["decode_s"],
                  "prefill_tokens": sh_stats["prefill_tokens"],
                  "kv_peak_MiB": sh_stats["peak_pages"] * sh_stats["page_bytes"] / 2**20},
                 {"case": f"{g} distinct prompts (engine)", "seconds": di_s,
+                 "prefill_s": di_stats["prefill_s"], "decode_s": di_stats["decode_s"],
                  "prefill_tokens": di_stats["prefill_tokens"],
                  "kv_peak_MiB": di_stats["peak_pages"] * di_stats["page_bytes"] / 2**20},
                 {"case": f"{g} distinct prompts (sample, one batch)", "seconds": sa_s,
@@ -302,7 +330,8 @@ def main(argv=None):
                                      "sample_kv_MiB", "step_ms", "bytes_per_step_MiB",
                                      "bandwidth_use"]))
   print(f"\nShared prompt: {g} samples of a {gp}-token prompt, {gn} new tokens each:\n")
-  print(markdown_table(group_rows, ["case", "seconds", "prefill_tokens", "kv_peak_MiB"]))
+  print(markdown_table(group_rows, ["case", "seconds", "prefill_s", "decode_s",
+                                    "prefill_tokens", "kv_peak_MiB"]))
   print(f"\nshared / distinct (engine) = {sh_s / di_s:.3f}")
   write_json(args.json, {"machine": machine(), "args": vars(args), "rows": rows,
                          "memory": memory_rows, "group": group_rows,

@@ -305,3 +305,16 @@ def test_greedy_engine_equals_sample_on_a_tiny_hugging_face_checkpoint(family, t
     np.testing.assert_array_equal(c.tokens, np.asarray(ref.completion[0]))
     np.testing.assert_allclose(c.logprobs, np.asarray(ref.logprobs[0]), rtol=1e-4,
                                atol=1e-4)
+
+
+def test_new_requests_do_not_recompile():
+  # Other prompts, lengths, n, temperatures and seeds: the same compiled programs.
+  from jaxrl_llm.rollout import engine as engine_module
+  ENGINE.generate(PARAMS, MIXED[1:], seed=0)
+  sizes = [f._cache_size() for f in (engine_module._prefill_jit, engine_module._admit_jit,
+                                     engine_module._decode_jit)]
+  ENGINE.generate(PARAMS, [Request(_prompts(9, [21])[0], n=5, max_new_tokens=20,
+                                   temperature=0.5, top_k=3),
+                           Request([3], max_new_tokens=1, temperature=0.0)], seed=5)
+  assert [f._cache_size() for f in (engine_module._prefill_jit, engine_module._admit_jit,
+                                    engine_module._decode_jit)] == sizes
