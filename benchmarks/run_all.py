@@ -33,7 +33,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-BENCHMARKS = ("gae", "logprobs", "train_step", "sampler", "sharding", "algorithms")
+BENCHMARKS = ("gae", "logprobs", "train_step", "sampler", "rollout", "sharding",
+              "algorithms")
 # Optional packages a benchmark cannot run without (others degrade inside the module).
 REQUIRES = {"gae": ("rlax",)}
 TITLES = {
@@ -41,6 +42,7 @@ TITLES = {
     "logprobs": "Chunked token log-probs: memory and speed",
     "train_step": "PPO train step: tokens/s and model FLOP utilisation",
     "sampler": "KV-cache sampler vs full recompute",
+    "rollout": "Rollout engine (continuous batching, paged KV, shared prompts) vs sample",
     "sharding": "Sharded train step",
     "algorithms": "PPO, VAPO, GRPO, DAPO, RLOO (reverse or repeat task) and 2048-token "
                   "updates",

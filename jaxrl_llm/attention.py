@@ -543,8 +543,123 @@ def attention_with_lse(query, key, value, *, key_mask=None, is_causal: bool = Tr
   return _blockwise_with_lse(query, key, value, key_mask, is_causal, offset, block_size)
 
 
+# ----------------------------------------------------------------------------------
+# Paged attention (the rollout engine's KV cache)
+# ----------------------------------------------------------------------------------
+
+#: Keys per online-softmax chunk of :func:`paged_attention` when ``chunk_pages`` is None
+#: (rounded down to whole pages, at least one page).
+PAGED_CHUNK_TOKENS = 128
+
+
+def paged_attention(query, k_pages, v_pages, page_table, positions, *,
+                    chunk_pages: int | None = None) -> jax.Array:
+  r"""Causal grouped-query attention of queries over their row's pages of a KV pool.
+
+  The keys of row ``b`` live in a shared pool of pages: key position ``j`` of the row is
+  ``k_pages[page_table[b, j // P], j % P]`` (``P`` = page size). Query ``t`` of row
+  ``b`` sits at position :math:`p_{bt}` = ``positions[b, t]`` and sees the keys
+  :math:`j \le p_{bt}` (all of them written before the call: the prompt, earlier
+  tokens and this call's own tokens),
+
+  .. math::
+
+    o_{bt} = \sum_{j \le p_{bt}}
+      \frac{e^{s_j}}{\sum_{j' \le p_{bt}} e^{s_{j'}}}\, v_j, \qquad
+      s_j = \frac{q_{bt} \cdot k_j}{\sqrt{H}}.
+
+  A padded query (``positions < 0``) sees no key and returns 0.
+
+  The keys are read in chunks of ``chunk_pages`` pages (gather of the row's pages, then
+  a masked softmax) merged with the online-softmax rule (running max ``m``, sum ``l``,
+  output ``acc``; Milakov & Gimelshein 2018). The loop runs over the chunks up to the
+  largest position in the batch (a ``lax.while_loop`` with a traced trip count), so a
+  step at position n reads O(n) keys, not the page table's capacity, and nothing
+  recompiles as sequences grow. A chunk holding no visible key of a row leaves that
+  row's ``(m, l, acc)`` bit for bit unchanged (its rescale factor is
+  :math:`e^{m - m} = 1` and its terms are exact zeros), so a row's output does not
+  depend on how many chunks the other rows make the loop read: rows never mix.
+
+  Args:
+    query: ``[B, T, N, H]``.
+    k_pages: ``[num_pages, P, K, H]`` with ``N % K == 0`` (query head ``n`` reads KV
+      head ``n // (N // K)``).
+    v_pages: ``[num_pages, P, K, H]``.
+    page_table: ``[B, M]`` int, the pages of each row in order; entries past a row's
+      last position are never read into the result (any in-range id will do).
+    positions: ``[B, T]`` int, the position of each query (``< 0``: padding).
+    chunk_pages: pages per chunk (static); default :data:`PAGED_CHUNK_TOKENS` keys.
+
+  Returns:
+    ``[B, T, N, H]`` in ``query``'s dtype (float32 math inside).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> pool = jnp.arange(4.0)[:, None, None, None] * jnp.ones((4, 2, 1, 2))
+    >>> q = jnp.zeros((1, 1, 1, 2))              # equal scores: a plain average
+    >>> table = jnp.array([[3, 1]])              # positions 0,1 on page 3; 2,3 on page 1
+    >>> out = paged_attention(q, pool, pool, table, jnp.array([[2]]))
+    >>> round(float(out[0, 0, 0, 0]), 4)         # mean of 3, 3, 1
+    2.3333
+  """
+  for name, x in (("query", query), ("k_pages", k_pages), ("v_pages", v_pages)):
+    v.check_rank(name, x, 4)
+    v.check_float(name, x)
+  b, t, n, h = v.shape_of(query)
+  _, page, k, hk = v.shape_of(k_pages)
+  if hk != h or n % k:
+    raise ValueError(f"`k_pages` must have shape [num_pages, P, K, H] with H = {h} and "
+                     f"K dividing N = {n} (from `query` {v.shape_of(query)}), got "
+                     f"{v.shape_of(k_pages)}.")
+  if v.shape_of(v_pages) != v.shape_of(k_pages):
+    raise ValueError(f"`v_pages` must have the shape of `k_pages` {v.shape_of(k_pages)}, "
+                     f"got {v.shape_of(v_pages)}.")
+  v.check_rank("page_table", page_table, 2)
+  if v.shape_of(page_table)[0] != b:
+    raise ValueError(f"`page_table` must have shape [B, M] with B = {b}, got "
+                     f"{v.shape_of(page_table)}.")
+  if v.shape_of(positions) != (b, t):
+    raise ValueError(f"`positions` must have shape {(b, t)}, got {v.shape_of(positions)}.")
+  if chunk_pages is None:
+    chunk_pages = max(1, PAGED_CHUNK_TOKENS // page)
+  if not isinstance(chunk_pages, int) or chunk_pages < 1:
+    raise ValueError(f"`chunk_pages` must be a static int >= 1, got {chunk_pages!r}.")
+  k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
+  m_pages = v.shape_of(page_table)[1]
+  width = -(-m_pages // chunk_pages) * chunk_pages
+  table = jnp.pad(jnp.asarray(page_table, jnp.int32), ((0, 0), (0, width - m_pages)))
+  positions = jnp.asarray(positions, jnp.int32)
+  chunk = chunk_pages * page
+  g = n // k
+  q = query.astype(jnp.float32).reshape(b, t, k, g, h) * (1.0 / math.sqrt(h))
+  n_chunks = jnp.minimum((jnp.max(positions) + chunk) // chunk, width // chunk_pages)
+
+  def body(c, carry):
+    m, l, acc = carry                                            # [B,K,G,T](,H)
+    ids = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages, axis=1)
+    keys = k_pages[ids].reshape(b, chunk, k, h).astype(jnp.float32)
+    vals = v_pages[ids].reshape(b, chunk, k, h).astype(jnp.float32)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys)
+    key_pos = c * chunk + jnp.arange(chunk)
+    allowed = (key_pos[None, None, :] <= positions[:, :, None])[:, None, None]
+    scores = jnp.where(allowed, scores, _NEG)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+    p = jnp.where(allowed, jnp.exp(scores - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + jnp.sum(p, axis=-1)
+    acc = acc * corr[..., None] + jnp.einsum("bkgts,bskh->bkgth", p, vals)
+    return m_new, l, acc
+
+  init = (jnp.full((b, k, g, t), _NEG, jnp.float32), jnp.zeros((b, k, g, t), jnp.float32),
+          jnp.zeros((b, k, g, t, h), jnp.float32))
+  _, l, acc = lax.fori_loop(0, n_chunks, body, init)
+  out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+  out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+  return out.astype(query.dtype)
+
+
 __all__ = [
-    "ATTENTION_IMPLEMENTATIONS", "DEFAULT_BLOCK_SIZE", "NO_KEY_LSE", "XLA_MAX_SCORES",
-    "attention_with_lse", "dot_product_attention", "register_attention",
-    "select_implementation",
+    "ATTENTION_IMPLEMENTATIONS", "DEFAULT_BLOCK_SIZE", "NO_KEY_LSE", "PAGED_CHUNK_TOKENS",
+    "XLA_MAX_SCORES", "attention_with_lse", "dot_product_attention", "paged_attention",
+    "register_attention", "select_implementation",
 ]

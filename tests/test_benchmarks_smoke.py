@@ -60,6 +60,17 @@ def test_algorithms_benchmark_quick(tmp_path):
   assert "## PPO, VAPO, GRPO, DAPO, RLOO" in text
 
 
+@pytest.mark.slow
+def test_rollout_benchmark_quick(tmp_path):
+  status, text = run_benchmarks(tmp_path, "--only", "rollout", "--args", "rollout=--no-hf")
+  assert status["rollout"] == "ok"
+  with open(tmp_path / "rollout.json") as f:
+    result = json.load(f)
+  assert [r["workload"] for r in result["rows"]] == ["heavy_tailed", "uniform"]
+  assert all(r["engine_tok_s"] > 0 and r["sample_tok_s"] > 0 for r in result["rows"])
+  assert 0 < result["shared_over_distinct"] and "## Rollout engine" in text
+
+
 def test_adv_var_norm_is_a_ratio_of_summed_variances():
   from benchmarks.algorithms import _variance_ratio
   rows = [{"adv_var": 0.5, "score_var": 1.0}, {"adv_var": 0.25, "score_var": 0.0},

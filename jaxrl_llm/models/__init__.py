@@ -11,6 +11,7 @@ from jaxrl_llm.models.transformer import TransformerConfig
 from jaxrl_llm.models.transformer import get_config
 from jaxrl_llm.models.transformer import make_apply_fn
 from jaxrl_llm.models.transformer import make_decode_fns
+from jaxrl_llm.models.transformer import make_paged_decode_fns
 from jaxrl_llm.models.transformer import rope
 from jaxrl_llm.models.transformer import rope_frequencies
 from jaxrl_llm.models.transformer import split_model
@@ -24,6 +25,7 @@ __all__ = [
     "get_config",
     "make_apply_fn",
     "make_decode_fns",
+    "make_paged_decode_fns",
     "from_pretrained",
     "rope",
     "rope_frequencies",

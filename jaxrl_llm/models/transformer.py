@@ -56,8 +56,8 @@ from flax import nnx
 
 from jaxrl_llm import _validate as v
 from jaxrl_llm.attention import (ATTENTION_IMPLEMENTATIONS, dot_product_attention,
-                                 select_implementation)
-from jaxrl_llm.rollout.protocol import DecodeFns  # the protocol lives with the sampler
+                                 paged_attention, select_implementation)
+from jaxrl_llm.rollout.protocol import DecodeFns, PagedDecodeFns  # live with the sampler
 
 PRESETS = ("tiny", "small")
 
@@ -349,16 +349,8 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(hd, c.norm_eps, c.dtype, rngs=rngs, names=("head_dim",))
       self.k_norm = RMSNorm(hd, c.norm_eps, c.dtype, rngs=rngs, names=("head_dim",))
 
-  def __call__(self, x, positions, kv_valid, cache_kv=None, index=None):
-    """Attention over ``x`` ``[B, T, D]``; with a cache, over cache + ``x``.
-
-    Without ``cache_kv`` the keys are ``x``'s own (``kv_valid`` ``[B, T]``), and query
-    ``t`` sees keys ``<= t``. With ``cache_kv = (k, v)`` ``[B, S, K, d]`` the new keys
-    are written at slots ``index .. index+T-1``, ``kv_valid`` ``[B, S]`` covers the
-    whole cache (unwritten slots False), and query ``t`` sees slots ``<= index + t``
-    (``query_offset=index``: the cache is not end-aligned, its tail is unwritten).
-    Returns ``(out [B, T, D], (k, v))``.
-    """
+  def _project(self, x, positions):
+    """Rotated queries ``[B, T, H, d]``, rotated keys and values ``[B, T, K, d]``."""
     dtype = x.dtype
     q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
     k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
@@ -371,6 +363,43 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q = rope(q, positions, self.theta, self.rope_scaling)
     k = rope(k, positions, self.theta, self.rope_scaling)
+    return q, k, val
+
+  def paged(self, x, positions, page_table, pages_kv, chunk_pages=None):
+    """Attention of ``x`` ``[B, T, D]`` at ``positions`` ``[B, T]`` (``< 0``: padding)
+    over a paged KV pool ``pages_kv = (k, v)`` ``[num_pages, P, K, d]``.
+
+    The new keys/values are written first at ``(page_table[b, p // P], p % P)`` (padding
+    writes are dropped), then :func:`~jaxrl_llm.attention.paged_attention` reads the
+    row's positions ``<= p``. Returns ``(out [B, T, D], (k_pages, v_pages))``.
+    """
+    dtype = x.dtype
+    q, k, val = self._project(x, jnp.maximum(positions, 0))
+    k_pages, v_pages = pages_kv
+    num_pages, page = k_pages.shape[:2]
+    real = positions >= 0
+    pos = jnp.maximum(positions, 0)
+    ids = jnp.take_along_axis(page_table.astype(jnp.int32), pos // page, axis=1)
+    ids = jnp.where(real, ids, num_pages)          # out of range: the write is dropped
+    k_pages = k_pages.at[ids, pos % page].set(k.astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[ids, pos % page].set(val.astype(v_pages.dtype), mode="drop")
+    out = paged_attention(q, k_pages, v_pages, page_table, positions,
+                          chunk_pages=chunk_pages)
+    out = jnp.einsum("bthk,hkd->btd", out.astype(dtype), self.wo[...].astype(dtype))
+    return out, (k_pages, v_pages)
+
+  def __call__(self, x, positions, kv_valid, cache_kv=None, index=None):
+    """Attention over ``x`` ``[B, T, D]``; with a cache, over cache + ``x``.
+
+    Without ``cache_kv`` the keys are ``x``'s own (``kv_valid`` ``[B, T]``), and query
+    ``t`` sees keys ``<= t``. With ``cache_kv = (k, v)`` ``[B, S, K, d]`` the new keys
+    are written at slots ``index .. index+T-1``, ``kv_valid`` ``[B, S]`` covers the
+    whole cache (unwritten slots False), and query ``t`` sees slots ``<= index + t``
+    (``query_offset=index``: the cache is not end-aligned, its tail is unwritten).
+    Returns ``(out [B, T, D], (k, v))``.
+    """
+    dtype = x.dtype
+    q, k, val = self._project(x, positions)
     query_offset = None
     if cache_kv is not None:
       ck, cv = cache_kv
@@ -417,6 +446,13 @@ class Block(nnx.Module):
 
   def __call__(self, x, positions, kv_valid, cache_kv=None, index=None):
     attn_out, new_kv = self.attn(self.attn_norm(x), positions, kv_valid, cache_kv, index)
+    x = x + attn_out
+    x = x + self.mlp(self.mlp_norm(x))
+    return x, new_kv
+
+  def paged(self, x, positions, page_table, pages_kv, chunk_pages=None):
+    attn_out, new_kv = self.attn.paged(self.attn_norm(x), positions, page_table, pages_kv,
+                                       chunk_pages)
     x = x + attn_out
     x = x + self.mlp(self.mlp_norm(x))
     return x, new_kv
@@ -695,6 +731,49 @@ class Transformer(nnx.Module):
     hidden, values, cache = self.extend(tokens[:, None], cache)
     return hidden[:, 0], (None if values is None else values[:, 0]), cache
 
+  # -- paged decoding (the rollout engine) -----------------------------------------
+
+  def init_pages(self, num_pages: int, page_size: int, dtype=None) -> tuple:
+    """An all-zero paged KV pool: ``n_layers`` pairs ``(k, v)`` of
+    ``[num_pages, page_size, K, head_dim]`` arrays (``config.dtype`` by default)."""
+    c = self.config
+    for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+    dtype = c.dtype if dtype is None else dtype
+    shape = (num_pages, page_size, c.n_kv_heads, c.dim_per_head)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                 for _ in range(c.n_layers))
+
+  def paged_forward(self, tokens, positions, page_table, pages: tuple,
+                    chunk_pages: int | None = None):
+    """Runs ``tokens`` ``[B, T]`` at ``positions`` ``[B, T]`` against a paged KV pool.
+
+    Each real token (``positions >= 0``) writes its keys/values into its row's pages
+    (``page_table`` ``[B, M]``, position ``p`` at page ``page_table[b, p // P]``, slot
+    ``p % P``) and attends to the row's positions ``<= p`` (earlier calls' tokens and
+    this call's). A prompt chunk (T > 1) and a decode step (T = 1) are the same call,
+    and a row's result equals the full forward of its sequence. Padding
+    (``positions < 0``) writes nothing; its hidden state is 0.
+
+    Returns:
+      ``(hidden [B, T, D], values [B, T] or None, new_pages)``.
+    """
+    _check_tokens(tokens, None, positions)
+    v.check_rank("page_table", page_table, 2)
+    if len(pages) != len(self.blocks):
+      raise ValueError(f"`pages` must hold one (k, v) pair per layer ({len(self.blocks)}), "
+                       f"got {len(pages)}.")
+    positions = positions.astype(jnp.int32)
+    mask = (positions >= 0).astype(jnp.float32)
+    x = self._embed(tokens)
+    new_pages = []
+    for block, kv in zip(self.blocks, pages):
+      x, kv = block.paged(x, positions, page_table, kv, chunk_pages)
+      new_pages.append(kv)
+    hidden = self.final_norm(x) * mask[..., None].astype(x.dtype)
+    return hidden, self._values(hidden, mask), tuple(new_pages)
+
 
 # ----------------------------------------------------------------------------------
 # Pure functional adapters
@@ -768,3 +847,41 @@ def make_decode_fns(graphdef) -> DecodeFns:
     return model.logits(hidden), cache
 
   return DecodeFns(init_cache=init_cache, prefill=prefill, decode=decode)
+
+
+def make_paged_decode_fns(graphdef, *, chunk_pages: int | None = None) -> PagedDecodeFns:
+  """:class:`~jaxrl_llm.rollout.protocol.PagedDecodeFns` of the reference
+  :class:`Transformer` (and so of every Hugging Face model loaded into it).
+
+  ``forward`` returns the float32 logits after each row's last real token (the largest
+  position; all-zero hidden state, i.e. zero logits, for a row of padding only).
+  ``chunk_pages``: pages per online-softmax chunk of
+  :func:`~jaxrl_llm.attention.paged_attention` (default 128 keys). Create the
+  functions once and reuse them (they are hashed by identity as static arguments).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> graphdef, params = split_model(
+    ...     Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0)))
+    >>> fns = make_paged_decode_fns(graphdef)
+    >>> pages = fns.init_pages(params, 4, 8)        # 4 pages of 8 tokens per layer
+    >>> table = jnp.array([[2, 0]])                 # positions 0-7 on page 2, 8-15 on 0
+    >>> logits, pages = fns.forward(params, jnp.array([[5, 6, 7]]),
+    ...                             jnp.array([[0, 1, 2]]), table, pages)
+    >>> logits.shape, float(jnp.abs(pages[0][0][2, :3]).sum()) > 0
+    ((1, 32), True)
+  """
+
+  def init_pages(params, num_pages, page_size):
+    return nnx.merge(graphdef, params).init_pages(num_pages, page_size)
+
+  def forward(params, tokens, positions, page_table, pages):
+    model = nnx.merge(graphdef, params)
+    hidden, _, pages = model.paged_forward(tokens, positions, page_table, pages,
+                                           chunk_pages)
+    last = jnp.argmax(positions, axis=1)
+    hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    return model.logits(hidden), pages
+
+  return PagedDecodeFns(init_pages=init_pages, forward=forward)

@@ -1,0 +1,507 @@
+r"""A continuous-batching rollout engine: paged KV cache, shared prompts, keyed draws.
+
+:class:`RolloutEngine` generates completions for a list of :class:`Request` s with a
+fixed number of slots (static shapes: nothing recompiles as requests come and go):
+
+* **Continuous batching.** A host-side scheduler (plain Python) admits waiting samples
+  into free slots; a jitted ``lax.while_loop`` runs up to ``steps_per_call`` decode
+  steps for all slots per device call and returns early when a slot finishes while
+  samples are waiting, so the host refills the slot at once. Each request has its own
+  ``max_new_tokens``, temperature, filters and stop ids.
+* **Paged KV cache.** Keys/values live in a pool of ``num_pages`` pages of
+  ``page_size`` tokens per layer; a slot's page table lists its pages. A decode step
+  at position n reads O(n) keys (:func:`jaxrl_llm.attention.paged_attention` loops
+  over the slot's pages up to the longest live slot), not the slot capacity
+  ``max_len``. A slot's future pages are reserved at admission and handed over as its
+  tokens arrive, so the pages in use follow the tokens in flight; a finished slot's
+  pages (and its unused reservation) return to the pool at once.
+* **Shared prompts.** The ``n`` samples of a request prefill its prompt once, in chunks
+  of ``prefill_chunk`` tokens (one compilation whatever the prompt length); they read
+  the prompt's full pages (reference-counted), and each gets its own copy of the
+  partly filled last page (copy-on-write) before it writes there.
+* **Batch-invariant sampling.** The token at generated position ``n`` of sample ``j``
+  of request ``r`` uses the key ``fold_in(fold_in(fold_in(key(seed), r), j), n)`` and
+  an inverse-CDF draw (:mod:`jaxrl_llm.rollout.draw`); the slot computation never
+  mixes rows (attention reads only the slot's pages, and chunks past a slot's length
+  change nothing bit for bit). So a request's tokens and log-probs do not depend on
+  the other requests or on the slot it lands in (measured bitwise at a fixed
+  ``max_slots``; with another slot count XLA may choose other matmul kernels, see
+  ``tests/test_engine.py``).
+
+Log-prob conventions are those of :func:`jaxrl_llm.rollout.sample`:
+``Completion.logprobs[n]`` :math:`= \log\mathrm{softmax}(z_n/\tau)[y_n]` (the full,
+temperature-scaled distribution, what a train-side ``token_logprobs`` of the same
+tokens gives with logits divided by :math:`\tau`), and ``filtered_logprobs[n]`` is the
+log-prob under the top-k/top-p filtered, renormalised distribution the token was drawn
+from (0 under greedy decoding). ``temperature=0`` means greedy decoding (argmax;
+``logprobs`` then under :math:`\tau = 1`, ``filtered_logprobs`` 0).
+
+Compilations per engine (for a given model, ``params`` structure and request mix): one
+prefill forward ``[1, prefill_chunk]``, one admission (page copy + logits row), one
+decode loop per (any top-k/top-p in the batch, number of stop ids rounded up to a
+power of two) combination: 3 for a homogeneous workload.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.rollout.draw import draw, row_keys
+from jaxrl_llm.rollout.paged_cache import PagePool
+from jaxrl_llm.rollout.protocol import PagedDecodeFns
+
+POLICIES = ("longest_first", "fifo")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One prompt to complete ``n`` times.
+
+  Attributes:
+    prompt: the prompt token ids (non-empty).
+    n: number of samples (>= 1); they share the prompt's prefill and pages.
+    max_new_tokens: the most tokens to generate per sample (>= 1).
+    temperature: :math:`\\tau > 0` to sample, ``0`` for greedy decoding.
+    top_k: keep the k most likely tokens when sampling (``None``: all).
+    top_p: nucleus mass in ``(0, 1]`` when sampling (``None``: 1).
+    eos_ids: ids that end a sample (kept as its last token), or ``None``.
+
+  Examples:
+    >>> Request([1, 2, 3], n=4, max_new_tokens=8, temperature=0.7, eos_ids=(2,)).n
+    4
+    >>> Request([], max_new_tokens=8)
+    Traceback (most recent call last):
+    ...
+    ValueError: `prompt` must be a non-empty sequence of token ids, got [].
+  """
+
+  prompt: Sequence[int]
+  _: dataclasses.KW_ONLY
+  n: int = 1
+  max_new_tokens: int
+  temperature: float = 1.0
+  top_k: int | None = None
+  top_p: float | None = None
+  eos_ids: Sequence[int] | None = None
+
+  def __post_init__(self):
+    prompt = np.asarray(self.prompt)
+    if prompt.ndim != 1 or prompt.size == 0 or not (
+        np.issubdtype(prompt.dtype, np.integer)):
+      raise ValueError(f"`prompt` must be a non-empty sequence of token ids, got "
+                       f"{self.prompt!r}.")
+    for name in ("n", "max_new_tokens"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
+    if not self.temperature >= 0:
+      raise ValueError(f"`temperature` must be >= 0 (0 = greedy), got {self.temperature!r}.")
+    if self.top_k is not None and (not isinstance(self.top_k, (int, np.integer))
+                                   or self.top_k < 1):
+      raise ValueError(f"`top_k` must be None or an int >= 1, got {self.top_k!r}.")
+    if self.top_p is not None and not 0 < self.top_p <= 1:
+      raise ValueError(f"`top_p` must be None or in (0, 1], got {self.top_p!r}.")
+    if self.eos_ids is not None and (np.asarray(self.eos_ids).ndim != 1 or not np.issubdtype(
+        np.asarray(self.eos_ids).dtype, np.integer)):
+      raise ValueError(f"`eos_ids` must be None or a sequence of ints, got "
+                       f"{self.eos_ids!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """One generated sample.
+
+  Attributes:
+    request: index of its :class:`Request` in the list given to ``generate``.
+    sample: its index among the request's ``n`` samples.
+    tokens: ``[L]`` int32 generated ids (the stop id included when it ended on one).
+    logprobs: ``[L]`` float32 log-probs under the temperature-scaled full distribution.
+    filtered_logprobs: ``[L]`` float32 log-probs under the filtered distribution the
+      tokens were drawn from (0 when greedy).
+    finish_reason: ``"eos"`` (ended on one of ``eos_ids``) or ``"length"``.
+  """
+
+  request: int
+  sample: int
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  filtered_logprobs: np.ndarray
+  finish_reason: str
+
+
+@dataclasses.dataclass
+class _Group:
+  """The prefill shared by samples of one request (all ``n``, or one when unshared)."""
+
+  prompt: np.ndarray
+  waiting: int                    # samples not yet admitted
+  pages: list[int] = dataclasses.field(default_factory=list)
+  logits: Any = None              # [V] next-token logits after the prompt (device)
+
+
+@dataclasses.dataclass
+class _Slot:
+  request: int
+  sample: int
+  group: _Group
+  shared: list[int]               # full prompt pages (read only)
+  own: list[int]                  # pages this slot writes
+  reserved: int                   # own pages still to take
+  position: int                   # next position to write = tokens in the cache
+  tokens: list = dataclasses.field(default_factory=list)
+  logprobs: list = dataclasses.field(default_factory=list)
+  filtered: list = dataclasses.field(default_factory=list)
+
+
+def _ceil_div(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+class RolloutEngine:
+  """Continuous-batching generation over a paged KV cache (module docstring).
+
+  Args:
+    decode_fns: the model's :class:`~jaxrl_llm.rollout.protocol.PagedDecodeFns`
+      (:func:`jaxrl_llm.models.make_paged_decode_fns`).
+    max_slots: S, the number of sequences decoded together.
+    max_len: the most tokens (prompt + completion) of one sample.
+    page_size: tokens per page.
+    num_pages: pages in the pool (all layers have one pool each of this many pages);
+      default ``max_slots * ceil(max_len / page_size)``, enough for every slot at
+      ``max_len``. A request that needs more pages than the whole pool raises
+      ``ValueError``; one that needs pages now in use waits until finished slots return
+      them (samples are admitted in queue order).
+    steps_per_call: K, the most decode steps per device call.
+    prefill_chunk: prompt tokens per prefill call (one compilation for all lengths).
+    policy: admission order of the waiting samples: ``"longest_first"`` (largest
+      ``max_new_tokens`` first, ties in request order: long samples start early and
+      do not form a tail on few slots) or ``"fifo"`` (request order).
+    share_prompts: prefill a request's prompt once for its ``n`` samples (default);
+      False prefills it per sample (same results: for comparisons).
+
+  Examples:
+    >>> from flax import nnx
+    >>> from jaxrl_llm.models import (Transformer, TransformerConfig,
+    ...                               make_paged_decode_fns, split_model)
+    >>> graphdef, params = split_model(
+    ...     Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0)))
+    >>> engine = RolloutEngine(make_paged_decode_fns(graphdef), max_slots=4, max_len=32,
+    ...                        page_size=8)
+    >>> out = engine.generate(params, [Request([1, 2, 3], n=2, max_new_tokens=5),
+    ...                                Request([4, 5], max_new_tokens=3, temperature=0)],
+    ...                       seed=0)
+    >>> [(c.request, c.sample, len(c.tokens), c.finish_reason) for c in out]
+    [(0, 0, 5, 'length'), (0, 1, 5, 'length'), (1, 0, 3, 'length')]
+    >>> engine.stats["pages_in_use_after"]
+    0
+  """
+
+  def __init__(self, decode_fns: PagedDecodeFns, *, max_slots: int, max_len: int,
+               page_size: int = 16, num_pages: int | None = None,
+               steps_per_call: int = 16, prefill_chunk: int = 128,
+               policy: str = "longest_first", share_prompts: bool = True):
+    for name, value in (("max_slots", max_slots), ("max_len", max_len),
+                        ("page_size", page_size), ("steps_per_call", steps_per_call),
+                        ("prefill_chunk", prefill_chunk)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+    if policy not in POLICIES:
+      raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
+    self.fns = decode_fns
+    self.max_slots = max_slots
+    self.max_len = max_len
+    self.page_size = page_size
+    self.pages_per_slot = _ceil_div(max_len, page_size)
+    if num_pages is None:
+      num_pages = max_slots * self.pages_per_slot
+    if not isinstance(num_pages, int) or num_pages < 1:
+      raise ValueError(f"`num_pages` must be a positive int, got {num_pages!r}.")
+    self.num_pages = num_pages
+    self.steps_per_call = steps_per_call
+    self.prefill_chunk = prefill_chunk
+    self.policy = policy
+    self.share_prompts = share_prompts
+    self.stats: dict[str, Any] = {}
+    # Module-level jits with the model's forward as a static argument: engines over
+    # the same decode_fns share their compilations.
+    self._forward = functools.partial(_prefill_jit, decode_fns.forward)
+    self._admit = _admit_jit
+    self._decode = functools.partial(_decode_jit, decode_fns.forward)
+
+  # -- validation ------------------------------------------------------------------
+
+  def pages_needed(self, request: Request) -> int:
+    """Pages one sample of ``request`` needs alone: its prompt's pages, the prompt's
+    last partial page kept for copies while samples wait, and its own pages."""
+    p, ps = len(request.prompt), self.page_size
+    own = _ceil_div(p + request.max_new_tokens - 1, ps) - p // ps
+    return _ceil_div(p, ps) + own
+
+  def _check(self, requests) -> None:
+    if not isinstance(requests, Sequence) or not all(
+        isinstance(r, Request) for r in requests):
+      raise ValueError("`requests` must be a sequence of Request.")
+    for i, r in enumerate(requests):
+      total = len(r.prompt) + r.max_new_tokens
+      if total > self.max_len:
+        raise ValueError(
+            f"`requests[{i}]`: prompt ({len(r.prompt)} tokens) + max_new_tokens "
+            f"({r.max_new_tokens}) = {total} exceeds `max_len` ({self.max_len}).")
+      need = self.pages_needed(r)
+      if need > self.num_pages:
+        raise ValueError(f"`requests[{i}]` needs {need} pages of {self.page_size} tokens, "
+                         f"more than the whole pool (`num_pages` = {self.num_pages}).")
+
+  # -- generation ------------------------------------------------------------------
+
+  def generate(self, params, requests: Sequence[Request], seed: int = 0
+               ) -> list[Completion]:
+    """Completes every request ``n`` times; returns the completions ordered by
+    ``(request, sample)``. ``self.stats`` then holds the run's counters: decode steps
+    and device calls, prefill calls and tokens, ``slot_utilisation`` (useful tokens /
+    (slots x decode steps)), ``peak_pages`` and ``mean_pages_in_use`` (weighted by
+    decode steps), ``page_bytes``, and host wall times ``prefill_s``, ``decode_s``,
+    ``total_s``.
+
+    Raises:
+      ValueError: ``requests`` not a sequence of :class:`Request`, or a request whose
+        prompt + ``max_new_tokens`` exceeds ``max_len``, or that needs more pages than
+        the whole pool.
+    """
+    self._check(requests)
+    s, ps, k_steps = self.max_slots, self.page_size, self.steps_per_call
+    pool = PagePool(self.num_pages)
+    pages = self.fns.init_pages(params, self.num_pages, ps)
+    page_bytes = sum(x.nbytes for x in jax.tree.leaves(pages)) // self.num_pages
+    vocab = None
+    logits_state = None
+    base_key = jax.random.key(seed)
+    filtered = any(r.temperature > 0 and (r.top_k is not None or (
+        r.top_p is not None and r.top_p < 1)) for r in requests)
+    n_eos = max([len(r.eos_ids) for r in requests if r.eos_ids is not None] + [1])
+    n_eos = 1 << (n_eos - 1).bit_length()
+
+    order = list(range(len(requests)))
+    if self.policy == "longest_first":
+      order.sort(key=lambda i: -requests[i].max_new_tokens)
+    queue = collections.deque((i, j) for i in order for j in range(requests[i].n))
+    groups: dict[tuple[int, int], _Group] = {}
+    slots: list[_Slot | None] = [None] * s
+    done: list[Completion] = []
+    stats: collections.Counter[str] = collections.Counter()
+    timers = {"prefill_s": 0.0, "decode_s": 0.0}
+    started = time.perf_counter()
+    page_steps = 0
+
+    def group_of(i, j):
+      key = (i, 0) if self.share_prompts else (i, j)
+      if key not in groups:
+        groups[key] = _Group(np.asarray(requests[i].prompt, np.int32),
+                             requests[i].n if self.share_prompts else 1)
+      return groups[key]
+
+    def prefill(group):
+      nonlocal pages
+      prompt = group.prompt
+      table = np.zeros((1, self.pages_per_slot), np.int32)
+      table[0, :len(group.pages)] = group.pages
+      c = self.prefill_chunk
+      for start in range(0, len(prompt), c):
+        chunk = prompt[start:start + c]
+        tokens = np.zeros((1, c), np.int32)
+        positions = np.full((1, c), -1, np.int32)
+        tokens[0, :len(chunk)] = chunk
+        positions[0, :len(chunk)] = np.arange(start, start + len(chunk))
+        logits, pages = self._forward(params, tokens, positions, table, pages)
+        stats["prefill_calls"] += 1
+      stats["prefill_tokens"] += len(prompt)
+      group.logits = logits[0].block_until_ready()
+
+    def admit(slot_index) -> bool:
+      nonlocal pages, logits_state, vocab
+      i, j = queue[0]
+      r = requests[i]
+      group = group_of(i, j)
+      p = len(r.prompt)
+      full, partial = p // ps, p % ps != 0
+      own_need = _ceil_div(p + r.max_new_tokens - 1, ps) - full
+      prompt_need = 0 if group.pages else _ceil_div(p, ps)
+      if pool.available < own_need + prompt_need:
+        return False
+      queue.popleft()
+      if not group.pages:
+        group.pages = pool.allocate(prompt_need)
+        start = time.perf_counter()
+        prefill(group)
+        timers["prefill_s"] += time.perf_counter() - start
+      if logits_state is None:
+        vocab = group.logits.shape[-1]
+        logits_state = jnp.zeros((s, vocab), jnp.float32)
+      shared = group.pages[:full]
+      pool.incref(shared)
+      pool.reserve(own_need)
+      own = []
+      src = dst = 0
+      if partial and own_need:
+        own.append(pool.take())
+        src, dst = group.pages[full], own[0]
+      pages, logits_state = self._admit(pages, logits_state, slot_index, group.logits,
+                                        src, dst)
+      stats["admit_calls"] += 1
+      slots[slot_index] = _Slot(i, j, group, shared, own, own_need - len(own), p)
+      group.waiting -= 1
+      if group.waiting == 0:               # the last sample is in: drop the group's hold
+        pool.decref(group.pages)
+        group.logits = None
+      return True
+
+    def finish(slot_index, reason):
+      slot = slots[slot_index]
+      assert slot is not None
+      pool.decref(slot.shared + slot.own)
+      pool.unreserve(slot.reserved)
+      done.append(Completion(slot.request, slot.sample,
+                             np.asarray(slot.tokens, np.int32),
+                             np.asarray(slot.logprobs, np.float32),
+                             np.asarray(slot.filtered, np.float32), reason))
+      slots[slot_index] = None
+
+    while queue or any(slots):
+      for index in range(s):
+        if slots[index] is None and queue and not admit(index):
+          break
+      live = [(index, slot) for index, slot in enumerate(slots) if slot is not None]
+      if not live:
+        raise RuntimeError("no sample could be admitted (internal: pages leaked?).")
+      # Hand each live slot the pages its next K tokens write (from its reservation).
+      table = np.zeros((s, self.pages_per_slot), np.int32)
+      arrays = {name: np.zeros(s, dtype) for name, dtype in (
+          ("position", np.int32), ("count", np.int32), ("max_new", np.int32),
+          ("request", np.int32), ("sample", np.int32), ("temperature", np.float32),
+          ("top_k", np.int32), ("top_p", np.float32))}
+      arrays["position"][:] = -1
+      eos = np.full((s, n_eos), -1, np.int32)
+      for index, slot in live:
+        r = requests[slot.request]
+        last = min(slot.position + k_steps - 1, len(r.prompt) + r.max_new_tokens - 2)
+        while len(slot.shared) + len(slot.own) <= last // ps:
+          slot.own.append(pool.take())
+          slot.reserved -= 1
+        ids = slot.shared + slot.own
+        table[index, :len(ids)] = ids
+        arrays["position"][index] = slot.position
+        arrays["count"][index] = len(slot.tokens)
+        arrays["max_new"][index] = r.max_new_tokens
+        arrays["request"][index] = slot.request
+        arrays["sample"][index] = slot.sample
+        arrays["temperature"][index] = r.temperature
+        arrays["top_k"][index] = r.top_k or 0
+        arrays["top_p"][index] = 1.0 if r.top_p is None else r.top_p
+        if r.eos_ids is not None:
+          eos[index, :len(r.eos_ids)] = r.eos_ids
+      start = time.perf_counter()
+      pages, logits_state, out, steps = self._decode(
+          params, pages, logits_state, table, eos, base_key, bool(queue),
+          steps=k_steps, filtered=filtered, **arrays)
+      steps = int(steps)
+      timers["decode_s"] += time.perf_counter() - start
+      tokens, logps, flogps = (np.asarray(x)[:, :steps] for x in out)
+      stats["decode_calls"] += 1
+      stats["decode_steps"] += steps
+      page_steps += pool.in_use * steps
+      stats["peak_pages"] = max(stats["peak_pages"], pool.in_use)
+      for index, slot in live:
+        r = requests[slot.request]
+        got = tokens[index] >= 0
+        n_new = int(got.sum())
+        slot.tokens.extend(tokens[index, :n_new].tolist())
+        slot.logprobs.extend(logps[index, :n_new].tolist())
+        slot.filtered.extend(flogps[index, :n_new].tolist())
+        slot.position += n_new
+        if n_new and r.eos_ids is not None and slot.tokens[-1] in r.eos_ids:
+          finish(index, "eos")
+        elif len(slot.tokens) >= r.max_new_tokens:
+          finish(index, "length")
+
+    useful = sum(len(c.tokens) for c in done)
+    steps_total = max(stats["decode_steps"], 1)
+    self.stats = {
+        **stats, **timers, "total_s": time.perf_counter() - started,
+        "useful_tokens": useful, "slots": s,
+        "slot_utilisation": useful / (s * steps_total),
+        "mean_pages_in_use": page_steps / steps_total, "page_bytes": page_bytes,
+        "pool_bytes": page_bytes * self.num_pages, "pages_in_use_after": pool.in_use,
+        "pages_reserved_after": pool.reserved,
+    }
+    done.sort(key=lambda c: (c.request, c.sample))
+    return done
+
+
+def _admit(pages, logits_state, slot, row, src, dst):
+  """Sets the slot's next-token logits and copies page ``src`` to ``dst`` in every
+  layer's pool (the copy-on-write of a shared prompt's partial last page)."""
+  pages = jax.tree.map(lambda x: x.at[dst].set(x[src]), pages)
+  return pages, logits_state.at[slot].set(row.astype(jnp.float32))
+
+
+def _decode_loop(forward, params, pages, logits, table, eos, key, may_exit, *, steps,
+                 filtered, position, count, max_new, request, sample, temperature, top_k,
+                 top_p):
+  """Up to ``steps`` decode steps of all slots (a ``lax.while_loop``).
+
+  Each step draws a token per live slot from its logits (key from ``(request, sample,
+  count)``), records it, marks slots that hit a stop id or ``max_new``, and feeds the
+  still-live slots' tokens through ``forward`` (writing their keys/values at
+  ``position``). Stops after ``steps`` steps, when no slot is live, or (``may_exit``)
+  as soon as a slot finished. Returns ``(pages, logits, (tokens, logps, flogps)
+  [S, steps] with -1 / 0 where nothing was generated, steps run)``.
+  """
+  s = position.shape[0]
+  live = position >= 0
+
+  def cond(carry):
+    step, _, _, _, _, live, finished, _ = carry
+    return (step < steps) & jnp.any(live) & ~(may_exit & finished)
+
+  def body(carry):
+    step, pages, logits, position, count, live, finished, outs = carry
+    keys = row_keys(key, request, sample, count)
+    token, logp, flogp = draw(logits, keys, temperature, top_k, top_p, filtered=filtered)
+    tok_out, logp_out, flogp_out = outs
+    tok_out = tok_out.at[:, step].set(jnp.where(live, token, -1))
+    logp_out = logp_out.at[:, step].set(jnp.where(live, logp, 0.0))
+    flogp_out = flogp_out.at[:, step].set(jnp.where(live, flogp, 0.0))
+    count = count + live
+    stop = jnp.any(token[:, None] == eos, axis=1) | (count >= max_new)
+    ended = live & stop
+    live = live & ~stop
+    fed = jnp.where(live, position, -1)
+    new_logits, pages = forward(params, token[:, None], fed[:, None], table, pages)
+    logits = jnp.where(live[:, None], new_logits, logits)
+    return (step + 1, pages, logits, position + live, count, live,
+            finished | jnp.any(ended), (tok_out, logp_out, flogp_out))
+
+  outs = (jnp.full((s, steps), -1, jnp.int32), jnp.zeros((s, steps), jnp.float32),
+          jnp.zeros((s, steps), jnp.float32))
+  carry = (jnp.asarray(0, jnp.int32), pages, logits, position, count, live,
+           jnp.asarray(False), outs)
+  step, pages, logits, _, _, _, _, outs = jax.lax.while_loop(cond, body, carry)
+  return pages, logits, outs, step
+
+
+_prefill_jit = jax.jit(lambda forward, *args: forward(*args), static_argnums=0,
+                       donate_argnums=5)
+_admit_jit = jax.jit(_admit, donate_argnums=(0, 1))
+_decode_jit = jax.jit(_decode_loop, static_argnames=("forward", "steps", "filtered"),
+                      donate_argnums=(2, 3))
+
+__all__ = ["Completion", "POLICIES", "Request", "RolloutEngine"]
