@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import _validate as v
+from jaxrl_llm._names import ROLLOUT_LEVELS
 from jaxrl_llm.losses._common import (ArrayLike, Coef, LossAndMetrics, check_positive,
                                       masked_f32)
 from jaxrl_llm.masked import masked_mean
 
-_ROLLOUT_LEVELS = ("token", "sequence")
 _IS_LOG_BOUND = 20.0  # verl's SAFETY_BOUND on log importance ratios
 
 
@@ -90,7 +90,7 @@ def rollout_correction_weights(log_ratio: ArrayLike, mask: ArrayLike, *,
     >>> [round(float(x), 4) for x in w[0]]                               # 1 * 3 * 0.25
     [0.75, 0.75, 0.75, 0.0]
   """
-  v.check_choice("level", level, _ROLLOUT_LEVELS)
+  v.check_choice("level", level, ROLLOUT_LEVELS)
   v.check_rank("log_ratio", log_ratio, 2)
   v.check_float("log_ratio", log_ratio)
   v.check_same_shape(("log_ratio", "mask"), (log_ratio, mask))
