@@ -20,3 +20,7 @@ ROLLOUT_LEVELS = ("token", "sequence")
 
 # The reference transformer's size presets (jaxrl_llm.models.get_config).
 MODEL_PRESETS = ("tiny", "small")
+
+# How the RL loop generates completions (RunConfig.rollout): the continuous-batching
+# engine (jaxrl_llm.rollout.RolloutEngine) or the rectangular sampler (sample).
+ROLLOUT_BACKENDS = ("engine", "simple")

@@ -33,7 +33,7 @@ def _rollout(sampling: SamplingSettings, task: Task, policy: Policy, params: Any
   prompts, prompt_mask = tok.encode_batch([p.prompt for p in problems],
                                           task.max_prompt_len)
   rep = lambda x: np.repeat(x, sampling.group_size, axis=0)
-  out = policy.generate(params, rep(prompts), rep(prompt_mask), key,
+  out = policy.generate(params, prompts, prompt_mask, key, n=sampling.group_size,
                         max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
                         temperature=config.temperature)
   texts = decode(tok, out.completion, out.completion_mask)

@@ -15,7 +15,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-from jaxrl_llm._names import MODEL_PRESETS
+from jaxrl_llm._names import MODEL_PRESETS, ROLLOUT_BACKENDS
 from jaxrl_llm.train.config import TrainConfig, document_fields, setting
 
 # Fields that may differ between a run and its resumption.
@@ -119,6 +119,14 @@ class RunConfig:
       "task, whose budget is exactly its longest answer + eos).", min_int=0)
   overlong_penalty: float = setting(1.0, "the overlong penalty at the full budget.",
                                     low=0.0, low_inclusive=True)
+  rollout: str = setting(
+      "engine", "how completions are generated: \"engine\" (the continuous-batching "
+      "RolloutEngine: paged KV cache, a group's prompt prefilled once, a finished "
+      "completion frees its slot) or \"simple\" (the rectangular sample loop: every "
+      "row decodes until the longest ends).", choices=ROLLOUT_BACKENDS)
+  rollout_slots: Optional[int] = setting(
+      None, "the engine's slots, the completions decoded together (None: all "
+      "completions of a step, at most 256).", min_int=1)
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,

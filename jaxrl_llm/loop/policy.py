@@ -4,8 +4,10 @@ Any model that follows the two protocols can be trained by
 :func:`jaxrl_llm.loop.run.run_training`: the train step's forward
 ``apply_fn(params, tokens, positions, attention_mask)`` (see
 :func:`jaxrl_llm.train.policy_forward`) and the sampler's
-:class:`~jaxrl_llm.rollout.DecodeFns`. :meth:`Policy.reference` builds the reference
-transformer.
+:class:`~jaxrl_llm.rollout.DecodeFns`; a model that also provides the paged protocol
+(:class:`~jaxrl_llm.rollout.PagedDecodeFns`) can generate through the
+continuous-batching :class:`~jaxrl_llm.rollout.RolloutEngine`
+(:meth:`Policy.use_engine`). :meth:`Policy.reference` builds the reference transformer.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxrl_llm.loop.config import RunConfig
-from jaxrl_llm.rollout import DecodeFns, SampleOutput, sample
+from jaxrl_llm.rollout import (Completion, DecodeFns, PagedDecodeFns, Request,
+                               RolloutEngine, SampleOutput, sample)
 from jaxrl_llm.train import TrainConfig, policy_forward
 
 # The defaults of the run's settings (declared once, in the configs).
@@ -38,14 +42,19 @@ class Policy:
     ref_apply_fn: the forward of the frozen KL reference (default ``apply_fn``).
     ref_part: ``params -> the part of them ref_apply_fn needs`` (default: all): the
       reference keeps no value head or critic parameters (see :meth:`ref_params`).
+    paged_decode_fns: the model's :class:`~jaxrl_llm.rollout.PagedDecodeFns`, for
+      :meth:`use_engine` (None: the model generates through ``sample`` only).
   """
 
   def __init__(self, apply_fn: Callable[..., Any], decode_fns: DecodeFns,
                init_params: Any, *, pad_id: int, temperature: float = _TEMPERATURE,
                ref_apply_fn: Optional[Callable[..., Any]] = None,
-               ref_part: Optional[Callable[[Any], Any]] = None):
+               ref_part: Optional[Callable[[Any], Any]] = None,
+               paged_decode_fns: Optional[PagedDecodeFns] = None):
     self.apply = apply_fn
     self.decode_fns = decode_fns
+    self.paged_decode_fns = paged_decode_fns
+    self.engine: Optional[RolloutEngine] = None
     self.init_params = init_params
     self.pad_id = pad_id
     self.temperature = temperature
@@ -74,13 +83,14 @@ class Policy:
     """A :class:`~jaxrl_llm.models.Transformer` (``split_model`` output) as a policy;
     its KL reference is the same model without the value head."""
     from jaxrl_llm.models.critic import drop_value_head
-    from jaxrl_llm.models.transformer import make_apply_fn, make_decode_fns
+    from jaxrl_llm.models.transformer import (make_apply_fn, make_decode_fns,
+                                              make_paged_decode_fns)
     ref_graphdef, _ = drop_value_head(graphdef, params)
+    fns = dict(pad_id=pad_id, temperature=temperature,
+               paged_decode_fns=make_paged_decode_fns(graphdef))
     if ref_graphdef is graphdef:        # no value head: the reference is the model
-      return cls(make_apply_fn(graphdef), make_decode_fns(graphdef), params,
-                 pad_id=pad_id, temperature=temperature)
-    return cls(make_apply_fn(graphdef), make_decode_fns(graphdef), params,
-               pad_id=pad_id, temperature=temperature,
+      return cls(make_apply_fn(graphdef), make_decode_fns(graphdef), params, **fns)
+    return cls(make_apply_fn(graphdef), make_decode_fns(graphdef), params, **fns,
                ref_apply_fn=make_apply_fn(ref_graphdef),
                ref_part=lambda p: drop_value_head(graphdef, p)[1])
 
@@ -90,14 +100,100 @@ class Policy:
     with ``params`` (copy them before a train step donates ``params``)."""
     return params if self._ref_part is None else self._ref_part(params)
 
+  def use_engine(self, *, max_slots: int, max_len: int, page_size: int = 16) -> None:
+    """Generates through a :class:`~jaxrl_llm.rollout.RolloutEngine` of ``max_slots``
+    slots from now on (continuous batching, paged KV cache, a group's prompt prefilled
+    once); ``max_len`` bounds prompt + completion.
+
+    Raises:
+      ValueError: the model provides no paged protocol (``paged_decode_fns``).
+    """
+    if self.paged_decode_fns is None:
+      raise ValueError("this policy's model has no paged decode protocol "
+                       "(`paged_decode_fns`): generate with sample (--rollout simple).")
+    self.engine = RolloutEngine(self.paged_decode_fns, max_slots=max_slots,
+                                max_len=max_len, page_size=page_size)
+
   def generate(self, params: Any, tokens: Any, mask: Any, rng: Optional[jax.Array], *,
                max_new_tokens: int, eos_id: Optional[int | Sequence[int]],
-               temperature: float = _TEMPERATURE,
-               greedy: bool = False) -> SampleOutput:
-    """Samples completions of the prompts ``tokens`` (see :func:`jaxrl_llm.rollout.sample`)."""
+               temperature: float = _TEMPERATURE, greedy: bool = False,
+               n: int = 1) -> SampleOutput:
+    """``n`` completions of each prompt row of ``tokens`` ``[B, P]`` (left-padded,
+    ``mask`` 1 = real token), as one rectangular :class:`~jaxrl_llm.rollout.SampleOutput`
+    of ``B * n`` rows: row ``i``'s samples are rows ``i * n .. i * n + n - 1``.
+
+    Through the engine (:meth:`use_engine`) when one is set: each prompt is one
+    :class:`~jaxrl_llm.rollout.Request` with ``n`` samples, keyed by an int seed drawn
+    from ``rng`` (0 when greedy); else through :func:`jaxrl_llm.rollout.sample` over
+    the ``n``-times repeated rows with ``rng``. The two draw different samples from the
+    same distribution; greedy tokens are the same.
+    """
+    if self.engine is not None:
+      return self._generate_with_engine(params, tokens, mask, rng, n=n,
+                                        max_new_tokens=max_new_tokens, eos_id=eos_id,
+                                        temperature=temperature, greedy=greedy)
+    tokens, mask = np.repeat(tokens, n, axis=0), np.repeat(mask, n, axis=0)
     return self._sample(self.decode_fns, params, jnp.asarray(tokens), jnp.asarray(mask),
                         rng, max_new_tokens=max_new_tokens, temperature=temperature,
                         greedy=greedy, eos_id=eos_id, pad_id=self.pad_id)
 
+  def _generate_with_engine(self, params: Any, tokens: Any, mask: Any,
+                            rng: Optional[jax.Array], *, n: int, max_new_tokens: int,
+                            eos_id: Optional[int | Sequence[int]], temperature: float,
+                            greedy: bool) -> SampleOutput:
+    assert self.engine is not None
+    tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, np.float32)
+    eos_ids = None if eos_id is None else tuple(np.atleast_1d(eos_id).tolist())
+    requests = [Request(row[keep > 0].tolist(), n=n, max_new_tokens=max_new_tokens,
+                        temperature=0.0 if greedy else float(temperature),
+                        eos_ids=eos_ids) for row, keep in zip(tokens, mask)]
+    seed = 0 if greedy or rng is None else int(
+        jax.random.randint(rng, (), 0, np.iinfo(np.int32).max))
+    completions = self.engine.generate(params, requests, seed=seed)
+    return completions_to_sample_output(completions, np.repeat(tokens, n, axis=0),
+                                        np.repeat(mask, n, axis=0),
+                                        max_new_tokens=max_new_tokens, pad_id=self.pad_id)
 
-__all__ = ["Policy"]
+
+def completions_to_sample_output(completions: Sequence[Completion], prompt_tokens: Any,
+                                 prompt_mask: Any, *, max_new_tokens: int,
+                                 pad_id: int) -> SampleOutput:
+  """The engine's completions (ordered by request, then sample) as the rectangular
+  :class:`~jaxrl_llm.rollout.SampleOutput` that :func:`~jaxrl_llm.rollout.sample` returns
+  for the prompt rows ``prompt_tokens`` ``[R, P]`` (one row per completion): each
+  completion padded with ``pad_id`` to ``max_new_tokens`` (mask, log-probs 0 there).
+
+  Examples:
+    >>> import numpy as np
+    >>> c = Completion(request=0, sample=0, tokens=np.array([5, 2]),
+    ...                logprobs=np.array([-0.5, -0.25]), filtered_logprobs=np.zeros(2),
+    ...                finish_reason="eos")
+    >>> out = completions_to_sample_output([c], np.array([[0, 7]]), np.array([[0, 1]]),
+    ...                                    max_new_tokens=3, pad_id=0)
+    >>> out.tokens.tolist(), out.completion_mask.tolist(), out.lengths.tolist()
+    ([[0, 7, 5, 2, 0]], [[1.0, 1.0, 0.0]], [2])
+    >>> out.logprobs.tolist(), out.finished.tolist()
+    ([[-0.5, -0.25, 0.0]], [True])
+  """
+  rows = len(completions)
+  completion = np.full((rows, max_new_tokens), pad_id, np.int32)
+  completion_mask = np.zeros((rows, max_new_tokens), np.float32)
+  logprobs = np.zeros((rows, max_new_tokens), np.float32)
+  sampling_logprobs = np.zeros((rows, max_new_tokens), np.float32)
+  for r, c in enumerate(completions):
+    k = len(c.tokens)
+    completion[r, :k] = c.tokens
+    completion_mask[r, :k] = 1.0
+    logprobs[r, :k] = c.logprobs
+    sampling_logprobs[r, :k] = c.filtered_logprobs
+  prompt_tokens = np.asarray(prompt_tokens, np.int32)
+  return SampleOutput(
+      tokens=np.concatenate([prompt_tokens, completion], axis=1),
+      mask=np.concatenate([np.asarray(prompt_mask, np.float32), completion_mask], axis=1),
+      completion=completion, completion_mask=completion_mask, logprobs=logprobs,
+      lengths=completion_mask.sum(axis=1).astype(np.int32),
+      finished=np.array([c.finish_reason == "eos" for c in completions], bool),
+      sampling_logprobs=sampling_logprobs)
+
+
+__all__ = ["Policy", "completions_to_sample_output"]

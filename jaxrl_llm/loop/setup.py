@@ -89,10 +89,26 @@ def make_policy(resolved: Resolved, task: Task) -> Policy:
   ``{"policy": ..., "critic": ...}`` (:mod:`jaxrl_llm.models.critic`): the critic is
   loaded from ``run.critic`` (or the policy's initial weights for ``"policy"``) with a
   zero-initialised value head; sampling and the KL reference use the policy part
-  only (the reference keeps no value head either: :meth:`Policy.ref_params`).
+  only (the reference keeps no value head either: :meth:`Policy.ref_params`). With
+  ``run.rollout == "engine"`` it generates through a
+  :class:`~jaxrl_llm.rollout.RolloutEngine` of ``run.rollout_slots`` slots.
   """
-  from jaxrl_llm.models import make_apply_fn, make_decode_fns
-  from jaxrl_llm.rollout import DecodeFns
+  policy = _policy(resolved, task)
+  run = resolved.run
+  if run.rollout == "engine":
+    rows = resolved.sampling.prompts_per_step * resolved.sampling.group_size
+    policy.use_engine(max_slots=run.rollout_slots or min(rows, _MAX_DEFAULT_SLOTS),
+                      max_len=task.max_prompt_len + task.max_new_tokens)
+  return policy
+
+
+# The engine's default slot count: all completions of a step, up to this many.
+_MAX_DEFAULT_SLOTS = 256
+
+
+def _policy(resolved: Resolved, task: Task) -> Policy:
+  from jaxrl_llm.models import make_apply_fn, make_decode_fns, make_paged_decode_fns
+  from jaxrl_llm.rollout import DecodeFns, PagedDecodeFns
   tok = task.tokenizer
   run, config, separate = resolved.run, resolved.train, resolved.separate_critic
   if not separate and not is_checkpoint(run.model):
@@ -105,16 +121,20 @@ def make_policy(resolved: Resolved, task: Task) -> Policy:
     return Policy.of_transformer(graphdef, params, pad_id=tok.pad_id,
                                  temperature=config.temperature)
   from jaxrl_llm.models.critic import POLICY, actor_critic_apply
-  fns = make_decode_fns(graphdef)
+  fns, paged = make_decode_fns(graphdef), make_paged_decode_fns(graphdef)
   decode = DecodeFns(
-      init_cache=lambda p, batch, max_len: fns.init_cache(p["policy"], batch, max_len),
-      prefill=lambda p, tokens, mask, cache: fns.prefill(p["policy"], tokens, mask, cache),
-      decode=lambda p, tokens, cache: fns.decode(p["policy"], tokens, cache))
-  # The KL reference is the policy part alone (no critic).
+      init_cache=lambda p, batch, max_len: fns.init_cache(p[POLICY], batch, max_len),
+      prefill=lambda p, tokens, mask, cache: fns.prefill(p[POLICY], tokens, mask, cache),
+      decode=lambda p, tokens, cache: fns.decode(p[POLICY], tokens, cache))
+  paged_decode = PagedDecodeFns(
+      init_pages=lambda p, num_pages, page_size: paged.init_pages(p[POLICY], num_pages,
+                                                                  page_size),
+      forward=lambda p, *args: paged.forward(p[POLICY], *args))
+  # Sampling and the KL reference use the policy part alone (no critic).
   return Policy(actor_critic_apply(graphdef, critic_graphdef), decode,
                 params, pad_id=tok.pad_id,
                 temperature=config.temperature, ref_apply_fn=make_apply_fn(graphdef),
-                ref_part=lambda p: p[POLICY])
+                ref_part=lambda p: p[POLICY], paged_decode_fns=paged_decode)
 
 
 def restore_latest(run_dir: str) -> tuple[Resolved, Task, Policy, Any, int]:
