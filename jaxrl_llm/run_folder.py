@@ -413,12 +413,31 @@ def _existing_ancestor(path: str) -> str:
   return path
 
 
+def _probe_write(folder: str, what: str, path: str) -> None:
+  """Creates, writes, fsyncs and removes a file in ``folder``; one-line error if not."""
+  try:
+    fd, probe = tempfile.mkstemp(prefix=".jaxrl-write-probe-", dir=folder)
+    try:
+      os.write(fd, b"probe")
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+      os.unlink(probe)
+  except OSError as e:
+    err = io_error("writing", folder, e)
+    raise RunFolderIOError(f"{what} is not writable: {err}", path=path,
+                           err=e.errno) from None
+
+
 def probe_run_folder(path: str, *, min_free_bytes: int = 64 << 20) -> None:
   """Checks, before any compute is spent, that ``path`` can hold a run.
 
   Without creating anything: the nearest existing ancestor of ``path`` must be a
   folder in which a file can be created, written, fsynced and removed, and its disk
-  must have at least ``min_free_bytes`` free.
+  must have at least ``min_free_bytes`` free. When ``path/checkpoints`` exists already
+  (a resumed run, or a folder made ready beforehand) it must be a folder that passes
+  the same write test, so an unwritable one stops the run before any compute rather
+  than at its first save.
 
   Raises:
     RunFolderIOError: one line naming ``path`` and the cause.
@@ -431,18 +450,13 @@ def probe_run_folder(path: str, *, min_free_bytes: int = 64 << 20) -> None:
   if not os.path.isdir(where):
     raise RunFolderIOError(f"cannot create run folder {path}: {where} is not a folder",
                            path=path, err=errno.ENOTDIR)
-  try:
-    fd, probe = tempfile.mkstemp(prefix=".jaxrl-write-probe-", dir=where)
-    try:
-      os.write(fd, b"probe")
-      os.fsync(fd)
-    finally:
-      os.close(fd)
-      os.unlink(probe)
-  except OSError as e:
-    err = io_error("writing", where, e)
-    raise RunFolderIOError(f"run folder {path} is not writable: {err}", path=path,
-                           err=e.errno) from None
+  _probe_write(where, f"run folder {path}", path)
+  checkpoints = os.path.join(path, CHECKPOINTS_DIR)
+  if os.path.lexists(checkpoints):
+    if not os.path.isdir(checkpoints):
+      raise RunFolderIOError(f"checkpoint folder {checkpoints} is not a folder; remove it "
+                             "or choose another --out", path=checkpoints, err=errno.ENOTDIR)
+    _probe_write(checkpoints, f"checkpoint folder {checkpoints}", checkpoints)
   free = shutil.disk_usage(where).free
   if free < min_free_bytes:
     raise RunFolderIOError(

@@ -329,3 +329,20 @@ def test_training_that_skips_every_update_says_so_and_fails(tmp_path):
   assert "error: every update of steps 1-2 was skipped" in done.stderr, done.stderr[-3000:]
   assert "Traceback" not in done.stderr
   assert [r["step"] for r in _rows(out)] == [0, 1, 2]          # metrics kept, strict
+
+
+def test_an_unwritable_checkpoint_folder_stops_the_run_before_any_compute(capsys, tmp_path):
+  """Issue 28, fault 4: found at start-up, not at the first save after the compute."""
+  from tests.utils import make_unwritable_folder
+  out = tmp_path / "run"
+  out.mkdir()
+  make_unwritable_folder(out / "checkpoints")
+  done = _main(capsys, "train", "--steps", "2", "--save-every", "2", "--prompts-per-step",
+               "4", "--group-size", "2", "--eval-size", "8", "--out", str(out),
+               "--no-progress")
+  assert done.returncode == 1, done.stderr[-3000:]
+  errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+  assert errors[0].startswith(f"error: checkpoint folder {out}/checkpoints is not "
+                              "writable: "), errors[0]
+  assert sorted(os.listdir(out)) == ["checkpoints"]     # no config.json, no metrics
