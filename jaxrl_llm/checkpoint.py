@@ -35,7 +35,12 @@ A JSON ``extra`` dict (e.g. the data-stream position of a trainer) is saved alon
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import logging
 import os
+import re
+import shutil
 import sys
 from collections.abc import Callable
 from typing import Any, Optional
@@ -44,6 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from jaxrl_llm import run_folder as rf
 
 VERIFY_ITEM = "verify"
 
@@ -249,7 +256,9 @@ class Checkpointer:
 
     Raises:
       CheckpointError: the save failed (full disk, unwritable folder, ...); one line
-        naming the folder and the cause.
+        naming the folder and the operating-system cause (``no space left on device
+        (ENOSPC)``). Orbax's background-thread error logs are silenced during the
+        save, and the failed step's temporary folder is removed.
     """
     step = int(step)
     for s in self.all_steps():
@@ -264,12 +273,14 @@ class Checkpointer:
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               extra=ocp.args.JsonSave(extra or {}),
                               **{VERIFY_ITEM: ocp.args.JsonSave(record)})
-    try:
-      saved = self._manager.save(step, args=args, force=force)
-      self._manager.wait_until_finished()
-    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise bare Exception
-      raise CheckpointError(f"cannot save checkpoint step {step} in {self.directory}: "
-                            f"{_one_line(_root_cause(e))}") from None
+    with _quiet_orbax():
+      try:
+        saved = self._manager.save(step, args=args, force=force)
+        self._manager.wait_until_finished()
+      except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise bare Exception
+        self._discard_partial(step)
+        raise CheckpointError(f"cannot save checkpoint step {step} in {self.directory}: "
+                              f"{_save_failure(e)}") from None
     if saved:
       self._records[step] = record
       self.bad_steps.pop(step, None)
@@ -278,6 +289,16 @@ class Checkpointer:
                  f"({record['nonfinite'][0]}); it will not count as a good state")
       self._rotate()
     return bool(saved)
+
+  def _discard_partial(self, step: int) -> None:
+    """Removes what a failed save of ``step`` left: its temporary folder (the space a
+    full disk needs back), once orbax's background writes have stopped."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception:  # noqa: BLE001 - the failure is being reported already
+      pass
+    for path in glob.glob(glob.escape(self._step_dir(step)) + _TMP_SUFFIX + "*"):
+      shutil.rmtree(path, ignore_errors=True)
 
   def _step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
@@ -392,6 +413,66 @@ class Checkpointer:
 
   def __exit__(self, *exc: object) -> None:
     self.close()
+
+
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"     # orbax's name for a step folder being written
+_OS_CODE = re.compile(r"os_error_code='?(\d+)|\[Errno (\d+)\]")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+  """``exc`` and its causes / contexts, outermost first."""
+  out: list[BaseException] = []
+  cur: Optional[BaseException] = exc
+  while cur is not None and all(cur is not e for e in out):
+    out.append(cur)
+    cur = cur.__cause__ or cur.__context__
+  return out
+
+
+def _os_cause(exc: BaseException) -> Optional[OSError]:
+  """The operating-system error behind ``exc``: an ``OSError`` in its chain, or the
+  errno that tensorstore writes into its message (``[os_error_code='28']``)."""
+  for e in reversed(_chain(exc)):
+    if isinstance(e, OSError) and e.errno:
+      return e
+  for e in reversed(_chain(exc)):
+    match = _OS_CODE.search(str(e))
+    if match:
+      code = int(match.group(1) or match.group(2))
+      return OSError(code, os.strerror(code))
+  return None
+
+
+def _save_failure(exc: BaseException) -> str:
+  """Why a save failed, in one line: the OS cause when there is one (``no space left on
+  device (ENOSPC); ...``), else the innermost error, shortened."""
+  cause = _os_cause(exc)
+  if cause is not None:
+    return rf.os_reason(cause)
+  return _one_line(_root_cause(exc))
+
+
+class _DropOrbaxErrors(logging.Filter):
+  """Drops orbax's own error logs (tracebacks of its background threads)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """Within: orbax's background-thread error logs are dropped. The failure they
+  describe reaches :meth:`Checkpointer.save` as an exception and is reported once,
+  in one line, as a :class:`CheckpointError`."""
+  drop = _DropOrbaxErrors()
+  loggers = [logging.getLogger("absl"), logging.getLogger("orbax")]
+  for lg in loggers:
+    lg.addFilter(drop)
+  try:
+    yield
+  finally:
+    for lg in loggers:
+      lg.removeFilter(drop)
 
 
 def _root_cause(exc: BaseException) -> BaseException:

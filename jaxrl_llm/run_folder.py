@@ -91,19 +91,31 @@ def io_error(action: str, path: str, exc: OSError) -> RunFolderIOError:
     cannot write runs/a/metrics.jsonl: no space left on device (ENOSPC);
     free some space or choose another --out
   """
+  verb = "write" if action == "writing" else "read" if action == "reading" else action
+  msg = f"cannot {verb} {path}: {os_reason(exc)}"
+  return RunFolderIOError(" ".join(msg.split()), path=path, err=exc.errno)
+
+
+def os_reason(exc: OSError) -> str:
+  """The cause of ``exc`` in words, its errno name, and what to do for the usual ones.
+
+  Examples:
+    >>> os_reason(OSError(28, "No space left on device"))
+    'no space left on device (ENOSPC); free some space or choose another --out'
+    >>> os_reason(OSError(27, "File too large"))
+    'file too large (EFBIG)'
+  """
   code = exc.errno
   name = errno.errorcode.get(code, "") if code is not None else ""
   reason = (exc.strerror or str(exc) or type(exc).__name__).strip()
   reason = reason[:1].lower() + reason[1:]
-  verb = "write" if action == "writing" else "read" if action == "reading" else action
-  msg = f"cannot {verb} {path}: {reason}"
   if name:
-    msg += f" ({name})"
+    reason += f" ({name})"
   if code == errno.ENOSPC:
-    msg += "; free some space or choose another --out"
+    reason += "; free some space or choose another --out"
   elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
-    msg += "; choose a writable --out"
-  return RunFolderIOError(" ".join(msg.split()), path=path, err=code)
+    reason += "; choose a writable --out"
+  return " ".join(reason.split())
 
 
 def to_jsonable(value: Any) -> Any:
@@ -534,6 +546,7 @@ class GracefulStop:
 
 
 __all__ = ["METRICS_FILE", "CONFIG_FILE", "RunFolderError", "RunFolderIOError", "io_error",
+           "os_reason",
            "to_jsonable", "dumps", "atomic_write_text", "write_json", "read_json", "read_metrics",
            "rewrite_jsonl", "prepare_metrics", "MetricsWriter", "probe_run_folder",
            "RunInterrupted", "GracefulStop"]

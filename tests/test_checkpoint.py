@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,8 @@ import pytest
 
 from jaxrl_llm.checkpoint import (Checkpointer, CheckpointError, abstract_like,
                                   fingerprint, verify_against)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _states(n):
@@ -227,3 +231,60 @@ def test_fingerprint_sees_every_single_word_change_and_ignores_layout():
     assert fingerprint({"x": sharded}) == base
   assert verify_against(base, {"x": x}) is None
   assert "non-finite values in ['x']" in verify_against(base, {"x": x.at[2, 2].set(jnp.nan)})
+
+
+_SAVE_TOO_BIG = r"""
+import os, resource, sys
+import jax.numpy as jnp, numpy as np
+from jaxrl_llm.checkpoint import Checkpointer, CheckpointError
+folder, limit = sys.argv[1], int(sys.argv[2])
+ckpt = Checkpointer(folder)
+big = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((512, 1024)), jnp.float32)}
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+if limit:
+  resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))     # EFBIG past `limit` bytes
+try:
+  ckpt.save(1, big)
+except CheckpointError as e:
+  print("error:", e, file=sys.stderr)
+if limit:
+  resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+assert ckpt.save(2, {"w": jnp.ones(3)})       # the Checkpointer still works after it
+print("left:", sorted(os.listdir(folder)), file=sys.stderr)
+"""
+
+
+def _save_too_big(folder, limit=0):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  done = subprocess.run([sys.executable, "-c", _SAVE_TOO_BIG, str(folder), str(limit)],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  lines = (done.stdout + done.stderr).splitlines()
+  assert lines[-1] == "left: ['2']", lines            # no temporary folder left behind
+  return lines[:-1]
+
+
+def test_a_full_disk_is_one_line_with_the_os_cause(tmp_path):
+  """Issue 28, fault 3: a real full disk (a 1 MiB tmpfs) mid-save; root only."""
+  mnt = tmp_path / "small"
+  mnt.mkdir()
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                           capture_output=True)
+  if mounted.returncode != 0:
+    pytest.skip("cannot mount a small tmpfs here (needs root); the RLIMIT_FSIZE test "
+                "covers the same path")
+  try:
+    lines = _save_too_big(mnt / "ckpt")
+  finally:
+    subprocess.run(["umount", str(mnt)], check=True)
+  assert lines == [f"error: cannot save checkpoint step 1 in {mnt}/ckpt: no space left on "
+                   "device (ENOSPC); free some space or choose another --out"], lines
+
+
+def test_a_write_refused_by_the_os_mid_save_is_one_line_with_its_cause(tmp_path):
+  """Issue 28, fault 3, anywhere: the OS refuses the data-file write (RLIMIT_FSIZE ->
+  EFBIG) in orbax's background thread, as a full disk does."""
+  lines = _save_too_big(tmp_path / "ckpt", limit=256 << 10)
+  assert lines == [f"error: cannot save checkpoint step 1 in {tmp_path}/ckpt: file too "
+                   "large (EFBIG)"], lines
