@@ -41,7 +41,9 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -254,6 +256,12 @@ class Checkpointer:
     in :meth:`restore` are deleted first (logged), so a run that fell back to an
     older checkpoint saves its new steps in their place.
 
+    Ctrl-C (SIGINT) while the step is written does not tear the save: it is held (one
+    line says so) until the step is complete and rotated, then handed to the handler
+    that was in place (Python's raises ``KeyboardInterrupt``; a
+    :class:`~jaxrl_llm.run_folder.GracefulStop` that is already stopping, whose save
+    this is, needs nothing more). A save never leaves its temporary folder behind.
+
     Raises:
       CheckpointError: the save failed (full disk, unwritable folder, ...); one line
         naming the folder and the operating-system cause (``no space left on device
@@ -261,6 +269,10 @@ class Checkpointer:
         save, and the failed step's temporary folder is removed.
     """
     step = int(step)
+    with _HoldInterrupts(self.log, step):
+      return self._save(step, state, extra, force)
+
+  def _save(self, step: int, state: Any, extra: Optional[dict], force: bool) -> bool:
     for s in self.all_steps():
       if s >= step and s in self.bad_steps:      # replaced by the run that went on
         self.log(f"removing unusable checkpoint {self._step_dir(s)} "
@@ -450,6 +462,48 @@ def _save_failure(exc: BaseException) -> str:
   if cause is not None:
     return rf.os_reason(cause)
   return _one_line(_root_cause(exc))
+
+
+class _HoldInterrupts:
+  """Within (main thread only): SIGINT is held, not raised, and handed on at the end.
+
+  An interrupt raised inside orbax's save abandons its background writes half done
+  (two tracebacks at interpreter exit, the step lost, ``<step>.orbax-checkpoint-tmp``
+  left behind). Held, the first SIGINT logs one line; on a clean exit it is delivered
+  to the previous handler, unless that is a :class:`~jaxrl_llm.run_folder.GracefulStop`
+  already stopping (its stop is this save's reason). A save that fails raises its own
+  error instead.
+  """
+
+  def __init__(self, log: Callable[[str], None], step: int):
+    self.log, self.step = log, step
+    self.pending = False
+    self.previous: Any = None
+
+  def _hold(self, signum: int, frame: Any) -> None:
+    if not self.pending:
+      self.pending = True
+      self.log(f"Ctrl-C: the checkpoint of step {self.step} is being written; the "
+               "interrupt takes effect once it is complete")
+
+  def __enter__(self) -> _HoldInterrupts:
+    if threading.current_thread() is threading.main_thread():
+      previous = signal.getsignal(signal.SIGINT)
+      if callable(previous):                     # not SIG_DFL / SIG_IGN: leave those be
+        self.previous = previous
+        signal.signal(signal.SIGINT, self._hold)
+    return self
+
+  def __exit__(self, exc_type: Any, *exc: object) -> None:
+    if self.previous is None:
+      return
+    signal.signal(signal.SIGINT, self.previous)
+    if not self.pending or exc_type is not None:
+      return
+    owner = getattr(self.previous, "__self__", None)
+    if isinstance(owner, rf.GracefulStop) and owner.requested:
+      return                                     # already stopping after this save
+    self.previous(signal.SIGINT, None)           # e.g. raises KeyboardInterrupt
 
 
 class _DropOrbaxErrors(logging.Filter):

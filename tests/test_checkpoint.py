@@ -288,3 +288,63 @@ def test_a_write_refused_by_the_os_mid_save_is_one_line_with_its_cause(tmp_path)
   lines = _save_too_big(tmp_path / "ckpt", limit=256 << 10)
   assert lines == [f"error: cannot save checkpoint step 1 in {tmp_path}/ckpt: file too "
                    "large (EFBIG)"], lines
+
+
+_CTRL_C_MID_SAVE = r"""
+import os, signal, sys
+import jax.numpy as jnp, numpy as np
+import orbax.checkpoint as ocp
+from jaxrl_llm import run_folder as rf
+from jaxrl_llm.checkpoint import Checkpointer
+
+handler = ocp.handlers.StandardCheckpointHandler
+write = handler.async_save
+
+
+async def write_then_ctrl_c(self, *args, **kwargs):
+  futures = await write(self, *args, **kwargs)    # the data writes are under way ...
+  os.kill(os.getpid(), signal.SIGINT)             # ... when Ctrl-C is pressed (again)
+  return futures
+
+
+handler.async_save = write_then_ctrl_c
+folder, mode = sys.argv[1], sys.argv[2]
+ckpt = Checkpointer(folder)
+state = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((256, 256)), jnp.float32)}
+try:
+  if mode == "second":         # the save that a first Ctrl-C started (GracefulStop)
+    with rf.GracefulStop(announce=True) as stop:
+      os.kill(os.getpid(), signal.SIGINT)
+      print("saved:", ckpt.save(1, state), file=sys.stderr)
+  else:                        # a periodic save, under Python's own Ctrl-C handler
+    ckpt.save(1, state)
+    print("saved and went on", file=sys.stderr)
+except KeyboardInterrupt:
+  print("KeyboardInterrupt after the save", file=sys.stderr)
+handler.async_save = write
+ckpt = Checkpointer(folder)
+restored, _ = ckpt.restore({"w": jnp.zeros((256, 256))})
+assert bool((restored["w"] == state["w"]).all())
+print("left:", sorted(os.listdir(folder)), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("mode", ["second", "plain"])
+def test_ctrl_c_during_a_save_waits_for_it_in_one_line(tmp_path, mode):
+  """Issue 28, fault 2: a real SIGINT while orbax writes the step. Before, it printed
+  two orbax tracebacks, lost the save and left ``1.orbax-checkpoint-tmp`` behind."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  folder = tmp_path / "ckpt"
+  done = subprocess.run([sys.executable, "-c", _CTRL_C_MID_SAVE, str(folder), mode],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  lines = [line for line in (done.stdout + done.stderr).splitlines() if line]
+  held = ("Ctrl-C: the checkpoint of step 1 is being written; the interrupt takes effect "
+          "once it is complete")
+  if mode == "second":
+    assert lines == [
+        "received SIGINT: finishing the current step, saving a checkpoint, then exiting "
+        "(Ctrl-C again to stop at once)", held, "saved: True", "left: ['1']"], lines
+  else:
+    assert lines == [held, "KeyboardInterrupt after the save", "left: ['1']"], lines
