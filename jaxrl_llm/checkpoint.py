@@ -24,8 +24,12 @@ verified:
   naming it and falls back to the newest step that verifies. Orbax's own errors never
   escape as tracebacks: a step that cannot be read is a step that does not verify.
 * **Rotation that keeps a good state**: ``max_to_keep`` keeps the newest N steps *and*
-  the newest step that is trusted (finite at save time and not found bad since), so a
-  run that starts saving garbage cannot rotate away its last good checkpoint.
+  the newest step that is trusted (saved with a verification record, finite at save
+  time and not found bad since), so a run that starts saving garbage cannot rotate
+  away its last good checkpoint. A step without a record (an older version's) restores
+  with a one-line note but is never trusted; and after a restore, a run that notes
+  (:meth:`Checkpointer.note_step`) that every update since was skipped saves nothing,
+  so the restored state never comes back with a fresh record.
 * **Restore anywhere**: restore onto the structure, dtypes and shardings of a template
   state (concrete arrays or ``jax.ShapeDtypeStruct`` leaves with shardings, see
   :func:`abstract_like`), so a state saved on one mesh can be restored on another.
@@ -235,6 +239,8 @@ class Checkpointer:
     self.bad_steps: dict[int, str] = {}
     self.restored_step: Optional[int] = None
     self._records: dict[int, dict] = {}
+    self._steps_since_restore = 0        # note_step calls since the restore ...
+    self._learned_since_restore = False  # ... and whether one of them applied an update
     # Rotation is done here (see _rotate), not by orbax, so it can spare a good step.
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None, save_interval_steps=save_interval_steps, create=True,
@@ -269,8 +275,28 @@ class Checkpointer:
         save, and the failed step's temporary folder is removed.
     """
     step = int(step)
+    if (self.restored_step is not None and self._steps_since_restore
+        and not self._learned_since_restore):
+      self.log(f"not saving step {step}: every update since the restore of step "
+               f"{self.restored_step} was skipped (non-finite values), so its state is the "
+               f"restored one; {self._step_dir(self.restored_step)} stays the newest "
+               "checkpoint")
+      return False
     with _HoldInterrupts(self.log, step):
       return self._save(step, state, extra, force)
+
+  def note_step(self, skipped: bool) -> None:
+    """Tells the checkpointer whether the train step just done applied no update.
+
+    After a :meth:`restore`, once steps have been noted and every one was ``skipped``
+    (its updates refused as non-finite), :meth:`save` saves nothing and rotates
+    nothing out: the state is the restored one, maybe garbage that a checkpoint
+    without a record let through, and a new step would give it a fresh record and
+    could push the last verified checkpoint out. Callers that never note steps save
+    as before.
+    """
+    self._steps_since_restore += 1
+    self._learned_since_restore = self._learned_since_restore or not skipped
 
   def _save(self, step: int, state: Any, extra: Optional[dict], force: bool) -> bool:
     for s in self.all_steps():
@@ -368,8 +394,10 @@ class Checkpointer:
     Every candidate is verified (see the module doc). With ``step=None`` and
     ``fallback``, a step that fails is logged in one line naming it, recorded in
     ``bad_steps``, and the next older step is tried; ``restored_step`` tells which
-    step was returned. Checkpoints saved without a record (older versions) are only
-    checked against the template and for finiteness.
+    step was returned. Checkpoints saved without a record (older versions, or a lost
+    ``verify/`` folder) are only checked against the template and for finiteness, and
+    restoring one logs a line saying so; they never count as trusted for rotation, so
+    the newest verified step is kept beside them.
 
     Raises:
       FileNotFoundError: the folder holds no checkpoint.
@@ -389,6 +417,11 @@ class Checkpointer:
       result, reason = self._restore_verified(template, s)
       if reason is None:
         self.restored_step = s
+        self._steps_since_restore, self._learned_since_restore = 0, False
+        if self._record(s) is None:
+          self.log(f"checkpoint {self._step_dir(s)} has no verification record (saved "
+                   f"before records existed, or its {VERIFY_ITEM}/ folder is missing): "
+                   "restored it checked only against the template and for finite values")
         return result
       self.bad_steps[s] = reason
       failures.append(f"step {s} ({reason})")

@@ -348,3 +348,57 @@ def test_ctrl_c_during_a_save_waits_for_it_in_one_line(tmp_path, mode):
         "(Ctrl-C again to stop at once)", held, "saved: True", "left: ['1']"], lines
   else:
     assert lines == [held, "KeyboardInterrupt after the save", "left: ['1']"], lines
+
+
+def _garbage(state):
+  """Finite nonsense of ``state``'s structure: every float leaf times 1e30."""
+  return jax.tree_util.tree_map(
+      lambda x: x * 1e30 if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+
+
+def test_a_record_less_checkpoint_is_noted_and_a_run_that_skips_saves_nothing(tmp_path):
+  """Issue 28, fault 1: a checkpoint without a verification record restored silently;
+  a run whose every update was then skipped saved that state again with a fresh record,
+  and rotation deleted the last verified step."""
+  states = _states(3)
+  messages = []
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=2, log=messages.append)
+  for step in (1, 2):
+    ckpt.save(step, states[step - 1], extra={"step": step})
+  ckpt.save(3, _garbage(states[2]), extra={"step": 3})
+  shutil.rmtree(os.path.join(ckpt.directory, "3", "verify"))    # saved before records
+  ckpt.close()
+  assert messages == []
+  fresh = Checkpointer(ckpt.directory, max_to_keep=2, log=messages.append)
+  state, extra = fresh.restore(abstract_like(states[0]))
+  assert fresh.restored_step == 3 and extra == {"step": 3}
+  assert messages == [f"checkpoint {ckpt.directory}/3 has no verification record (saved "
+                      "before records existed, or its verify/ folder is missing): restored "
+                      "it checked only against the template and for finite values"]
+  assert not fresh.trusted(3) and fresh.trusted(2)
+  fresh.note_step(skipped=True)
+  fresh.note_step(skipped=True)
+  assert not fresh.save(5, state, extra={"step": 5}, force=True)
+  assert fresh.all_steps() == [2, 3]                # nothing saved, nothing rotated out
+  assert messages[-1] == (f"not saving step 5: every update since the restore of step 3 "
+                          "was skipped (non-finite values), so its state is the restored "
+                          f"one; {ckpt.directory}/3 stays the newest checkpoint")
+  fresh.note_step(skipped=False)                    # an update applied: saving resumes
+  assert fresh.save(6, states[2], extra={"step": 6})
+  assert fresh.all_steps() == [3, 6] and fresh.trusted(6)
+  fresh.close()
+
+
+def test_rotation_never_keeps_only_record_less_checkpoints(tmp_path):
+  """However many newer steps lack a record, the newest verified step is kept."""
+  states = _states(1)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=None)
+  for step in (1, 2, 3, 4):
+    ckpt.save(step, states[0], extra={"step": step})
+  ckpt.close()
+  for step in (2, 3, 4):
+    shutil.rmtree(os.path.join(ckpt.directory, str(step), "verify"))
+  fresh = Checkpointer(ckpt.directory, max_to_keep=1, log=lambda m: None)
+  fresh._rotate()
+  assert fresh.all_steps() == [1, 4]                # the newest, and the last verified
+  fresh.close()

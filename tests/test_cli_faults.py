@@ -346,3 +346,42 @@ def test_an_unwritable_checkpoint_folder_stops_the_run_before_any_compute(capsys
   assert errors[0].startswith(f"error: checkpoint folder {out}/checkpoints is not "
                               "writable: "), errors[0]
   assert sorted(os.listdir(out)) == ["checkpoints"]     # no config.json, no metrics
+
+
+@pytest.mark.slow
+def test_a_record_less_garbage_checkpoint_costs_no_verified_one(capsys, tmp_path):
+  """Issue 28, fault 1, on the command: a resumed run from a checkpoint without a
+  verification record that holds finite garbage says so, saves nothing while its every
+  update is skipped, and keeps the last verified checkpoint (before: it saved the
+  garbage at step 6 with a fresh record and rotation deleted step 2)."""
+  import jax
+  import jax.numpy as jnp
+  import orbax.checkpoint as ocp
+  out = tmp_path / "run"
+  small = ["--algo", "grpo", "--prompts-per-step", "4", "--group-size", "2",
+           "--eval-size", "4", "--eval-every", "100", "--save-every", "2", "--no-progress",
+           "--out", str(out)]
+  assert _main(capsys, "train", "--steps", "4", *small).returncode == 0
+  folder = str(out / "checkpoints")
+  manager = ocp.CheckpointManager(folder)
+  state = manager.restore(4, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  garbage = jax.tree_util.tree_map(
+      lambda x: x * 1e30 if jnp.issubdtype(x.dtype, jnp.floating) else x, state["state"])
+  manager.delete(4)                                 # step 4 as an older version wrote it
+  manager.save(4, args=ocp.args.Composite(state=ocp.args.StandardSave(garbage),
+                                          extra=ocp.args.JsonSave({"step": 4})))
+  manager.wait_until_finished()
+  manager.close()
+  done = _main(capsys, "train", "--resume", "--steps", "8", "--max-consecutive-skips", "3",
+               "--out", str(out))
+  assert done.returncode == 1, done.stderr[-3000:]
+  lines = done.stderr.splitlines()
+  assert f"checkpoint {folder}/4 has no verification record (saved before records " \
+         "existed, or its verify/ folder is missing): restored it checked only against " \
+         "the template and for finite values" in lines, lines
+  assert f"not saving step 6: every update since the restore of step 4 was skipped " \
+         "(non-finite values), so its state is the restored one; " \
+         f"{folder}/4 stays the newest checkpoint" in lines, lines
+  assert lines[-1].startswith("error: stopped at step 7: every update of the last 3 "
+                              "steps was skipped"), lines
+  assert sorted(os.listdir(folder), key=int) == ["2", "4"]     # step 2 is still there
