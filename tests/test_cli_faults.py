@@ -385,3 +385,59 @@ def test_a_record_less_garbage_checkpoint_costs_no_verified_one(capsys, tmp_path
   assert lines[-1].startswith("error: stopped at step 7: every update of the last 3 "
                               "steps was skipped"), lines
   assert sorted(os.listdir(folder), key=int) == ["2", "4"]     # step 2 is still there
+
+
+@pytest.mark.slow
+def test_ctrl_c_twice_on_the_command_keeps_the_save_and_prints_no_traceback(tmp_path):
+  """Issue 28, fault 2, on the real command: Ctrl-C once after step 2, and again as
+  soon as the checkpoint it asked for is being written. (When the second one comes
+  after the write, it stops at once; either way nothing is torn.) The direct test of
+  a SIGINT inside orbax's write is test_checkpoint's."""
+  out = tmp_path / "run"
+  cmd = [sys.executable, "-m", "jaxrl_llm", "train", "--algo", "grpo", "--steps", "6",
+         "--prompts-per-step", "4", "--group-size", "2", "--eval-size", "4",
+         "--eval-every", "100", "--save-every", "100", "--no-progress", "--out", str(out)]
+  proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+  hit = False
+  try:
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+      if any(r.get("step") == 2 for r in _rows(out)):
+        proc.send_signal(signal.SIGINT)
+        break
+      time.sleep(0.02)
+    folder = out / "checkpoints"
+    while time.time() < deadline and proc.poll() is None:
+      names = os.listdir(folder) if folder.is_dir() else []
+      if any(".orbax-checkpoint-tmp" in n for n in names) or any(n.isdigit() for n in names):
+        hit = any(".orbax-checkpoint-tmp" in n for n in names)
+        proc.send_signal(signal.SIGINT)
+        break
+    _, err = proc.communicate(timeout=600)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+  assert "Traceback" not in err and "ERROR:absl" not in err, err[-3000:]
+  names = os.listdir(out / "checkpoints")
+  assert len(names) == 1 and names[0].isdigit(), names       # the save, and no temp folder
+  lines = [line for line in err.splitlines() if line]
+  after = lines[lines.index("received SIGINT: finishing the current step, saving a "
+                            "checkpoint, then exiting (Ctrl-C again to stop at once)") + 1:]
+  step = names[0]
+  assert "orbax" not in err, err[-3000:]
+  if after[0].startswith("Ctrl-C: "):             # the second Ctrl-C came during the write
+    assert after == [
+        f"Ctrl-C: the checkpoint of step {step} is being written; the interrupt takes "
+        "effect once it is complete",
+        f"SIGINT: checkpoint saved at step {step} in {out}/checkpoints; continue with "
+        f"--resume --out {out}"], after
+  else:                                           # it came after the write: stop at once
+    assert after == [f"interrupted: checkpoint saved at step {step} in {out}"], after
+  print("second Ctrl-C during the write:", hit, after)
+  done = subprocess.run(cmd + ["--resume"], env=_env(), cwd=ROOT, capture_output=True,
+                        text=True, timeout=600)
+  assert done.returncode == 0 and f"resuming from step {names[0]}" in done.stderr, \
+      done.stderr[-3000:]
