@@ -48,6 +48,8 @@ import shutil
 import signal
 import sys
 import threading
+import time
+import traceback
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -335,8 +337,14 @@ class Checkpointer:
       self._manager.wait_until_finished()
     except Exception:  # noqa: BLE001 - the failure is being reported already
       pass
-    for path in glob.glob(glob.escape(self._step_dir(step)) + _TMP_SUFFIX + "*"):
-      shutil.rmtree(path, ignore_errors=True)
+    pattern = glob.escape(self._step_dir(step)) + _TMP_SUFFIX + "*"
+    # Orbax gives up at the first failed write while the others are still in flight,
+    # and those can finish, re-creating files, after the folder is removed: look again
+    # a few times (about 1.5 s in all, on this failure path only).
+    for delay in (0.0, 0.05, 0.1, 0.2, 0.4, 0.8):
+      time.sleep(delay)
+      for path in glob.glob(pattern):
+        shutil.rmtree(path, ignore_errors=True)
 
   def _step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
@@ -546,11 +554,57 @@ class _DropOrbaxErrors(logging.Filter):
     return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
+def _through_orbax(tb: Any) -> bool:
+  return any("orbax" in frame.filename for frame in traceback.extract_tb(tb))
+
+
+class _DropAbandonedOrbaxTasks(logging.Filter):
+  """Drops asyncio's "exception was never retrieved" for orbax's write tasks: when one
+  write fails, orbax stops waiting for its sibling writes, whose own failures (the same
+  full disk) are then logged, with tracebacks, whenever they are garbage-collected."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info
+    return not ("exception was never retrieved" in str(record.msg) and exc is not None
+                and exc[2] is not None and _through_orbax(exc[2]))
+
+
+def _quiet_unraisable(previous: Callable[[Any], None]) -> Callable[[Any], None]:
+  def hook(unraisable: Any) -> None:
+    exc, tb = unraisable.exc_value, unraisable.exc_traceback
+    if (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and tb
+        is not None and traceback.extract_tb(tb)[0].name == "call_soon_threadsafe"):
+      return                # a write orbax abandoned completes after its loop closed
+    previous(unraisable)
+  hook.jaxrl_llm_quiet = True  # type: ignore[attr-defined]
+  return hook
+
+
+def _silence_abandoned_writes() -> None:
+  """Keeps the writes that orbax abandons on a failed save from printing tracebacks.
+
+  When one tensorstore write fails (``ENOSPC``), orbax raises at once and closes its
+  event loop while the other writes are still in flight. Each then fails on its own,
+  later, from a tensorstore thread: its completion callback finds the loop closed
+  (an unraisable ``RuntimeError: Event loop is closed``, printed as a bare
+  traceback), and its task, garbage-collected, logs "Task exception was never
+  retrieved". The failure itself is reported once by :meth:`Checkpointer.save`; these
+  echoes are dropped (only these: the unraisable hook and the ``asyncio`` logger pass
+  everything else on). Installed once, by the first save (the echoes can come before
+  orbax reports the failure, and after).
+  """
+  if getattr(sys.unraisablehook, "jaxrl_llm_quiet", False):
+    return
+  sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+  logging.getLogger("asyncio").addFilter(_DropAbandonedOrbaxTasks())
+
+
 @contextlib.contextmanager
 def _quiet_orbax():
   """Within: orbax's background-thread error logs are dropped. The failure they
   describe reaches :meth:`Checkpointer.save` as an exception and is reported once,
   in one line, as a :class:`CheckpointError`."""
+  _silence_abandoned_writes()
   drop = _DropOrbaxErrors()
   loggers = [logging.getLogger("absl"), logging.getLogger("orbax")]
   for lg in loggers:

@@ -239,7 +239,8 @@ import jax.numpy as jnp, numpy as np
 from jaxrl_llm.checkpoint import Checkpointer, CheckpointError
 folder, limit = sys.argv[1], int(sys.argv[2])
 ckpt = Checkpointer(folder)
-big = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((512, 1024)), jnp.float32)}
+rng = np.random.default_rng(0)                    # many leaves: many writes in flight
+big = {f"w{i}": jnp.asarray(rng.standard_normal((64, 256)), jnp.float32) for i in range(40)}
 soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
 if limit:
   resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))     # EFBIG past `limit` bytes

@@ -441,3 +441,48 @@ def test_ctrl_c_twice_on_the_command_keeps_the_save_and_prints_no_traceback(tmp_
                         text=True, timeout=600)
   assert done.returncode == 0 and f"resuming from step {names[0]}" in done.stderr, \
       done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_up_mid_run_is_one_line_with_the_os_cause(tmp_path):
+  """Issue 28, fault 3, on the real command and a real full disk (a 70 MiB tmpfs, so
+  root only): the disk is filled after step 1, and step 2's checkpoint cannot be
+  written. Before: 114 lines of orbax background-thread logs and 2 tracebacks, then a
+  line cut before the cause, and the temporary folder left on the full disk."""
+  mnt = tmp_path / "disk"
+  mnt.mkdir()
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=70m", "tmpfs", str(mnt)],
+                           capture_output=True)
+  if mounted.returncode != 0:
+    pytest.skip("cannot mount a small tmpfs here (needs root); test_checkpoint's "
+                "RLIMIT_FSIZE test covers the save path")
+  try:
+    out = mnt / "run"
+    cmd = [sys.executable, "-m", "jaxrl_llm", "train", "--algo", "grpo", "--steps", "4",
+           "--prompts-per-step", "4", "--group-size", "2", "--eval-size", "4",
+           "--eval-every", "100", "--save-every", "2", "--no-progress", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+      deadline = time.time() + 600
+      while time.time() < deadline and proc.poll() is None:
+        if any(r.get("step") == 1 for r in _rows(out)):
+          free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+          with open(mnt / "filler", "wb") as f:          # leave 256 KiB for metrics rows
+            f.write(b"\0" * (free - (256 << 10)))
+          break
+        time.sleep(0.02)
+      _, err = proc.communicate(timeout=600)
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    left = sorted(os.listdir(out / "checkpoints"))
+  finally:
+    subprocess.run(["umount", str(mnt)], check=True)
+  assert proc.returncode == 1, err[-3000:]
+  assert "Traceback" not in err and "absl" not in err and "asyncio" not in err, err[-3000:]
+  assert err.splitlines()[-1] == (
+      f"error: cannot save checkpoint step 2 in {out}/checkpoints: no space left on "
+      "device (ENOSPC); free some space or choose another --out"), err[-3000:]
+  assert left == []                                 # no temporary folder left behind
