@@ -496,7 +496,9 @@ class GracefulStop:
   kill a job. Inside ``with GracefulStop() as stop:`` the first such signal only sets
   ``stop.signum`` (and prints one line); the loop checks ``stop.requested`` between
   steps, saves a checkpoint and raises :class:`RunInterrupted`. A second SIGINT
-  raises ``KeyboardInterrupt`` at once (Ctrl-C twice: stop now). Handlers are
+  raises ``KeyboardInterrupt`` at once (Ctrl-C twice: stop now), except while a
+  checkpoint is being written: :meth:`jaxrl_llm.checkpoint.Checkpointer.save` holds it
+  until the step is complete (one line says so), so a save is never torn. Handlers are
   installed only in the main thread and restored on exit.
 
   Examples:
