@@ -576,7 +576,6 @@ def _quiet_unraisable(previous: Callable[[Any], None]) -> Callable[[Any], None]:
         is not None and traceback.extract_tb(tb)[0].name == "call_soon_threadsafe"):
       return                # a write orbax abandoned completes after its loop closed
     previous(unraisable)
-  hook.jaxrl_llm_quiet = True  # type: ignore[attr-defined]
   return hook
 
 
@@ -590,13 +589,18 @@ def _silence_abandoned_writes() -> None:
   traceback), and its task, garbage-collected, logs "Task exception was never
   retrieved". The failure itself is reported once by :meth:`Checkpointer.save`; these
   echoes are dropped (only these: the unraisable hook and the ``asyncio`` logger pass
-  everything else on). Installed once, by the first save (the echoes can come before
-  orbax reports the failure, and after).
+  everything else on). Installed by the first save (the echoes can come before orbax
+  reports the failure, and after); the hook only over Python's default one.
   """
-  if getattr(sys.unraisablehook, "jaxrl_llm_quiet", False):
-    return
-  sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
-  logging.getLogger("asyncio").addFilter(_DropAbandonedOrbaxTasks())
+  global _ASYNCIO_FILTERED
+  if not _ASYNCIO_FILTERED:
+    logging.getLogger("asyncio").addFilter(_DropAbandonedOrbaxTasks())
+    _ASYNCIO_FILTERED = True
+  if sys.unraisablehook is sys.__unraisablehook__:    # leave a hook someone set alone
+    sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+
+
+_ASYNCIO_FILTERED = False
 
 
 @contextlib.contextmanager
