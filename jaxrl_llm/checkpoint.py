@@ -24,8 +24,12 @@ verified:
   naming it and falls back to the newest step that verifies. Orbax's own errors never
   escape as tracebacks: a step that cannot be read is a step that does not verify.
 * **Rotation that keeps a good state**: ``max_to_keep`` keeps the newest N steps *and*
-  the newest step that is trusted (finite at save time and not found bad since), so a
-  run that starts saving garbage cannot rotate away its last good checkpoint.
+  the newest step that is trusted (saved with a verification record, finite at save
+  time and not found bad since), so a run that starts saving garbage cannot rotate
+  away its last good checkpoint. A step without a record (an older version's) restores
+  with a one-line note but is never trusted; and after a restore, a run that notes
+  (:meth:`Checkpointer.note_step`) that every update since was skipped saves nothing,
+  so the restored state never comes back with a fresh record.
 * **Restore anywhere**: restore onto the structure, dtypes and shardings of a template
   state (concrete arrays or ``jax.ShapeDtypeStruct`` leaves with shardings, see
   :func:`abstract_like`), so a state saved on one mesh can be restored on another.
@@ -35,8 +39,17 @@ A JSON ``extra`` dict (e.g. the data-stream position of a trainer) is saved alon
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import logging
 import os
+import re
+import shutil
+import signal
 import sys
+import threading
+import time
+import traceback
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -44,6 +57,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from jaxrl_llm import run_folder as rf
 
 VERIFY_ITEM = "verify"
 
@@ -226,6 +241,8 @@ class Checkpointer:
     self.bad_steps: dict[int, str] = {}
     self.restored_step: Optional[int] = None
     self._records: dict[int, dict] = {}
+    self._steps_since_restore = 0        # note_step calls since the restore ...
+    self._learned_since_restore = False  # ... and whether one of them applied an update
     # Rotation is done here (see _rotate), not by orbax, so it can spare a good step.
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None, save_interval_steps=save_interval_steps, create=True,
@@ -247,11 +264,43 @@ class Checkpointer:
     in :meth:`restore` are deleted first (logged), so a run that fell back to an
     older checkpoint saves its new steps in their place.
 
+    Ctrl-C (SIGINT) while the step is written does not tear the save: it is held (one
+    line says so) until the step is complete and rotated, then handed to the handler
+    that was in place (Python's raises ``KeyboardInterrupt``; a
+    :class:`~jaxrl_llm.run_folder.GracefulStop` that is already stopping, whose save
+    this is, needs nothing more). A save never leaves its temporary folder behind.
+
     Raises:
       CheckpointError: the save failed (full disk, unwritable folder, ...); one line
-        naming the folder and the cause.
+        naming the folder and the operating-system cause (``no space left on device
+        (ENOSPC)``). Orbax's background-thread error logs are silenced during the
+        save, and the failed step's temporary folder is removed.
     """
     step = int(step)
+    if (self.restored_step is not None and self._steps_since_restore
+        and not self._learned_since_restore):
+      self.log(f"not saving step {step}: every update since the restore of step "
+               f"{self.restored_step} was skipped (non-finite values), so its state is the "
+               f"restored one; {self._step_dir(self.restored_step)} stays the newest "
+               "checkpoint")
+      return False
+    with _HoldInterrupts(self.log, step):
+      return self._save(step, state, extra, force)
+
+  def note_step(self, skipped: bool) -> None:
+    """Tells the checkpointer whether the train step just done applied no update.
+
+    After a :meth:`restore`, once steps have been noted and every one was ``skipped``
+    (its updates refused as non-finite), :meth:`save` saves nothing and rotates
+    nothing out: the state is the restored one, maybe garbage that a checkpoint
+    without a record let through, and a new step would give it a fresh record and
+    could push the last verified checkpoint out. Callers that never note steps save
+    as before.
+    """
+    self._steps_since_restore += 1
+    self._learned_since_restore = self._learned_since_restore or not skipped
+
+  def _save(self, step: int, state: Any, extra: Optional[dict], force: bool) -> bool:
     for s in self.all_steps():
       if s >= step and s in self.bad_steps:      # replaced by the run that went on
         self.log(f"removing unusable checkpoint {self._step_dir(s)} "
@@ -264,12 +313,14 @@ class Checkpointer:
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               extra=ocp.args.JsonSave(extra or {}),
                               **{VERIFY_ITEM: ocp.args.JsonSave(record)})
-    try:
-      saved = self._manager.save(step, args=args, force=force)
-      self._manager.wait_until_finished()
-    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise bare Exception
-      raise CheckpointError(f"cannot save checkpoint step {step} in {self.directory}: "
-                            f"{_one_line(_root_cause(e))}") from None
+    with _quiet_orbax():
+      try:
+        saved = self._manager.save(step, args=args, force=force)
+        self._manager.wait_until_finished()
+      except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise bare Exception
+        self._discard_partial(step)
+        raise CheckpointError(f"cannot save checkpoint step {step} in {self.directory}: "
+                              f"{_save_failure(e)}") from None
     if saved:
       self._records[step] = record
       self.bad_steps.pop(step, None)
@@ -278,6 +329,22 @@ class Checkpointer:
                  f"({record['nonfinite'][0]}); it will not count as a good state")
       self._rotate()
     return bool(saved)
+
+  def _discard_partial(self, step: int) -> None:
+    """Removes what a failed save of ``step`` left: its temporary folder (the space a
+    full disk needs back), once orbax's background writes have stopped."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception:  # noqa: BLE001 - the failure is being reported already
+      pass
+    pattern = glob.escape(self._step_dir(step)) + _TMP_SUFFIX + "*"
+    # Orbax gives up at the first failed write while the others are still in flight,
+    # and those can finish, re-creating files, after the folder is removed: look again
+    # a few times (about 1.5 s in all, on this failure path only).
+    for delay in (0.0, 0.05, 0.1, 0.2, 0.4, 0.8):
+      time.sleep(delay)
+      for path in glob.glob(pattern):
+        shutil.rmtree(path, ignore_errors=True)
 
   def _step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
@@ -335,8 +402,10 @@ class Checkpointer:
     Every candidate is verified (see the module doc). With ``step=None`` and
     ``fallback``, a step that fails is logged in one line naming it, recorded in
     ``bad_steps``, and the next older step is tried; ``restored_step`` tells which
-    step was returned. Checkpoints saved without a record (older versions) are only
-    checked against the template and for finiteness.
+    step was returned. Checkpoints saved without a record (older versions, or a lost
+    ``verify/`` folder) are only checked against the template and for finiteness, and
+    restoring one logs a line saying so; they never count as trusted for rotation, so
+    the newest verified step is kept beside them.
 
     Raises:
       FileNotFoundError: the folder holds no checkpoint.
@@ -356,6 +425,11 @@ class Checkpointer:
       result, reason = self._restore_verified(template, s)
       if reason is None:
         self.restored_step = s
+        self._steps_since_restore, self._learned_since_restore = 0, False
+        if self._record(s) is None:
+          self.log(f"checkpoint {self._step_dir(s)} has no verification record (saved "
+                   f"before records existed, or its {VERIFY_ITEM}/ folder is missing): "
+                   "restored it checked only against the template and for finite values")
         return result
       self.bad_steps[s] = reason
       failures.append(f"step {s} ({reason})")
@@ -392,6 +466,158 @@ class Checkpointer:
 
   def __exit__(self, *exc: object) -> None:
     self.close()
+
+
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"     # orbax's name for a step folder being written
+_OS_CODE = re.compile(r"os_error_code='?(\d+)|\[Errno (\d+)\]")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+  """``exc`` and its causes / contexts, outermost first."""
+  out: list[BaseException] = []
+  cur: Optional[BaseException] = exc
+  while cur is not None and all(cur is not e for e in out):
+    out.append(cur)
+    cur = cur.__cause__ or cur.__context__
+  return out
+
+
+def _os_cause(exc: BaseException) -> Optional[OSError]:
+  """The operating-system error behind ``exc``: an ``OSError`` in its chain, or the
+  errno that tensorstore writes into its message (``[os_error_code='28']``)."""
+  for e in reversed(_chain(exc)):
+    if isinstance(e, OSError) and e.errno:
+      return e
+  for e in reversed(_chain(exc)):
+    match = _OS_CODE.search(str(e))
+    if match:
+      code = int(match.group(1) or match.group(2))
+      return OSError(code, os.strerror(code))
+  return None
+
+
+def _save_failure(exc: BaseException) -> str:
+  """Why a save failed, in one line: the OS cause when there is one (``no space left on
+  device (ENOSPC); ...``), else the innermost error, shortened."""
+  cause = _os_cause(exc)
+  if cause is not None:
+    return rf.os_reason(cause)
+  return _one_line(_root_cause(exc))
+
+
+class _HoldInterrupts:
+  """Within (main thread only): SIGINT is held, not raised, and handed on at the end.
+
+  An interrupt raised inside orbax's save abandons its background writes half done
+  (two tracebacks at interpreter exit, the step lost, ``<step>.orbax-checkpoint-tmp``
+  left behind). Held, the first SIGINT logs one line; on a clean exit it is delivered
+  to the previous handler, unless that is a :class:`~jaxrl_llm.run_folder.GracefulStop`
+  already stopping (its stop is this save's reason). A save that fails raises its own
+  error instead.
+  """
+
+  def __init__(self, log: Callable[[str], None], step: int):
+    self.log, self.step = log, step
+    self.pending = False
+    self.previous: Any = None
+
+  def _hold(self, signum: int, frame: Any) -> None:
+    if not self.pending:
+      self.pending = True
+      self.log(f"Ctrl-C: the checkpoint of step {self.step} is being written; the "
+               "interrupt takes effect once it is complete")
+
+  def __enter__(self) -> _HoldInterrupts:
+    if threading.current_thread() is threading.main_thread():
+      previous = signal.getsignal(signal.SIGINT)
+      if callable(previous):                     # not SIG_DFL / SIG_IGN: leave those be
+        self.previous = previous
+        signal.signal(signal.SIGINT, self._hold)
+    return self
+
+  def __exit__(self, exc_type: Any, *exc: object) -> None:
+    if self.previous is None:
+      return
+    signal.signal(signal.SIGINT, self.previous)
+    if not self.pending or exc_type is not None:
+      return
+    owner = getattr(self.previous, "__self__", None)
+    if isinstance(owner, rf.GracefulStop) and owner.requested:
+      return                                     # already stopping after this save
+    self.previous(signal.SIGINT, None)           # e.g. raises KeyboardInterrupt
+
+
+class _DropOrbaxErrors(logging.Filter):
+  """Drops orbax's own error logs (tracebacks of its background threads)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+def _through_orbax(tb: Any) -> bool:
+  return any("orbax" in frame.filename for frame in traceback.extract_tb(tb))
+
+
+class _DropAbandonedOrbaxTasks(logging.Filter):
+  """Drops asyncio's "exception was never retrieved" for orbax's write tasks: when one
+  write fails, orbax stops waiting for its sibling writes, whose own failures (the same
+  full disk) are then logged, with tracebacks, whenever they are garbage-collected."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info
+    return not ("exception was never retrieved" in str(record.msg) and exc is not None
+                and exc[2] is not None and _through_orbax(exc[2]))
+
+
+def _quiet_unraisable(previous: Callable[[Any], None]) -> Callable[[Any], None]:
+  def hook(unraisable: Any) -> None:
+    exc, tb = unraisable.exc_value, unraisable.exc_traceback
+    if (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and tb
+        is not None and traceback.extract_tb(tb)[0].name == "call_soon_threadsafe"):
+      return                # a write orbax abandoned completes after its loop closed
+    previous(unraisable)
+  return hook
+
+
+def _silence_abandoned_writes() -> None:
+  """Keeps the writes that orbax abandons on a failed save from printing tracebacks.
+
+  When one tensorstore write fails (``ENOSPC``), orbax raises at once and closes its
+  event loop while the other writes are still in flight. Each then fails on its own,
+  later, from a tensorstore thread: its completion callback finds the loop closed
+  (an unraisable ``RuntimeError: Event loop is closed``, printed as a bare
+  traceback), and its task, garbage-collected, logs "Task exception was never
+  retrieved". The failure itself is reported once by :meth:`Checkpointer.save`; these
+  echoes are dropped (only these: the unraisable hook and the ``asyncio`` logger pass
+  everything else on). Installed by the first save (the echoes can come before orbax
+  reports the failure, and after); the hook only over Python's default one.
+  """
+  global _ASYNCIO_FILTERED
+  if not _ASYNCIO_FILTERED:
+    logging.getLogger("asyncio").addFilter(_DropAbandonedOrbaxTasks())
+    _ASYNCIO_FILTERED = True
+  if sys.unraisablehook is sys.__unraisablehook__:    # leave a hook someone set alone
+    sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+
+
+_ASYNCIO_FILTERED = False
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """Within: orbax's background-thread error logs are dropped. The failure they
+  describe reaches :meth:`Checkpointer.save` as an exception and is reported once,
+  in one line, as a :class:`CheckpointError`."""
+  _silence_abandoned_writes()
+  drop = _DropOrbaxErrors()
+  loggers = [logging.getLogger("absl"), logging.getLogger("orbax")]
+  for lg in loggers:
+    lg.addFilter(drop)
+  try:
+    yield
+  finally:
+    for lg in loggers:
+      lg.removeFilter(drop)
 
 
 def _root_cause(exc: BaseException) -> BaseException:

@@ -53,6 +53,12 @@ def _prepare_mask_targets(mask, targets, vocab):
   return valid, safe_targets
 
 
+def _check_vocab(name, vocab, shape):
+  if vocab < 1:
+    raise ValueError(f"`{name}` must have a non-empty vocabulary (last axis), got shape "
+                     f"{shape}.")
+
+
 def _check_temperature(temperature):
   if jnp.ndim(temperature) != 0:
     raise ValueError(
@@ -114,6 +120,7 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, mask: ArrayLike | None
   v.check_rank("logits", logits, 3)
   v.check_float("logits", logits)
   batch, time, vocab = v.shape_of(logits)
+  _check_vocab("logits", vocab, v.shape_of(logits))
   _check_targets(targets, (batch, time))
   valid, safe_targets = _prepare_mask_targets(mask, targets, vocab)
 
@@ -323,6 +330,7 @@ def token_logprobs_from_hidden(hidden: ArrayLike, lm_head: ArrayLike, targets: A
     raise ValueError(
         f"`lm_head` must have shape [D, V] with D = hidden.shape[-1] = {dim}, got "
         f"{v.shape_of(lm_head)} (hidden {v.shape_of(hidden)}).")
+  _check_vocab("lm_head", v.shape_of(lm_head)[1], v.shape_of(lm_head))
   vocab = v.shape_of(lm_head)[1]
   _check_targets(targets, (batch, time))
   _check_temperature(temperature)

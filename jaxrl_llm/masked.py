@@ -155,6 +155,8 @@ def explained_variance(y_pred, y_true, mask=None):
     0.6667
   """
   v.check_same_shape(("y_pred", "y_true"), (y_pred, y_true))
+  v.check_float("y_pred", y_pred)
+  v.check_float("y_true", y_true)
   var_y = masked_var(y_true, mask, ddof=0)
   var_res = masked_var(v.as_f32(y_true) - v.as_f32(y_pred), mask, ddof=0)
   return jnp.where(var_y > 0, 1.0 - var_res / jnp.where(var_y > 0, var_y, 1.0), 0.0)

@@ -91,19 +91,31 @@ def io_error(action: str, path: str, exc: OSError) -> RunFolderIOError:
     cannot write runs/a/metrics.jsonl: no space left on device (ENOSPC);
     free some space or choose another --out
   """
+  verb = "write" if action == "writing" else "read" if action == "reading" else action
+  msg = f"cannot {verb} {path}: {os_reason(exc)}"
+  return RunFolderIOError(" ".join(msg.split()), path=path, err=exc.errno)
+
+
+def os_reason(exc: OSError) -> str:
+  """The cause of ``exc`` in words, its errno name, and what to do for the usual ones.
+
+  Examples:
+    >>> os_reason(OSError(28, "No space left on device"))
+    'no space left on device (ENOSPC); free some space or choose another --out'
+    >>> os_reason(OSError(27, "File too large"))
+    'file too large (EFBIG)'
+  """
   code = exc.errno
   name = errno.errorcode.get(code, "") if code is not None else ""
   reason = (exc.strerror or str(exc) or type(exc).__name__).strip()
   reason = reason[:1].lower() + reason[1:]
-  verb = "write" if action == "writing" else "read" if action == "reading" else action
-  msg = f"cannot {verb} {path}: {reason}"
   if name:
-    msg += f" ({name})"
+    reason += f" ({name})"
   if code == errno.ENOSPC:
-    msg += "; free some space or choose another --out"
+    reason += "; free some space or choose another --out"
   elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
-    msg += "; choose a writable --out"
-  return RunFolderIOError(" ".join(msg.split()), path=path, err=code)
+    reason += "; choose a writable --out"
+  return " ".join(reason.split())
 
 
 def to_jsonable(value: Any) -> Any:
@@ -413,12 +425,31 @@ def _existing_ancestor(path: str) -> str:
   return path
 
 
+def _probe_write(folder: str, what: str, path: str) -> None:
+  """Creates, writes, fsyncs and removes a file in ``folder``; one-line error if not."""
+  try:
+    fd, probe = tempfile.mkstemp(prefix=".jaxrl-write-probe-", dir=folder)
+    try:
+      os.write(fd, b"probe")
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+      os.unlink(probe)
+  except OSError as e:
+    err = io_error("writing", folder, e)
+    raise RunFolderIOError(f"{what} is not writable: {err}", path=path,
+                           err=e.errno) from None
+
+
 def probe_run_folder(path: str, *, min_free_bytes: int = 64 << 20) -> None:
   """Checks, before any compute is spent, that ``path`` can hold a run.
 
   Without creating anything: the nearest existing ancestor of ``path`` must be a
   folder in which a file can be created, written, fsynced and removed, and its disk
-  must have at least ``min_free_bytes`` free.
+  must have at least ``min_free_bytes`` free. When ``path/checkpoints`` exists already
+  (a resumed run, or a folder made ready beforehand) it must be a folder that passes
+  the same write test, so an unwritable one stops the run before any compute rather
+  than at its first save.
 
   Raises:
     RunFolderIOError: one line naming ``path`` and the cause.
@@ -431,18 +462,13 @@ def probe_run_folder(path: str, *, min_free_bytes: int = 64 << 20) -> None:
   if not os.path.isdir(where):
     raise RunFolderIOError(f"cannot create run folder {path}: {where} is not a folder",
                            path=path, err=errno.ENOTDIR)
-  try:
-    fd, probe = tempfile.mkstemp(prefix=".jaxrl-write-probe-", dir=where)
-    try:
-      os.write(fd, b"probe")
-      os.fsync(fd)
-    finally:
-      os.close(fd)
-      os.unlink(probe)
-  except OSError as e:
-    err = io_error("writing", where, e)
-    raise RunFolderIOError(f"run folder {path} is not writable: {err}", path=path,
-                           err=e.errno) from None
+  _probe_write(where, f"run folder {path}", path)
+  checkpoints = os.path.join(path, CHECKPOINTS_DIR)
+  if os.path.lexists(checkpoints):
+    if not os.path.isdir(checkpoints):
+      raise RunFolderIOError(f"checkpoint folder {checkpoints} is not a folder; remove it "
+                             "or choose another --out", path=checkpoints, err=errno.ENOTDIR)
+    _probe_write(checkpoints, f"checkpoint folder {checkpoints}", checkpoints)
   free = shutil.disk_usage(where).free
   if free < min_free_bytes:
     raise RunFolderIOError(
@@ -470,7 +496,9 @@ class GracefulStop:
   kill a job. Inside ``with GracefulStop() as stop:`` the first such signal only sets
   ``stop.signum`` (and prints one line); the loop checks ``stop.requested`` between
   steps, saves a checkpoint and raises :class:`RunInterrupted`. A second SIGINT
-  raises ``KeyboardInterrupt`` at once (Ctrl-C twice: stop now). Handlers are
+  raises ``KeyboardInterrupt`` at once (Ctrl-C twice: stop now), except while a
+  checkpoint is being written: :meth:`jaxrl_llm.checkpoint.Checkpointer.save` holds it
+  until the step is complete (one line says so), so a save is never torn. Handlers are
   installed only in the main thread and restored on exit.
 
   Examples:
@@ -520,6 +548,7 @@ class GracefulStop:
 
 
 __all__ = ["METRICS_FILE", "CONFIG_FILE", "RunFolderError", "RunFolderIOError", "io_error",
+           "os_reason",
            "to_jsonable", "dumps", "atomic_write_text", "write_json", "read_json", "read_metrics",
            "rewrite_jsonl", "prepare_metrics", "MetricsWriter", "probe_run_folder",
            "RunInterrupted", "GracefulStop"]

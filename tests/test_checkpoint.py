@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,8 @@ import pytest
 
 from jaxrl_llm.checkpoint import (Checkpointer, CheckpointError, abstract_like,
                                   fingerprint, verify_against)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _states(n):
@@ -227,3 +231,175 @@ def test_fingerprint_sees_every_single_word_change_and_ignores_layout():
     assert fingerprint({"x": sharded}) == base
   assert verify_against(base, {"x": x}) is None
   assert "non-finite values in ['x']" in verify_against(base, {"x": x.at[2, 2].set(jnp.nan)})
+
+
+_SAVE_TOO_BIG = r"""
+import os, resource, sys
+import jax.numpy as jnp, numpy as np
+from jaxrl_llm.checkpoint import Checkpointer, CheckpointError
+folder, limit = sys.argv[1], int(sys.argv[2])
+ckpt = Checkpointer(folder)
+rng = np.random.default_rng(0)                    # many leaves: many writes in flight
+big = {f"w{i}": jnp.asarray(rng.standard_normal((64, 256)), jnp.float32) for i in range(40)}
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+if limit:
+  resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))     # EFBIG past `limit` bytes
+try:
+  ckpt.save(1, big)
+except CheckpointError as e:
+  print("error:", e, file=sys.stderr)
+if limit:
+  resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+assert ckpt.save(2, {"w": jnp.ones(3)})       # the Checkpointer still works after it
+print("left:", sorted(os.listdir(folder)), file=sys.stderr)
+"""
+
+
+def _save_too_big(folder, limit=0):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  done = subprocess.run([sys.executable, "-c", _SAVE_TOO_BIG, str(folder), str(limit)],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  lines = (done.stdout + done.stderr).splitlines()
+  assert lines[-1] == "left: ['2']", lines            # no temporary folder left behind
+  return lines[:-1]
+
+
+def test_a_full_disk_is_one_line_with_the_os_cause(tmp_path):
+  """Issue 28, fault 3: a real full disk (a 1 MiB tmpfs) mid-save; root only."""
+  mnt = tmp_path / "small"
+  mnt.mkdir()
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                           capture_output=True)
+  if mounted.returncode != 0:
+    pytest.skip("cannot mount a small tmpfs here (needs root); the RLIMIT_FSIZE test "
+                "covers the same path")
+  try:
+    lines = _save_too_big(mnt / "ckpt")
+  finally:
+    subprocess.run(["umount", str(mnt)], check=True)
+  assert lines == [f"error: cannot save checkpoint step 1 in {mnt}/ckpt: no space left on "
+                   "device (ENOSPC); free some space or choose another --out"], lines
+
+
+def test_a_write_refused_by_the_os_mid_save_is_one_line_with_its_cause(tmp_path):
+  """Issue 28, fault 3, anywhere: the OS refuses the data-file write (RLIMIT_FSIZE ->
+  EFBIG) in orbax's background thread, as a full disk does."""
+  lines = _save_too_big(tmp_path / "ckpt", limit=256 << 10)
+  assert lines == [f"error: cannot save checkpoint step 1 in {tmp_path}/ckpt: file too "
+                   "large (EFBIG)"], lines
+
+
+_CTRL_C_MID_SAVE = r"""
+import os, signal, sys
+import jax.numpy as jnp, numpy as np
+import orbax.checkpoint as ocp
+from jaxrl_llm import run_folder as rf
+from jaxrl_llm.checkpoint import Checkpointer
+
+handler = ocp.handlers.StandardCheckpointHandler
+write = handler.async_save
+
+
+async def write_then_ctrl_c(self, *args, **kwargs):
+  futures = await write(self, *args, **kwargs)    # the data writes are under way ...
+  os.kill(os.getpid(), signal.SIGINT)             # ... when Ctrl-C is pressed (again)
+  return futures
+
+
+handler.async_save = write_then_ctrl_c
+folder, mode = sys.argv[1], sys.argv[2]
+ckpt = Checkpointer(folder)
+state = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((256, 256)), jnp.float32)}
+try:
+  if mode == "second":         # the save that a first Ctrl-C started (GracefulStop)
+    with rf.GracefulStop(announce=True) as stop:
+      os.kill(os.getpid(), signal.SIGINT)
+      print("saved:", ckpt.save(1, state), file=sys.stderr)
+  else:                        # a periodic save, under Python's own Ctrl-C handler
+    ckpt.save(1, state)
+    print("saved and went on", file=sys.stderr)
+except KeyboardInterrupt:
+  print("KeyboardInterrupt after the save", file=sys.stderr)
+handler.async_save = write
+ckpt = Checkpointer(folder)
+restored, _ = ckpt.restore({"w": jnp.zeros((256, 256))})
+assert bool((restored["w"] == state["w"]).all())
+print("left:", sorted(os.listdir(folder)), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("mode", ["second", "plain"])
+def test_ctrl_c_during_a_save_waits_for_it_in_one_line(tmp_path, mode):
+  """Issue 28, fault 2: a real SIGINT while orbax writes the step. Before, it printed
+  two orbax tracebacks, lost the save and left ``1.orbax-checkpoint-tmp`` behind."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  folder = tmp_path / "ckpt"
+  done = subprocess.run([sys.executable, "-c", _CTRL_C_MID_SAVE, str(folder), mode],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  lines = [line for line in (done.stdout + done.stderr).splitlines() if line]
+  held = ("Ctrl-C: the checkpoint of step 1 is being written; the interrupt takes effect "
+          "once it is complete")
+  if mode == "second":
+    assert lines == [
+        "received SIGINT: finishing the current step, saving a checkpoint, then exiting "
+        "(Ctrl-C again to stop at once)", held, "saved: True", "left: ['1']"], lines
+  else:
+    assert lines == [held, "KeyboardInterrupt after the save", "left: ['1']"], lines
+
+
+def _garbage(state):
+  """Finite nonsense of ``state``'s structure: every float leaf times 1e30."""
+  return jax.tree_util.tree_map(
+      lambda x: x * 1e30 if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+
+
+def test_a_record_less_checkpoint_is_noted_and_a_run_that_skips_saves_nothing(tmp_path):
+  """Issue 28, fault 1: a checkpoint without a verification record restored silently;
+  a run whose every update was then skipped saved that state again with a fresh record,
+  and rotation deleted the last verified step."""
+  states = _states(3)
+  messages = []
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=2, log=messages.append)
+  for step in (1, 2):
+    ckpt.save(step, states[step - 1], extra={"step": step})
+  ckpt.save(3, _garbage(states[2]), extra={"step": 3})
+  shutil.rmtree(os.path.join(ckpt.directory, "3", "verify"))    # saved before records
+  ckpt.close()
+  assert messages == []
+  fresh = Checkpointer(ckpt.directory, max_to_keep=2, log=messages.append)
+  state, extra = fresh.restore(abstract_like(states[0]))
+  assert fresh.restored_step == 3 and extra == {"step": 3}
+  assert messages == [f"checkpoint {ckpt.directory}/3 has no verification record (saved "
+                      "before records existed, or its verify/ folder is missing): restored "
+                      "it checked only against the template and for finite values"]
+  assert not fresh.trusted(3) and fresh.trusted(2)
+  fresh.note_step(skipped=True)
+  fresh.note_step(skipped=True)
+  assert not fresh.save(5, state, extra={"step": 5}, force=True)
+  assert fresh.all_steps() == [2, 3]                # nothing saved, nothing rotated out
+  assert messages[-1] == (f"not saving step 5: every update since the restore of step 3 "
+                          "was skipped (non-finite values), so its state is the restored "
+                          f"one; {ckpt.directory}/3 stays the newest checkpoint")
+  fresh.note_step(skipped=False)                    # an update applied: saving resumes
+  assert fresh.save(6, states[2], extra={"step": 6})
+  assert fresh.all_steps() == [3, 6] and fresh.trusted(6)
+  fresh.close()
+
+
+def test_rotation_never_keeps_only_record_less_checkpoints(tmp_path):
+  """However many newer steps lack a record, the newest verified step is kept."""
+  states = _states(1)
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=None)
+  for step in (1, 2, 3, 4):
+    ckpt.save(step, states[0], extra={"step": step})
+  ckpt.close()
+  for step in (2, 3, 4):
+    shutil.rmtree(os.path.join(ckpt.directory, str(step), "verify"))
+  fresh = Checkpointer(ckpt.directory, max_to_keep=1, log=lambda m: None)
+  fresh._rotate()
+  assert fresh.all_steps() == [1, 4]                # the newest, and the last verified
+  fresh.close()

@@ -342,3 +342,161 @@ def test_training_that_skips_every_update_says_so_and_fails(tmp_path):
   assert "error: every update of steps 1-2 was skipped" in done.stderr, done.stderr[-3000:]
   assert "Traceback" not in done.stderr
   assert [r["step"] for r in _rows(out)] == [0, 1, 2]          # metrics kept, strict
+
+
+def test_an_unwritable_checkpoint_folder_stops_the_run_before_any_compute(capsys, tmp_path):
+  """Issue 28, fault 4: found at start-up, not at the first save after the compute."""
+  from tests.utils import make_unwritable_folder
+  out = tmp_path / "run"
+  out.mkdir()
+  make_unwritable_folder(out / "checkpoints")
+  done = _main(capsys, "train", "--steps", "2", "--save-every", "2", "--prompts-per-step",
+               "4", "--group-size", "2", "--eval-size", "8", "--out", str(out),
+               "--no-progress")
+  assert done.returncode == 1, done.stderr[-3000:]
+  errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+  assert errors[0].startswith(f"error: checkpoint folder {out}/checkpoints is not "
+                              "writable: "), errors[0]
+  assert sorted(os.listdir(out)) == ["checkpoints"]     # no config.json, no metrics
+
+
+@pytest.mark.slow
+def test_a_record_less_garbage_checkpoint_costs_no_verified_one(capsys, tmp_path):
+  """Issue 28, fault 1, on the command: a resumed run from a checkpoint without a
+  verification record that holds finite garbage says so, saves nothing while its every
+  update is skipped, and keeps the last verified checkpoint (before: it saved the
+  garbage at step 6 with a fresh record and rotation deleted step 2)."""
+  import jax
+  import jax.numpy as jnp
+  import orbax.checkpoint as ocp
+  out = tmp_path / "run"
+  small = ["--algo", "grpo", "--prompts-per-step", "4", "--group-size", "2",
+           "--eval-size", "4", "--eval-every", "100", "--save-every", "2", "--no-progress",
+           "--out", str(out)]
+  assert _main(capsys, "train", "--steps", "4", *small).returncode == 0
+  folder = str(out / "checkpoints")
+  manager = ocp.CheckpointManager(folder)
+  state = manager.restore(4, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  garbage = jax.tree_util.tree_map(
+      lambda x: x * 1e30 if jnp.issubdtype(x.dtype, jnp.floating) else x, state["state"])
+  manager.delete(4)                                 # step 4 as an older version wrote it
+  manager.save(4, args=ocp.args.Composite(state=ocp.args.StandardSave(garbage),
+                                          extra=ocp.args.JsonSave({"step": 4})))
+  manager.wait_until_finished()
+  manager.close()
+  done = _main(capsys, "train", "--resume", "--steps", "8", "--max-consecutive-skips", "3",
+               "--out", str(out))
+  assert done.returncode == 1, done.stderr[-3000:]
+  lines = done.stderr.splitlines()
+  assert f"checkpoint {folder}/4 has no verification record (saved before records " \
+         "existed, or its verify/ folder is missing): restored it checked only against " \
+         "the template and for finite values" in lines, lines
+  assert f"not saving step 6: every update since the restore of step 4 was skipped " \
+         "(non-finite values), so its state is the restored one; " \
+         f"{folder}/4 stays the newest checkpoint" in lines, lines
+  assert lines[-1].startswith("error: stopped at step 7: every update of the last 3 "
+                              "steps was skipped"), lines
+  assert sorted(os.listdir(folder), key=int) == ["2", "4"]     # step 2 is still there
+
+
+@pytest.mark.slow
+def test_ctrl_c_twice_on_the_command_keeps_the_save_and_prints_no_traceback(tmp_path):
+  """Issue 28, fault 2, on the real command: Ctrl-C once after step 2, and again as
+  soon as the checkpoint it asked for is being written. (When the second one comes
+  after the write, it stops at once; either way nothing is torn.) The direct test of
+  a SIGINT inside orbax's write is test_checkpoint's."""
+  out = tmp_path / "run"
+  cmd = [sys.executable, "-m", "jaxrl_llm", "train", "--algo", "grpo", "--steps", "6",
+         "--prompts-per-step", "4", "--group-size", "2", "--eval-size", "4",
+         "--eval-every", "100", "--save-every", "100", "--no-progress", "--out", str(out)]
+  proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+  hit = False
+  try:
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+      if any(r.get("step") == 2 for r in _rows(out)):
+        proc.send_signal(signal.SIGINT)
+        break
+      time.sleep(0.02)
+    folder = out / "checkpoints"
+    while time.time() < deadline and proc.poll() is None:
+      names = os.listdir(folder) if folder.is_dir() else []
+      if any(".orbax-checkpoint-tmp" in n for n in names) or any(n.isdigit() for n in names):
+        hit = any(".orbax-checkpoint-tmp" in n for n in names)
+        proc.send_signal(signal.SIGINT)
+        break
+      time.sleep(0.001)
+    _, err = proc.communicate(timeout=600)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+  assert "Traceback" not in err and "ERROR:absl" not in err, err[-3000:]
+  names = os.listdir(out / "checkpoints")
+  assert len(names) == 1 and names[0].isdigit(), names       # the save, and no temp folder
+  lines = [line for line in err.splitlines() if line]
+  after = lines[lines.index("received SIGINT: finishing the current step, saving a "
+                            "checkpoint, then exiting (Ctrl-C again to stop at once)") + 1:]
+  step = names[0]
+  assert "orbax" not in err, err[-3000:]
+  held = (f"Ctrl-C: the checkpoint of step {step} is being written; the interrupt takes "
+          "effect once it is complete")
+  saved = (f"SIGINT: checkpoint saved at step {step} in {out}/checkpoints; continue with "
+           f"--resume --out {out}")
+  assert after in (
+      [held, saved],                                # the second Ctrl-C came during the write
+      [saved],                                      # ... after it, while the run stopped
+      [f"interrupted: checkpoint saved at step {step} in {out}"]), after   # ... just after
+  print("second Ctrl-C during the write:", hit, after)
+  done = subprocess.run(cmd + ["--resume"], env=_env(), cwd=ROOT, capture_output=True,
+                        text=True, timeout=600)
+  assert done.returncode == 0 and f"resuming from step {names[0]}" in done.stderr, \
+      done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_up_mid_run_is_one_line_with_the_os_cause(tmp_path):
+  """Issue 28, fault 3, on the real command and a real full disk (a 70 MiB tmpfs, so
+  root only): the disk is filled after step 1, and step 2's checkpoint cannot be
+  written. Before: 114 lines of orbax background-thread logs and 2 tracebacks, then a
+  line cut before the cause, and the temporary folder left on the full disk."""
+  mnt = tmp_path / "disk"
+  mnt.mkdir()
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=70m", "tmpfs", str(mnt)],
+                           capture_output=True)
+  if mounted.returncode != 0:
+    pytest.skip("cannot mount a small tmpfs here (needs root); test_checkpoint's "
+                "RLIMIT_FSIZE test covers the save path")
+  try:
+    out = mnt / "run"
+    cmd = [sys.executable, "-m", "jaxrl_llm", "train", "--algo", "grpo", "--steps", "4",
+           "--prompts-per-step", "4", "--group-size", "2", "--eval-size", "4",
+           "--eval-every", "100", "--save-every", "2", "--no-progress", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+      deadline = time.time() + 600
+      while time.time() < deadline and proc.poll() is None:
+        if any(r.get("step") == 1 for r in _rows(out)):
+          free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+          with open(mnt / "filler", "wb") as f:          # leave 256 KiB for metrics rows
+            f.write(b"\0" * (free - (256 << 10)))
+          break
+        time.sleep(0.02)
+      _, err = proc.communicate(timeout=600)
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    left = sorted(os.listdir(out / "checkpoints"))
+  finally:
+    subprocess.run(["umount", str(mnt)], check=True)
+  assert proc.returncode == 1, err[-3000:]
+  assert "Traceback" not in err and "absl" not in err and "asyncio" not in err, err[-3000:]
+  assert err.splitlines()[-1] == (
+      f"error: cannot save checkpoint step 2 in {out}/checkpoints: no space left on "
+      "device (ENOSPC); free some space or choose another --out"), err[-3000:]
+  assert left == []                                 # no temporary folder left behind

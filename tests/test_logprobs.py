@@ -462,3 +462,12 @@ def test_from_hidden_memory_grows_with_chunk_not_sequence():
   ours_long = _compiled_temp_bytes(
       lambda h, w, y: token_logprobs_from_hidden(h, w, y, chunk_size=256), *long_shapes)
   assert ours_long - ours < 16 * batch * time * dim * 4, (ours, ours_long)
+
+
+def test_a_zero_size_vocabulary_is_named():
+  """Issue 28, fault 6: an empty vocabulary axis reached numpy's reduction error."""
+  with pytest.raises(ValueError, match=r"^`logits` must have a non-empty vocabulary"):
+    token_logprobs(jnp.zeros((1, 3, 0)), jnp.zeros((1, 3), jnp.int32))
+  with pytest.raises(ValueError, match=r"^`lm_head` must have a non-empty vocabulary"):
+    token_logprobs_from_hidden(jnp.zeros((1, 3, 4)), jnp.zeros((4, 0)),
+                               jnp.zeros((1, 3), jnp.int32))

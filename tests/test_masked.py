@@ -140,3 +140,11 @@ def test_out_of_range_numbers_raise_naming_the_argument():
   assert float(masked_count(m)) == 4.0
   out = jax.jit(lambda e: masked_whiten(x, m, eps=e))(-1.0)
   assert out.shape == (4,)
+
+
+def test_explained_variance_names_the_argument_of_an_int_input():
+  """Issue 28, fault 6: an int target named the internal `x`."""
+  with pytest.raises(ValueError, match=r"^`y_true` must be a floating-point array"):
+    explained_variance(np.zeros(3, np.float32), np.array([1, 2, 4]))
+  with pytest.raises(ValueError, match=r"^`y_pred` must be a floating-point array"):
+    explained_variance(np.array([1, 2, 4]), np.zeros(3, np.float32))

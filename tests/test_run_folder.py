@@ -235,3 +235,30 @@ def test_graceful_stop_second_ctrl_c_stops_at_once():
     with pytest.raises(KeyboardInterrupt):
       os.kill(os.getpid(), signal.SIGINT)
       time.sleep(1)                                # the handler runs here
+
+
+def test_probe_run_folder_checks_that_checkpoints_can_be_written(tmp_path):
+  """Issue 28, fault 4: an unwritable ``checkpoints/`` was found only at the first save."""
+  from tests.utils import make_unwritable_folder
+  out = tmp_path / "run"
+  out.mkdir()
+  make_unwritable_folder(out / "checkpoints")
+  with pytest.raises(RF.RunFolderIOError) as info:
+    RF.probe_run_folder(str(out), min_free_bytes=1)
+  msg = str(info.value)
+  assert msg.startswith(f"checkpoint folder {out}/checkpoints is not writable: cannot "
+                        f"write {out}/checkpoints: "), msg
+  assert msg.endswith("; choose a writable --out") and "\n" not in msg
+  if os.path.islink(out / "checkpoints"):
+    os.unlink(out / "checkpoints")
+  else:
+    os.chmod(out / "checkpoints", 0o755)
+    os.rmdir(out / "checkpoints")
+  (out / "checkpoints").write_text("x")            # a file where the folder should be
+  with pytest.raises(RF.RunFolderIOError, match=r"^checkpoint folder .*run/checkpoints is "
+                     r"not a folder; remove it or choose another --out$"):
+    RF.probe_run_folder(str(out), min_free_bytes=1)
+  os.unlink(out / "checkpoints")
+  (out / "checkpoints").mkdir()
+  RF.probe_run_folder(str(out), min_free_bytes=1)
+  assert os.listdir(out / "checkpoints") == []     # the probe leaves nothing behind

@@ -119,6 +119,15 @@ def test_nonfinite_batch_is_skipped_and_state_kept(setup):
   assert step._cache_size() == 1
 
 
+def test_policy_forward_names_a_missing_batch_key(setup):
+  """Issue 28, fault 6: a batch without ``attention_mask`` raised a bare KeyError."""
+  apply, params, batch = setup
+  with pytest.raises(ValueError, match=r"`batch` is missing key\(s\) \['attention_mask'\]"):
+    policy_forward(apply, params, {"tokens": batch["tokens"]})
+  with pytest.raises(ValueError, match=r"`batch` is missing key\(s\) \['tokens'\]"):
+    policy_forward(apply, params, {"attention_mask": batch["attention_mask"]})
+
+
 def test_bad_batches_raise_naming_the_key(setup):
   apply, params, batch = setup
   opt = optax.adam(1e-3)

@@ -190,6 +190,9 @@ class _FakeCheckpointer:
   def latest_step(self):
     return self.steps[-1] if self.steps else None
 
+  def note_step(self, skipped):
+    pass
+
   def close(self):
     pass
 

@@ -88,3 +88,28 @@ def train_two_steps(out: str, *flags: str) -> list[dict]:
     for key in ("loss", "pg_loss", "entropy", "grad_norm"):
       assert row[key] is not None and np.isfinite(row[key]), (flags, key)
   return rows
+
+
+def make_unwritable_folder(path) -> None:
+  """Makes ``path`` a folder this process cannot create files in, also as root.
+
+  A non-root user gets a ``chmod 555`` folder; root (whom permissions do not stop)
+  gets a symbolic link to a sysfs folder, where no process may create files. Skips the
+  calling test when neither is possible.
+  """
+  import pytest
+  path = str(path)
+  if os.geteuid() != 0:
+    os.makedirs(path)
+    os.chmod(path, 0o555)
+    return
+  for target in ("/sys/kernel", "/sys"):
+    if os.path.isdir(target):
+      try:
+        fd, probe = tempfile.mkstemp(dir=target)
+      except OSError:
+        os.symlink(target, path)
+        return
+      os.close(fd)
+      os.unlink(probe)
+  pytest.skip("running as root with no folder that refuses writes")

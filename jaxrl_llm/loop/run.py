@@ -170,6 +170,7 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
         history.append(row)
         metrics.append(row)
         skipped = step_skipped(row, config)
+        ckpt.note_step(skipped)       # a restored state that never learns is not saved again
         skips = skips + 1 if skipped else 0
         applied += 0 if skipped else 1
         if skips >= run.max_consecutive_skips:
@@ -253,8 +254,8 @@ def _save_now(run: RunConfig, ckpt: Checkpointer, state, step: int, why: str) ->
   """Checkpoints the completed ``step`` (on a signal) and says where."""
   if step not in ckpt.all_steps():
     ckpt.save(step, state, extra={"step": step}, force=True)
-  _say(f"{why}: checkpoint saved at step {step} in {ckpt.directory}; continue with "
-       f"--resume --out {run.out}")
+  _say(f"{why}: checkpoint saved at step {ckpt.latest_step()} in {ckpt.directory}; "
+       f"continue with --resume --out {run.out}")
 
 
 def _save_on_interrupt(run: RunConfig, ckpt: Checkpointer, state) -> None:
@@ -264,7 +265,7 @@ def _save_on_interrupt(run: RunConfig, ckpt: Checkpointer, state) -> None:
     done = int(state.step)
     if done > 0 and done not in ckpt.all_steps():
       ckpt.save(done, state, extra={"step": done}, force=True)
-    note = f"checkpoint saved at step {done}"
+    note = f"checkpoint saved at step {ckpt.latest_step()}"
   except Exception:  # noqa: BLE001 - deleted buffers raise a runtime error
     note = f"kept the checkpoint of step {ckpt.latest_step()}"
   ckpt.close()

@@ -196,6 +196,9 @@ def policy_forward(apply_fn: Callable, params: Any, batch: dict, *,
   is about generating token t; column 0 is 0); ``values`` is None without a value head.
   Use it for old / reference log-probs as well as inside the loss.
   """
+  missing = [k for k in ("tokens", "attention_mask") if k not in batch]
+  if missing:
+    raise ValueError(f"`batch` is missing key(s) {missing} (has {sorted(batch)}).")
   tokens, attn = batch["tokens"], batch["attention_mask"]
   positions = batch.get("positions")
   if positions is None:
