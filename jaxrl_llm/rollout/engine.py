@@ -10,9 +10,9 @@ fixed number of slots (static shapes: nothing recompiles as requests come and go
   ``max_new_tokens``, temperature, filters and stop ids.
 * **Paged KV cache.** Keys/values live in a pool of ``num_pages`` pages of
   ``page_size`` tokens per layer; a slot's page table lists its pages. A decode step
-  at position n reads O(n) keys (:func:`jaxrl_llm.attention.paged_attention` loops
-  over the slot's pages up to the longest live slot), not the slot capacity
-  ``max_len``. A slot's future pages are reserved at admission and handed over as its
+  reads keys up to the longest live slot's length n, O(S n)
+  (:func:`jaxrl_llm.attention.paged_attention` loops over page chunks with a traced
+  trip count), not the slot capacity ``max_len``. A slot's future pages are reserved at admission and handed over as its
   tokens arrive, so the pages in use follow the tokens in flight; a finished slot's
   pages (and its unused reservation) return to the pool at once.
 * **Shared prompts.** The ``n`` samples of a request prefill its prompt once, in chunks
@@ -179,9 +179,11 @@ class RolloutEngine:
     page_size: tokens per page.
     num_pages: pages in the pool (all layers have one pool each of this many pages);
       default ``max_slots * ceil(max_len / page_size)``, enough for every slot at
-      ``max_len``. A request that needs more pages than the whole pool raises
-      ``ValueError``; one that needs pages now in use waits until finished slots return
-      them (samples are admitted in queue order).
+      ``max_len``. The pool's device memory is allocated once (``num_pages`` x
+      ``stats["page_bytes"]``); a smaller pool bounds it. A request that needs more
+      pages than the whole pool raises ``ValueError``; a sample that needs pages now
+      in use waits (it and the samples queued after it) until finished slots return
+      them.
     steps_per_call: K, the most decode steps per device call.
     prefill_chunk: prompt tokens per prefill call (one compilation for all lengths).
     policy: admission order of the waiting samples: ``"longest_first"`` (largest
