@@ -12,9 +12,10 @@ fixed number of slots (static shapes: nothing recompiles as requests come and go
   ``page_size`` tokens per layer; a slot's page table lists its pages. A decode step
   reads keys up to the longest live slot's length n, O(S n)
   (:func:`jaxrl_llm.attention.paged_attention` loops over page chunks with a traced
-  trip count), not the slot capacity ``max_len``. A slot's future pages are reserved at admission and handed over as its
-  tokens arrive, so the pages in use follow the tokens in flight; a finished slot's
-  pages (and its unused reservation) return to the pool at once.
+  trip count), not the slot capacity ``max_len``. A slot's future pages are reserved
+  at admission and handed over as its tokens arrive, so the pages in use follow the
+  tokens in flight; a finished slot's pages (and its unused reservation) return to the
+  pool at once.
 * **Shared prompts.** The ``n`` samples of a request prefill its prompt once, in chunks
   of ``prefill_chunk`` tokens (one compilation whatever the prompt length); they read
   the prompt's full pages (reference-counted), and each gets its own copy of the
