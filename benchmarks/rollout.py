@@ -152,7 +152,7 @@ def hf_model(model, folder):
   save_pretrained(model, folder)
   torch.manual_seed(0)
   return transformers.AutoModelForCausalLM.from_pretrained(
-      folder, torch_dtype=torch.float32).eval()
+      folder, dtype=torch.float32).eval()
 
 
 def run_hf(hf, requests, rows, max_batches):

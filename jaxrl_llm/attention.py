@@ -574,8 +574,8 @@ def paged_attention(query, k_pages, v_pages, page_table, positions, *,
   a masked softmax) merged with the online-softmax rule (running max ``m``, sum ``l``,
   output ``acc``; Milakov & Gimelshein 2018). The loop runs over the chunks up to the
   largest position in the batch (a ``lax.while_loop`` with a traced trip count), so a
-  step at position n reads O(n) keys, not the page table's capacity, and nothing
-  recompiles as sequences grow. A chunk holding no visible key of a row leaves that
+  call reads O(B n) keys for a longest position n, not the page table's capacity, and
+  nothing recompiles as sequences grow. A chunk holding no visible key of a row leaves that
   row's ``(m, l, acc)`` bit for bit unchanged (its rescale factor is
   :math:`e^{m - m} = 1` and its terms are exact zeros), so a row's output does not
   depend on how many chunks the other rows make the loop read: rows never mix.

@@ -10,11 +10,12 @@ fixed number of slots (static shapes: nothing recompiles as requests come and go
   ``max_new_tokens``, temperature, filters and stop ids.
 * **Paged KV cache.** Keys/values live in a pool of ``num_pages`` pages of
   ``page_size`` tokens per layer; a slot's page table lists its pages. A decode step
-  at position n reads O(n) keys (:func:`jaxrl_llm.attention.paged_attention` loops
-  over the slot's pages up to the longest live slot), not the slot capacity
-  ``max_len``. A slot's future pages are reserved at admission and handed over as its
-  tokens arrive, so the pages in use follow the tokens in flight; a finished slot's
-  pages (and its unused reservation) return to the pool at once.
+  reads keys up to the longest live slot's length n, O(S n)
+  (:func:`jaxrl_llm.attention.paged_attention` loops over page chunks with a traced
+  trip count), not the slot capacity ``max_len``. A slot's future pages are reserved
+  at admission and handed over as its tokens arrive, so the pages in use follow the
+  tokens in flight; a finished slot's pages (and its unused reservation) return to the
+  pool at once.
 * **Shared prompts.** The ``n`` samples of a request prefill its prompt once, in chunks
   of ``prefill_chunk`` tokens (one compilation whatever the prompt length); they read
   the prompt's full pages (reference-counted), and each gets its own copy of the
@@ -23,10 +24,12 @@ fixed number of slots (static shapes: nothing recompiles as requests come and go
   of request ``r`` uses the key ``fold_in(fold_in(fold_in(key(seed), r), j), n)`` and
   an inverse-CDF draw (:mod:`jaxrl_llm.rollout.draw`); the slot computation never
   mixes rows (attention reads only the slot's pages, and chunks past a slot's length
-  change nothing bit for bit). So a request's tokens and log-probs do not depend on
-  the other requests or on the slot it lands in (measured bitwise at a fixed
-  ``max_slots``; with another slot count XLA may choose other matmul kernels, see
-  ``tests/test_engine.py``).
+  change nothing bit for bit). So at a given ``max_slots`` a request's tokens and
+  log-probs are bitwise the same alone or among any other requests, in any slot.
+  Another ``max_slots`` is another matmul shape, for which XLA may choose another
+  kernel: on CPU (XLA:CPU, jax 0.10) 8 and 16 slots gave bitwise equal results, while
+  1, 2, 4 and 64 slots gave the same tokens with log-probs 1-2 ulp apart (a sampled
+  token could then differ where ``u`` falls within such a rounding of a CDF step).
 
 Log-prob conventions are those of :func:`jaxrl_llm.rollout.sample`:
 ``Completion.logprobs[n]`` :math:`= \log\mathrm{softmax}(z_n/\tau)[y_n]` (the full,
@@ -177,9 +180,11 @@ class RolloutEngine:
     page_size: tokens per page.
     num_pages: pages in the pool (all layers have one pool each of this many pages);
       default ``max_slots * ceil(max_len / page_size)``, enough for every slot at
-      ``max_len``. A request that needs more pages than the whole pool raises
-      ``ValueError``; one that needs pages now in use waits until finished slots return
-      them (samples are admitted in queue order).
+      ``max_len``. The pool's device memory is allocated once (``num_pages`` x
+      ``stats["page_bytes"]``); a smaller pool bounds it. A request that needs more
+      pages than the whole pool raises ``ValueError``; a sample that needs pages now
+      in use waits (it and the samples queued after it) until finished slots return
+      them.
     steps_per_call: K, the most decode steps per device call.
     prefill_chunk: prompt tokens per prefill call (one compilation for all lengths).
     policy: admission order of the waiting samples: ``"longest_first"`` (largest
