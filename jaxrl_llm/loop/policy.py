@@ -86,11 +86,12 @@ class Policy:
     from jaxrl_llm.models.transformer import (make_apply_fn, make_decode_fns,
                                               make_paged_decode_fns)
     ref_graphdef, _ = drop_value_head(graphdef, params)
-    fns = dict(pad_id=pad_id, temperature=temperature,
-               paged_decode_fns=make_paged_decode_fns(graphdef))
+    paged = make_paged_decode_fns(graphdef)
     if ref_graphdef is graphdef:        # no value head: the reference is the model
-      return cls(make_apply_fn(graphdef), make_decode_fns(graphdef), params, **fns)
-    return cls(make_apply_fn(graphdef), make_decode_fns(graphdef), params, **fns,
+      return cls(make_apply_fn(graphdef), make_decode_fns(graphdef), params,
+                 pad_id=pad_id, temperature=temperature, paged_decode_fns=paged)
+    return cls(make_apply_fn(graphdef), make_decode_fns(graphdef), params,
+               pad_id=pad_id, temperature=temperature, paged_decode_fns=paged,
                ref_apply_fn=make_apply_fn(ref_graphdef),
                ref_part=lambda p: drop_value_head(graphdef, p)[1])
 
@@ -187,13 +188,16 @@ def completions_to_sample_output(completions: Sequence[Completion], prompt_token
     logprobs[r, :k] = c.logprobs
     sampling_logprobs[r, :k] = c.filtered_logprobs
   prompt_tokens = np.asarray(prompt_tokens, np.int32)
+  as_jax = jnp.asarray
   return SampleOutput(
-      tokens=np.concatenate([prompt_tokens, completion], axis=1),
-      mask=np.concatenate([np.asarray(prompt_mask, np.float32), completion_mask], axis=1),
-      completion=completion, completion_mask=completion_mask, logprobs=logprobs,
-      lengths=completion_mask.sum(axis=1).astype(np.int32),
-      finished=np.array([c.finish_reason == "eos" for c in completions], bool),
-      sampling_logprobs=sampling_logprobs)
+      tokens=as_jax(np.concatenate([prompt_tokens, completion], axis=1)),
+      mask=as_jax(np.concatenate([np.asarray(prompt_mask, np.float32), completion_mask],
+                                 axis=1)),
+      completion=as_jax(completion), completion_mask=as_jax(completion_mask),
+      logprobs=as_jax(logprobs),
+      lengths=as_jax(completion_mask.sum(axis=1).astype(np.int32)),
+      finished=as_jax(np.array([c.finish_reason == "eos" for c in completions], bool)),
+      sampling_logprobs=as_jax(sampling_logprobs))
 
 
 __all__ = ["Policy", "completions_to_sample_output"]
