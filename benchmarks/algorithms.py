@@ -2,7 +2,7 @@ r"""PPO, VAPO, GRPO, DAPO and RLOO on a built-in task (``reverse``, or the 200-t
 ``repeat``), plus a 2048-token update benchmark.
 
 Run: ``python -m benchmarks.algorithms [--quick] [--seeds 3] [--task repeat]
-[--algos ppo,vapo,grpo,dapo,rloo] [--json out.json]``.
+[--algos ppo,vapo,grpo,dapo,rloo] [--rollout engine|simple] [--json out.json]``.
 
 Part 1 (full RL runs). Each algorithm trains the tiny reference transformer with
 :func:`jaxrl_llm.loop.run.run_training` under the same compute budget: ``prompts_per_step x
@@ -239,9 +239,9 @@ def _quarter_means(values):
 
 
 def run_one(algo, seed, size, out_dir, target, update_repeats, train=None,
-            task="reverse", target_metric="accuracy"):
+            task="reverse", target_metric="accuracy", rollout="engine"):
   run = RunConfig(algo=algo, seed=seed, steps=size["steps"], train=dict(train or {}),
-                    task=task,
+                    task=task, rollout=rollout,
                     prompts_per_step=size["prompts"], group_size=size["group"],
                     eval_every=size["eval_every"], eval_size=size["eval_size"],
                     save_every=10 ** 9, out=os.path.join(out_dir, f"{algo}_{seed}"),
@@ -521,6 +521,8 @@ def main(argv=None):
                       "defined for these)")
   p.add_argument("--policy-loss", default=None, choices=sorted(POLICY_LOSS_REGISTRY),
                  help="policy loss for every run (default: each recipe's)")
+  p.add_argument("--rollout", default="engine", choices=("engine", "simple"),
+                 help="how the runs generate (RunConfig.rollout)")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
   size = dict(QUICK if args.quick else FULL)
@@ -543,7 +545,8 @@ def main(argv=None):
       for seed in range(seeds):
         train = {} if args.policy_loss is None else {"policy_loss": args.policy_loss}
         r = run_one(algo, seed, size, tmp, args.target, 0 if args.quick else 10, train,
-                    task=args.task, target_metric=args.target_metric)
+                    task=args.task, target_metric=args.target_metric,
+                    rollout=args.rollout)
         results.append(r)
         print(f"  {algo} seed {seed}: iter {r['iter_samples_s']:.0f} samples/s, "
               f"update {r['update_samples_s']:.0f} samples/s, adv_var_norm "
@@ -571,7 +574,7 @@ def main(argv=None):
   for line in note_lines:
     print(f"- {line}")
   payload = {"benchmark": "algorithms", "machine": machine(), "quick": args.quick,
-             "task": args.task,
+             "task": args.task, "rollout": args.rollout,
              "size": size, "seeds": seeds, "target": args.target,
              "target_metric": args.target_metric, "runs": results,
              "table": table, "long_generation": long_rows, "notes": note_lines,
