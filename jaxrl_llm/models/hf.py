@@ -60,7 +60,7 @@ import functools
 import json
 import math
 import os
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -643,6 +643,50 @@ def _host(x) -> np.ndarray:
   return np.asarray(x)
 
 
+def hf_tensors(config: TransformerConfig, params: Any, *,
+               dtype=None) -> Iterator[tuple[str, np.ndarray]]:
+  """``(Hugging Face name, NumPy tensor)`` of each policy parameter of ``params``, one
+  at a time, in Hugging Face layout (the table of the module docstring,
+  :func:`hf_layout`): what :func:`save_pretrained` writes and what a running inference
+  engine loads (:class:`jaxrl_llm.rollout.vllm.VllmEngine` pushes them).
+
+  Each tensor is converted only when the iterator reaches it, so a consumer that
+  hands tensors on one by one never holds the whole model on the host twice (a
+  sharded parameter is gathered on its own, with several processes every process must
+  iterate). The value head (``value_w``/``value_b``) is skipped: it is no part of the
+  Hugging Face model.
+
+  Args:
+    config: the model's :class:`TransformerConfig` (its layout).
+    params: the parameter pytree of ``split_model(model)[1]``.
+    dtype: the tensors' dtype (default ``config.dtype``).
+
+  Raises:
+    ValueError: a parameter the layout of ``config`` does not name.
+
+  Examples:
+    >>> from jaxrl_llm.models import Transformer, get_config, split_model
+    >>> cfg = get_config("tiny", 11)
+    >>> _, params = split_model(Transformer(cfg, rngs=nnx.Rngs(0)))
+    >>> tensors = dict(hf_tensors(cfg, params))
+    >>> tensors["model.layers.0.self_attn.q_proj.weight"].shape   # [H*d, D] <- [D, H, d]
+    (64, 64)
+    >>> len(tensors) == len(hf_layout(cfg))
+    True
+  """
+  out_dtype = jnp.dtype(config.dtype if dtype is None else dtype)
+  layout = hf_layout(config)
+  for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = _path_str(key_path)
+    if name in _VALUE_NAMES:
+      continue
+    if name not in layout:
+      raise ValueError(f"parameter {name!r} has no Hugging Face name in the "
+                       f"{config_model_type(config)!r} layout.")
+    entry = layout[name]
+    yield entry.name, np.ascontiguousarray(_to_hf(entry, _host(leaf).astype(out_dtype)))
+
+
 def save_pretrained(model: Transformer, path: str | os.PathLike, *,
                     max_shard_size: int | str = "5GB", dtype=None,
                     extra_config: Mapping[str, Any] | None = None,
@@ -684,19 +728,12 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
       raise ValueError(f"`extra_config` may not override {key!r} "
                        f"({hf_config[key]!r} -> {val!r}).")
   hf_config.update(extra)
-  layout = hf_layout(config)
   _, params = split_model(model)
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  tensors: list[tuple[str, np.ndarray]] = []
+  tensors = list(hf_tensors(config, params, dtype=out_dtype))
   value: dict[str, np.ndarray] = {}
-  for key_path, leaf in flat:
-    name = _path_str(key_path)
-    x = _host(leaf).astype(out_dtype)
-    if name in _VALUE_NAMES:
-      value.update([_value_tensor(name, x)])
-      continue
-    entry = layout[name]
-    tensors.append((entry.name, np.ascontiguousarray(_to_hf(entry, x))))
+  if config.value_head:
+    value = dict(_value_tensor(name, _host(getattr(model, name)[...]).astype(out_dtype))
+                 for name in _VALUE_NAMES)
   if jax.process_index() != 0:
     return
   path = os.fspath(path)
@@ -790,5 +827,5 @@ def num_params(config: TransformerConfig) -> int:
 
 
 __all__ = ["ARCHITECTURES", "LAYOUT_KINDS", "LayoutKind", "VALUE_HEAD_FILE", "config_from_hf",
-           "config_model_type", "from_pretrained", "hf_config_from", "hf_layout",
+           "config_model_type", "from_pretrained", "hf_config_from", "hf_layout", "hf_tensors",
            "num_params", "read_hf_config", "save_pretrained", "save_value_head"]
