@@ -1129,6 +1129,8 @@ def ref_rollout(log_ratio, mask, level, threshold, lower):
       "rollout_is_mean": np_masked_mean(w, mask),
       "rollout_is_max": float(rho[valid].max()) if n else 0.0,
       "rollout_is_clipfrac": np_masked_mean((w != rho).astype(float), mask),
+      "rollout_mismatch_kl": np_masked_mean(np.where(mask > 0, np.expm1(np.clip(
+          log_ratio.astype(np.float64), -20, 20)) - np.clip(log_ratio, -20, 20), 0.0), mask),
       "rollout_is_ess": (float(w.sum() ** 2 / (n * np.square(w).sum()))
                          if np.square(w).sum() > 0 else 0.0),
   }
@@ -1168,6 +1170,7 @@ def test_rollout_correction_hand_fixture_and_clamp():
   assert_close(w, [[1.0, 2.0, 0.25, 0.0]], atol=1e-6)
   assert_close(m, {"rollout_is_mean": 3.25 / 3, "rollout_is_max": 3.0,
                    "rollout_is_clipfrac": 1 / 3,
+                   "rollout_mismatch_kl": (0.0 + (2 - math.log(3)) + (-0.75 - math.log(0.25))) / 3,
                    "rollout_is_ess": 3.25**2 / (3 * (1 + 4 + 0.0625))}, atol=1e-6)
   w, _ = rollout_correction_weights(lr, mask, lower=0.25)  # both ends are inclusive
   assert_close(w, [[1.0, 0.0, 0.25, 0.0]], atol=1e-6)

@@ -71,6 +71,12 @@ def rollout_correction_weights(log_ratio: ArrayLike, mask: ArrayLike, *,
       ``rollout_is_max``; 0 without valid tokens).
     - ``rollout_is_clipfrac``: fraction of tokens with :math:`w \ne \rho` (truncated
       or zeroed).
+    - ``rollout_mismatch_kl``: the train/inference mismatch
+      :math:`\mathrm{KL}(\pi_{roll} \| \pi_{train})`, estimated per token from the
+      sampled tokens with the non-negative :math:`k_3 = e^{r} - 1 - r`,
+      :math:`r = \mathrm{clip}(\log\pi^{train}_{it} - \log\pi^{roll}_{it}, -20, 20)`
+      (at the token level whatever ``level``; verl's ``rollout_corr/kl`` uses the same
+      samples; a NaN log-ratio counts 0).
     - ``rollout_is_ess``: normalised effective sample size of :math:`w`,
       :math:`(\sum w)^2 / (N \sum w^2) \in [0, 1]` (1 when all weights are equal;
       verl's ``1 / mean((w / mean w)^2)``, here on the final weights; 0 when every
@@ -100,6 +106,9 @@ def rollout_correction_weights(log_ratio: ArrayLike, mask: ArrayLike, *,
   dtype = v.out_dtype(log_ratio)
   valid = v.as_f32(mask) > 0
   ell = masked_f32(log_ratio, valid)
+  r = jnp.clip(jax.lax.stop_gradient(ell), -_IS_LOG_BOUND, _IS_LOG_BOUND)
+  k3 = jnp.exp(r) - 1.0 - r
+  k3 = jnp.where(valid & ~jnp.isnan(k3), k3, 0.0)
   if level == "sequence":
     ell = jnp.broadcast_to(jnp.sum(ell, axis=-1, keepdims=True), v.shape_of(log_ratio))
   ell = jax.lax.stop_gradient(ell)
@@ -117,6 +126,7 @@ def rollout_correction_weights(log_ratio: ArrayLike, mask: ArrayLike, *,
       "rollout_is_mean": masked_mean(weights, mask),
       "rollout_is_max": jnp.max(jnp.where(valid, rho_ok, 0.0), initial=0.0),
       "rollout_is_clipfrac": masked_mean(v.as_f32(weights != rho), mask),
+      "rollout_mismatch_kl": masked_mean(k3, mask),
       "rollout_is_ess": jnp.where(total_sq > 0, jnp.square(total)
                                   / (jnp.maximum(n, 1.0) * jnp.where(total_sq > 0,
                                                                      total_sq, 1.0)),

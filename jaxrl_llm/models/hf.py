@@ -687,6 +687,42 @@ def hf_tensors(config: TransformerConfig, params: Any, *,
     yield entry.name, np.ascontiguousarray(_to_hf(entry, _host(leaf).astype(out_dtype)))
 
 
+def hf_shapes(config: TransformerConfig, params: Any) -> dict[str, tuple[int, ...]]:
+  """``{Hugging Face name: shape}`` of the tensors :func:`hf_tensors` yields for
+  ``params`` (from the shapes alone: nothing is converted or gathered).
+
+  Raises:
+    ValueError: a parameter the layout of ``config`` does not name.
+
+  Examples:
+    >>> from jaxrl_llm.models import Transformer, get_config, split_model
+    >>> cfg = get_config("tiny", 11)
+    >>> _, params = split_model(Transformer(cfg, rngs=nnx.Rngs(0)))
+    >>> hf_shapes(cfg, params)["model.layers.0.mlp.down_proj.weight"]   # [D, F] <- [F, D]
+    (64, 128)
+  """
+  layout = hf_layout(config)
+  out = {}
+  for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = _path_str(key_path)
+    if name in _VALUE_NAMES:
+      continue
+    if name not in layout:
+      raise ValueError(f"parameter {name!r} has no Hugging Face name in the "
+                       f"{config_model_type(config)!r} layout.")
+    out[layout[name].name] = tuple(_hf_shape(layout[name], tuple(np.shape(leaf))))
+  return out
+
+
+def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+  """``{tensor name: shape}`` of the safetensors checkpoint folder ``path`` (headers
+  only: no tensor is read)."""
+  _require_safetensors()
+  with _Checkpoint(os.fspath(path)) as ckpt:
+    return {name: tuple(ckpt.tensor(name).get_shape()) for name in ckpt.files
+            if not name.endswith(_IGNORED_SUFFIXES)}
+
+
 def save_pretrained(model: Transformer, path: str | os.PathLike, *,
                     max_shard_size: int | str = "5GB", dtype=None,
                     extra_config: Mapping[str, Any] | None = None,
@@ -826,6 +862,7 @@ def num_params(config: TransformerConfig) -> int:
   return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract))
 
 
-__all__ = ["ARCHITECTURES", "LAYOUT_KINDS", "LayoutKind", "VALUE_HEAD_FILE", "config_from_hf",
-           "config_model_type", "from_pretrained", "hf_config_from", "hf_layout", "hf_tensors",
-           "num_params", "read_hf_config", "save_pretrained", "save_value_head"]
+__all__ = ["ARCHITECTURES", "LAYOUT_KINDS", "LayoutKind", "VALUE_HEAD_FILE",
+           "checkpoint_shapes", "config_from_hf", "config_model_type", "from_pretrained",
+           "hf_config_from", "hf_layout", "hf_shapes", "hf_tensors", "num_params",
+           "read_hf_config", "save_pretrained", "save_value_head"]

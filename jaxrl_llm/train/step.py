@@ -577,6 +577,7 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
   ``vf_clipfrac``, ``explained_variance``), (``kl_loss``, ``kl_ref``), ``adv_mean``,
   ``adv_std``, ``clip_eps``, ``kl_coef``, (``rollout_kl``), (``pos_nll``),
   (``rollout_is_mean``, ``rollout_is_max``, ``rollout_is_clipfrac``, ``rollout_is_ess``,
+  ``rollout_mismatch_kl``,
   each over its update's whole minibatch); ``skipped`` (non-finite) and ``skipped_empty``
   (no trainable token) are counts of skipped updates.
 
