@@ -22,5 +22,6 @@ ROLLOUT_LEVELS = ("token", "sequence")
 MODEL_PRESETS = ("tiny", "small")
 
 # How the RL loop generates completions (RunConfig.rollout): the continuous-batching
-# engine (jaxrl_llm.rollout.RolloutEngine) or the rectangular sampler (sample).
-ROLLOUT_BACKENDS = ("engine", "simple")
+# engine (jaxrl_llm.rollout.RolloutEngine), the rectangular sampler (sample) or an
+# in-process vLLM (jaxrl_llm.rollout.vllm.VllmEngine, weights pushed every step).
+ROLLOUT_BACKENDS = ("engine", "simple", "vllm")

@@ -269,11 +269,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 2
   from jaxrl_llm.checkpoint import CheckpointError
   from jaxrl_llm.loop.run import SkippedUpdatesError, format_summary, run_training
+  from jaxrl_llm.rollout.vllm import VllmLoadError, VllmMissingError, VllmPushError
   try:
     summary = run_training(run)
   except rf.RunFolderError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except (VllmMissingError, VllmLoadError, VllmPushError) as e:    # --rollout vllm
+    print(f"error: {e}", file=sys.stderr)
+    return 1
   except (rf.RunFolderIOError, CheckpointError, SkippedUpdatesError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

@@ -122,8 +122,11 @@ class RunConfig:
   rollout: str = setting(
       "engine", "how completions are generated: \"engine\" (the continuous-batching "
       "RolloutEngine: paged KV cache, a group's prompt prefilled once, a finished "
-      "completion frees its slot) or \"simple\" (the rectangular sample loop: every "
-      "row decodes until the longest ends).", choices=ROLLOUT_BACKENDS)
+      "completion frees its slot), \"simple\" (the rectangular sample loop: every "
+      "row decodes until the longest ends) or \"vllm\" (an in-process vLLM engine, the "
+      "policy's weights pushed after every step; --model must be a Hugging Face "
+      "folder; rollout correction on unless set; pip install 'jaxrl_llm[vllm]').",
+      choices=ROLLOUT_BACKENDS)
   rollout_slots: Optional[int] = setting(
       None, "the engine's slots, the completions decoded together (None: all "
       "completions of a step, at most 256).", min_int=1)

@@ -54,7 +54,8 @@ class Policy:
     self.apply = apply_fn
     self.decode_fns = decode_fns
     self.paged_decode_fns = paged_decode_fns
-    self.engine: Optional[RolloutEngine] = None
+    self.engine: Optional[Any] = None      # a RolloutEngine or a VllmEngine
+    self._engine_takes_policy_part = False
     self.init_params = init_params
     self.pad_id = pad_id
     self.temperature = temperature
@@ -115,6 +116,22 @@ class Policy:
     self.engine = RolloutEngine(self.paged_decode_fns, max_slots=max_slots,
                                 max_len=max_len, page_size=page_size)
 
+  def use_vllm(self, engine: Any) -> None:
+    """Generates through ``engine`` (a :class:`~jaxrl_llm.rollout.vllm.VllmEngine`)
+    from now on. It gets the policy's weights alone (:meth:`ref_params`: no value head,
+    no critic), pushed whenever :meth:`generate` is called with params other than the
+    ones pushed last (so after every train step); a failed push raises
+    :class:`~jaxrl_llm.rollout.vllm.VllmPushError`, which stops the run before a step
+    trains on rollouts of stale weights."""
+    self.engine = engine
+    self._engine_takes_policy_part = True
+
+  def rollout_stats(self) -> dict[str, float]:
+    """The rollout backend's metrics since the last call (vLLM: ``vllm_push_s``, the
+    seconds spent pushing weights, and ``vllm_pushes``); empty for the JAX engines."""
+    take = getattr(self.engine, "take_stats", None)
+    return {} if take is None else take()
+
   def generate(self, params: Any, tokens: Any, mask: Any, rng: Optional[jax.Array], *,
                max_new_tokens: int, eos_id: Optional[int | Sequence[int]],
                temperature: float = _TEMPERATURE, greedy: bool = False,
@@ -150,6 +167,8 @@ class Policy:
                         eos_ids=eos_ids) for row, keep in zip(tokens, mask)]
     seed = 0 if greedy or rng is None else int(
         jax.random.randint(rng, (), 0, np.iinfo(np.int32).max))
+    if self._engine_takes_policy_part:
+      params = self.ref_params(params)
     completions = self.engine.generate(params, requests, seed=seed)
     return completions_to_sample_output(completions, np.repeat(tokens, n, axis=0),
                                         np.repeat(mask, n, axis=0),

@@ -21,6 +21,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING, Any, Optional
 
 from jaxrl_llm.loop.config import RunConfig, flag
@@ -173,6 +174,9 @@ def resolve(run: RunConfig, task: Optional[Task] = None) -> Resolved:
       recipe's train step would ignore or fail on).
   """
   run.validate()
+  if run.rollout == "vllm" and not os.path.isfile(os.path.join(run.model, "config.json")):
+    raise ValueError(f"--rollout vllm needs --model PATH, a Hugging Face model folder "
+                     f"(got {run.model!r}): vLLM loads the architecture from it")
   recipe = get_recipe(run.algo)
   budget = response_budget(run, task)
   if recipe.group and run.group_size < 2:
@@ -218,6 +222,10 @@ def _train_config(run: RunConfig, recipe: Recipe, budget: Budget) -> TrainConfig
   """The :class:`TrainConfig` of the run: the recipe's fields, then ``run.train``, then
   the clip schedule of ``clip_end``."""
   fields = {**recipe.train_fields(budget), **run.train}
+  if run.rollout == "vllm" and "rollout_correction" not in run.train:
+    # Another engine's log-probs differ from the trainer's (kernels, precision): every
+    # peer that trained on them uncorrected saw collapses. Token TIS, as verl.
+    fields["rollout_correction"] = "token"
   if run.clip_end is not None:
     import optax
     start = TrainConfig(**fields).clip_range()[0]

@@ -161,7 +161,8 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
         batch, stats = build_batch(resolved, task, policy, state.params, ref_params,
                                    rng_np, key)
         state, m = step_fn(state, place(batch))
-        row = {"step": step, **stats, **{k: float(val) for k, val in m.items()},
+        row = {"step": step, **stats, **policy.rollout_stats(),
+               **{k: float(val) for k, val in m.items()},
                "time_s": time.time() - t_step}
         if step <= warmup_steps:
           row["critic_warmup"] = 1.0     # the policy is frozen (OptimizerSettings)

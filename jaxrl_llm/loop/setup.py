@@ -91,7 +91,10 @@ def make_policy(resolved: Resolved, task: Task) -> Policy:
   zero-initialised value head; sampling and the KL reference use the policy part
   only (the reference keeps no value head either: :meth:`Policy.ref_params`). With
   ``run.rollout == "engine"`` it generates through a
-  :class:`~jaxrl_llm.rollout.RolloutEngine` of ``run.rollout_slots`` slots.
+  :class:`~jaxrl_llm.rollout.RolloutEngine` of ``run.rollout_slots`` slots; with
+  ``"vllm"`` through a :class:`~jaxrl_llm.rollout.vllm.VllmEngine` on the folder
+  ``run.model`` (its dtype; more ``vllm.LLM`` arguments from the JSON object in the
+  environment variable ``JAXRL_LLM_VLLM_ARGS``, e.g. ``{"gpu_memory_utilization": 0.3}``).
   """
   policy = _policy(resolved, task)
   run = resolved.run
@@ -99,7 +102,30 @@ def make_policy(resolved: Resolved, task: Task) -> Policy:
     rows = resolved.sampling.prompts_per_step * resolved.sampling.group_size
     policy.use_engine(max_slots=run.rollout_slots or min(rows, _MAX_DEFAULT_SLOTS),
                       max_len=task.max_prompt_len + task.max_new_tokens)
+  elif run.rollout == "vllm":
+    policy.use_vllm(make_vllm_engine(run.model, task.max_prompt_len + task.max_new_tokens))
   return policy
+
+
+def make_vllm_engine(model_dir: str, max_model_len: int):
+  """A :class:`~jaxrl_llm.rollout.vllm.VllmEngine` on ``model_dir`` in the checkpoint's
+  dtype, with the ``vllm.LLM`` arguments of ``$JAXRL_LLM_VLLM_ARGS`` (a JSON object)."""
+  import json
+
+  import jax.numpy as jnp
+
+  from jaxrl_llm.models.hf import config_from_hf, read_hf_config
+  from jaxrl_llm.rollout.vllm import VllmEngine
+  config = config_from_hf(read_hf_config(model_dir))
+  extra = os.environ.get("JAXRL_LLM_VLLM_ARGS", "").strip()
+  try:
+    kwargs = json.loads(extra) if extra else {}
+  except json.JSONDecodeError as e:
+    raise ValueError(f"$JAXRL_LLM_VLLM_ARGS is not a JSON object ({e}).") from None
+  if not isinstance(kwargs, dict):
+    raise ValueError(f"$JAXRL_LLM_VLLM_ARGS must be a JSON object, got {extra!r}.")
+  kwargs.setdefault("dtype", jnp.dtype(config.dtype).name)
+  return VllmEngine(model_dir, max_model_len=max_model_len, config=config, **kwargs)
 
 
 # The engine's default slot count: all completions of a step, up to this many.
@@ -222,5 +248,6 @@ def warm_start_value_params(run: RunConfig, params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(take, params)
 
 
-__all__ = ["is_checkpoint", "load_models", "make_policy", "make_task", "read_run",
+__all__ = ["is_checkpoint", "load_models", "make_policy", "make_task", "make_vllm_engine",
+           "read_run",
            "restore_latest", "restore_state", "warm_start_value_params"]

@@ -71,12 +71,20 @@ class VllmPushError(RuntimeError):
   """A weight push into the vLLM engine failed: its weights are not the trainer's."""
 
 
+class VllmMissingError(ImportError):
+  """vLLM is not installed (the message names the package to install)."""
+
+
+class VllmLoadError(ValueError):
+  """vLLM cannot load the model folder (the message gives vLLM's reason)."""
+
+
 def import_vllm():
-  """The ``vllm`` module, or ``ImportError`` (:data:`INSTALL_HINT`) in one line."""
+  """The ``vllm`` module, or :class:`VllmMissingError` (:data:`INSTALL_HINT`, one line)."""
   try:
     import vllm
   except ImportError as e:
-    raise ImportError(f"{INSTALL_HINT} ({e}).") from None
+    raise VllmMissingError(f"{INSTALL_HINT} ({e}).") from None
   return vllm
 
 
@@ -122,7 +130,8 @@ class VllmEngine:
 
   Args:
     model_dir: a local Hugging Face folder vLLM loads (the architecture, the initial
-      weights); a family vLLM cannot load raises ``ValueError`` with vLLM's reason.
+      weights); a family vLLM cannot load raises :class:`VllmLoadError` (a
+      ``ValueError``) with vLLM's reason in one line.
     max_model_len: the longest prompt + completion.
     dtype: vLLM's compute dtype (``"float32"``: the log-probs match the trainer's to
       ~1e-6; ``"bfloat16"`` is faster but ~0.1 apart).
@@ -183,11 +192,12 @@ class VllmEngine:
     try:
       self.llm = vllm.LLM(**kwargs)
     except Exception as e:  # noqa: BLE001 - vLLM raises many types; one line says why
-      raise ValueError(f"vLLM cannot load {model_dir!r}: {_one_line(e)}") from e
+      raise VllmLoadError(f"vLLM cannot load {model_dir!r}: {_one_line(e)}") from e
     self._torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     self._pushed: Optional[list] = None
     self.last_push_s: Optional[float] = None
     self.pushes = 0
+    self._stats = {"vllm_push_s": 0.0, "vllm_pushes": 0.0}
 
   # ---------------------------------------------------------------------- weights
 
@@ -235,7 +245,15 @@ class VllmEngine:
     self._pushed = jax.tree_util.tree_leaves(params)
     self.pushes += 1
     self.last_push_s = time.perf_counter() - start
+    self._stats["vllm_push_s"] += self.last_push_s
+    self._stats["vllm_pushes"] += 1
     return self.last_push_s
+
+  def take_stats(self) -> dict[str, float]:
+    """``{"vllm_push_s": seconds pushing weights, "vllm_pushes": count}`` since the
+    last call (the RL loop records them in each step's metrics)."""
+    out, self._stats = self._stats, {"vllm_push_s": 0.0, "vllm_pushes": 0.0}
+    return out
 
   def _is_pushed(self, params: Any) -> bool:
     import jax
@@ -325,4 +343,5 @@ class VllmEngine:
     self.llm.wake_up()
 
 
-__all__ = ["INSTALL_HINT", "VllmEngine", "VllmPushError", "import_vllm", "sample_seed"]
+__all__ = ["INSTALL_HINT", "VllmEngine", "VllmLoadError", "VllmMissingError", "VllmPushError",
+           "import_vllm", "sample_seed"]
