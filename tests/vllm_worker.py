@@ -128,8 +128,10 @@ def main(family: str, out_json: str) -> None:
   # raising conversion here) leaves the engine refusing to generate.
   failures = {}
 
+  convert = engine._to_hf
+
   def failing_conversion(params):
-    yield from list(engine._to_hf(params))[:3]
+    yield from list(convert(params))[:3]
     raise OSError("device lost")
 
   for name, bad in [
