@@ -227,8 +227,9 @@ class _FakePolicy:
     self.n, self.vocab, self.calls = n, vocab, 0
 
   def generate(self, params, tokens, mask, key, *, max_new_tokens, eos_id,
-               temperature=1.0, greedy=False):
+               temperature=1.0, greedy=False, n=1):
     self.calls += 1
+    tokens, mask = np.repeat(tokens, n, axis=0), np.repeat(mask, n, axis=0)
     b = tokens.shape[0]
     r = np.random.default_rng(self.calls)
     completion = r.integers(3, self.vocab, size=(b, max_new_tokens)).astype(np.int32)
