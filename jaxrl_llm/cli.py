@@ -18,7 +18,7 @@ import re
 import sys
 import types
 import typing
-from typing import Any, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 from jaxrl_llm.loop.config import flag
 
@@ -253,15 +253,24 @@ def cmd_train(args: argparse.Namespace) -> int:
   from jaxrl_llm import run_folder as rf
   argv = getattr(args, "argv", [])
   try:   # every flag is checked before JAX is imported (only the device count needs it)
-    if args.resume and not args.overwrite and os.path.exists(
-        os.path.join(args.out, rf.CONFIG_FILE)):
+    args.resume = args.resume or args.resume_or_start
+    saved = os.path.exists(os.path.join(args.out, rf.CONFIG_FILE))
+    if args.resume and not args.overwrite and saved:
       run = _resume_config(args, argv)
     else:
+      if args.resume and not args.resume_or_start:
+        raise ValueError(f"--resume: {args.out} holds no run (no {rf.CONFIG_FILE}); "
+                         "check --out, or pass --resume-or-start to start a new run there")
+      if "max_new_tokens" in _explicit_train_dests(argv) and args.dataset is None:
+        raise ValueError(f"--max-new-tokens applies to --dataset runs: the built-in "
+                         f"task {args.task!r} has its own response budget (its longest "
+                         "answer and eos)")
       run = run_config_from_args(args)
       if args.resume:
         print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
     from jaxrl_llm.loop.resolve import resolve
     resolve(run)      # the run's own checks and the recipe's (before the task is built)
+    _early_note(run)
     import jax
     run.check_devices(jax.device_count())
   except (ValueError, OSError) as e:
@@ -408,8 +417,16 @@ def _run_default(name: str) -> Any:
   return config_field(RunConfig, name).default
 
 
+class _Parser(argparse.ArgumentParser):
+  """argparse with one-line errors: the message and where the help is (argparse prints
+  the whole usage, 50 lines for ``train``, above it)."""
+
+  def error(self, message: str) -> NoReturn:
+    self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
+  parser = _Parser(
       prog="jaxrl-llm", description="Train, evaluate and plot RL runs on language "
       "models (train is the default command; see 'jaxrl-llm train --help').")
   sub = parser.add_subparsers(dest="command")
@@ -440,18 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _early_note(argv: list) -> None:
-  """One line before the slow imports: what is starting and where outputs go (``argv``
-  starts with the command)."""
-  if argv[:1] != ["train"] or any(a in ("-h", "--help", "--no-progress") for a in argv):
+def _early_note(run: Any) -> None:
+  """One line before the slow imports (the flags are checked): what is starting and
+  where its outputs go."""
+  if not run.progress:
     return
-  p = argparse.ArgumentParser(add_help=False)
-  for name in ("out", "algo", "task"):
-    p.add_argument(flag(name), default=_run_default(name))
-  p.add_argument("--resume", action="store_true")
-  known = p.parse_known_args(argv[1:])[0]
-  what = "resuming" if known.resume else f"{known.algo} on {known.task}"
-  print(f"jaxrl-llm train: {what}, writing to {known.out}; importing JAX and building "
+  what = "resuming" if run.resume else f"{run.algo} on {run.dataset or run.task}"
+  print(f"jaxrl-llm train: {what}, writing to {run.out}; importing JAX and building "
         "the model (the first step then compiles) ...", file=sys.stderr, flush=True)
 
 
@@ -461,7 +473,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   # (``jaxrl-llm --help`` alone is the top-level help).
   if not words or words[0] not in COMMANDS + ("-h", "--help"):
     words = ["train"] + words
-  _early_note(words)
   args = build_parser().parse_args(words)
   args.argv = words[1:]
   return args.func(args)

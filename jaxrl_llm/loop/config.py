@@ -19,8 +19,8 @@ from jaxrl_llm._names import MODEL_PRESETS, ROLLOUT_BACKENDS
 from jaxrl_llm.train.config import TrainConfig, document_fields, setting
 
 # Fields that may differ between a run and its resumption.
-RESUMABLE_FIELDS = ("steps", "out", "resume", "overwrite", "eval_every", "save_every",
-                    "progress", "mesh_data", "mesh_fsdp", "mesh_tensor",
+RESUMABLE_FIELDS = ("steps", "out", "resume", "resume_or_start", "overwrite",
+                    "eval_every", "save_every", "progress", "mesh_data", "mesh_fsdp", "mesh_tensor",
                     "max_consecutive_skips")
 
 
@@ -58,7 +58,10 @@ class RunConfig:
                        min_int=1)
   prompts_per_step: int = setting(32, "prompts sampled per step.", min_int=1)
   group_size: int = setting(8, "completions sampled per prompt.", min_int=1)
-  lr: float = setting(1e-3, "Adam learning rate.")
+  lr: Optional[float] = setting(
+      None, "Adam learning rate of the policy (None: 1e-3 for a built-in model, trained "
+      "from scratch; 1e-6 for a Hugging Face --model, the actor learning rate of verl's "
+      "PPO and TRL's GRPO defaults for pretrained LLMs).", low=0.0)
   seed: int = setting(0, "seed of the model initialisation, the prompts and the "
                       "sampling.")
   clip_end: Optional[float] = setting(
@@ -75,7 +78,12 @@ class RunConfig:
   mesh_tensor: int = setting(1, "tensor-parallel mesh axis size (heads / mlp / vocab "
                              "sharded).")
   out: str = setting("runs/default", "the run folder.")
-  resume: bool = setting(False, "continue the run in ``out``.")
+  resume: bool = setting(False, "continue the run in ``out`` (an error when ``out`` "
+                         "holds no run: see --resume-or-start).")
+  resume_or_start: bool = setting(
+      False, "continue the run in ``out``, or start a new one there when it holds none "
+      "(--resume alone refuses a folder without a run: a misspelt --out would start a "
+      "new run).")
   overwrite: bool = setting(False, "replace the run in ``out``.")
   progress: bool = setting(True, "print a progress line.")
   max_consecutive_skips: int = setting(
@@ -100,7 +108,8 @@ class RunConfig:
   value_lr: Optional[float] = setting(
       None, "learning rate of the value parameters (the separate critic with --critic, "
       "else the value head; the trunk trains at --lr). None: --lr times the recipe's "
-      "value_lr_scale (vapo: 2, else 1).", low=0.0)
+      "value_lr_scale (vapo: 2, else 1), and times 10 for a Hugging Face --model "
+      "(verl's critic 1e-5 beside its actor 1e-6).", low=0.0)
   critic_warmup_steps: Optional[int] = setting(
       None, "first steps that train only the value function on rollouts of the frozen "
       "policy (generation, scoring and evaluation still run; with a shared trunk only "

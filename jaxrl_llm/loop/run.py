@@ -146,8 +146,11 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
     metrics.append(history[-1])
 
   if run.progress:
-    _say(f"{run.algo} on {run.task} ({run.model} model): steps {start + 1}-{run.steps}, "
-         f"writing to {run.out} (the first step compiles; it takes longest)")
+    opt = resolved.optimizer
+    rates = f"lr {opt.lr:g}" + (f", value lr {opt.value_lr:g}" if opt.split else "")
+    _say(f"{run.algo} on {run.dataset or run.task} ({run.model} model, {rates}): steps "
+         f"{start + 1}-{run.steps}, writing to {run.out} (the first step compiles; it "
+         "takes longest)")
   base_key = jax.random.PRNGKey(run.seed)
   t0, step = time.time(), start
   t_warm, warm_step = t0, start

@@ -505,7 +505,7 @@ def _place(shape, dtype, sharding, read: Callable[[Any], np.ndarray]):
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh=None, rules=None,
-                    value_head: bool | str | os.PathLike = False) -> Transformer:
+                    value_head: bool | str | os.PathLike | None = False) -> Transformer:
   """Loads a local Hugging Face Llama / Qwen2 / Qwen3 folder into a :class:`Transformer`.
 
   Args:
@@ -520,7 +520,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
       :func:`jaxrl_llm.parallel.make_rules`).
     value_head: add the scalar value head: ``True`` reads it from
       ``value_head.safetensors`` when the folder has one, else zeros; a file path
-      reads it from that file (written by :func:`save_value_head`; it must exist).
+      reads it from that file (written by :func:`save_value_head`; it must exist);
+      ``False`` or ``None``: no value head.
 
   Returns:
     The model; ``model(tokens)`` -> ``(hidden, values)``, ``model.logits(hidden)``,
@@ -544,7 +545,12 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
   _require_safetensors()
   path = os.fspath(path)
   value_file = os.path.join(path, VALUE_HEAD_FILE)
+  if value_head is None:
+    value_head = False
   if not isinstance(value_head, bool):
+    if not isinstance(value_head, (str, os.PathLike)):
+      raise ValueError(f"`value_head` must be a bool, None or a file path, got "
+                       f"{value_head!r}.")
     value_file = os.fspath(value_head)
     if not os.path.isfile(value_file):
       raise ValueError(f"`value_head` file {value_file!r} does not exist.")
