@@ -270,6 +270,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
     from jaxrl_llm.loop.resolve import resolve
     resolve(run)      # the run's own checks and the recipe's (before the task is built)
+    if run.dataset is not None:    # every record parses (FILE:LINE errors), before JAX
+      from jaxrl_llm.tasks.jsonl import load_jsonl
+      load_jsonl(run.dataset)
     _early_note(run)
     import jax
     run.check_devices(jax.device_count())

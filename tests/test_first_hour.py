@@ -75,3 +75,21 @@ def test_from_pretrained_value_head_none_means_none(tmp_path):
   assert not from_pretrained(str(tmp_path), value_head=None).config.value_head
   with pytest.raises(ValueError, match="`value_head` must be"):
     from_pretrained(str(tmp_path), value_head=3)
+
+
+@pytest.mark.parametrize("content, says", [
+    ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n', "train.jsonl:2: missing 'answer'"),
+    ('{"prompt": "1+1=", "answer": "2"}\nnot json\n', "train.jsonl:2: invalid JSON"),
+    ("", "no records"),
+])
+def test_dataset_mistakes_are_one_line_before_anything_heavy(tmp_path, content, says):
+  model = tmp_path / "model"
+  model.mkdir()
+  (model / "config.json").write_text("{}")        # never loaded: the data is read first
+  (tmp_path / "train.jsonl").write_text(content)
+  done = _command("train", "--model", str(model), "--dataset", "train.jsonl",
+                  "--out", "runs/x", cwd=tmp_path)
+  assert done.returncode == 2, done.stderr
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+  assert not os.path.exists(tmp_path / "runs")
