@@ -359,16 +359,45 @@ def load_history(run_dir: str) -> list[dict]:
   return rows
 
 
+# Panels always drawn (a flat line there is news: nothing was learned).
+_HEADLINE_KEYS = ("reward", "eval_accuracy")
+
+
+def informative_keys(histories: Sequence[list]) -> list:
+  """The :data:`PLOT_KEYS` worth a panel for these runs' metrics rows: the headline ones,
+  and every other one that some run records and that is not one constant value in all
+  runs (the clip fraction of single-epoch GRPO is exactly 0: no panel).
+
+  Examples:
+    >>> rows = [{"step": 1, "reward": 0.5, "pg_clipfrac": 0.0, "kl_ref": 0.1},
+    ...         {"step": 2, "reward": 0.7, "pg_clipfrac": 0.0, "kl_ref": 0.2}]
+    >>> [k for k, _ in informative_keys([rows])]
+    ['reward', 'eval_accuracy', 'kl_ref']
+  """
+  keep = []
+  for key, title in PLOT_KEYS:
+    values = {r[key] for rows in histories for r in rows if r.get(key) is not None}
+    if key in _HEADLINE_KEYS or len(values) > 1:
+      keep.append((key, title))
+  return keep
+
+
 def plot_runs(runs: Sequence[str], labels: Optional[Sequence[str]], output: str) -> None:
-  """Draws the learning curves of ``runs`` into ``output`` (needs matplotlib)."""
+  """Draws the learning curves of ``runs`` into ``output`` (needs matplotlib): a panel
+  per :func:`informative_keys` metric."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   histories = [load_history(run_dir) for run_dir in runs]
-  fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+  keys = informative_keys(histories)
+  cols = min(3, len(keys))
+  rows_n = -(-len(keys) // cols)
+  fig, axes = plt.subplots(rows_n, cols, figsize=(4.4 * cols, 3.5 * rows_n), squeeze=False)
+  for ax in axes.flat[len(keys):]:
+    ax.set_visible(False)
   for i, (run_dir, rows) in enumerate(zip(runs, histories)):
     label = labels[i] if labels else os.path.basename(os.path.normpath(run_dir))
-    for ax, (key, title) in zip(axes.flat, PLOT_KEYS):
+    for ax, (key, title) in zip(axes.flat, keys):
       pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
       if pts:
         xs, ys = zip(*pts)
