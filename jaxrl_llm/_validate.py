@@ -8,7 +8,7 @@ import without it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def shape_of(x) -> tuple[int, ...]:

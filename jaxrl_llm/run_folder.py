@@ -49,7 +49,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -70,8 +70,8 @@ class RunFolderIOError(OSError):
   instead of the raw error so a command-line tool prints one line.
   """
 
-  def __init__(self, message: str, *, path: Optional[str] = None,
-               err: Optional[int] = None):
+  def __init__(self, message: str, *, path: str | None = None,
+               err: int | None = None):
     super().__init__(message)
     self.message = message
     self.filename = path
@@ -197,7 +197,7 @@ def write_json(path: str, obj: Any) -> None:
   atomic_write_text(path, dumps(obj, indent=2) + "\n")
 
 
-def restorable_problem(run_dir: str) -> Optional[str]:
+def restorable_problem(run_dir: str) -> str | None:
   """Why ``run_dir`` holds no run to restore, or None when it holds one: its
   ``config.json`` is missing, or ``checkpoints/`` has no numbered step yet. Reads only
   directory listings (no JAX, nothing created).
@@ -244,7 +244,7 @@ def read_json(path: str) -> Any:
 
 
 def read_metrics(path: str, *, missing_ok: bool = False
-                 ) -> tuple[list[dict], Optional[str]]:
+                 ) -> tuple[list[dict], str | None]:
   """The rows of a ``metrics.jsonl`` and a note about a torn last line (or ``None``).
 
   A last line that does not parse (or does not end in a newline and does not parse)
@@ -307,8 +307,8 @@ def rewrite_jsonl(path: str, rows: Iterable[dict]) -> None:
   atomic_write_text(path, "".join(dumps(r) + "\n" for r in rows))
 
 
-def prepare_metrics(path: str, keep_upto: Optional[int]
-                    ) -> tuple[list[dict], Optional[str]]:
+def prepare_metrics(path: str, keep_upto: int | None
+                    ) -> tuple[list[dict], str | None]:
   """Readies ``metrics.jsonl`` for appending when a run (re)starts.
 
   Keeps the rows with ``step <= keep_upto`` (all rows when ``None``; none and no file
@@ -378,7 +378,7 @@ class MetricsWriter:
   def __init__(self, path: str, *, fsync: bool = True):
     self.path = path
     self._fsync = fsync
-    self.note: Optional[str] = None
+    self.note: str | None = None
     if not _ends_with_newline(path):           # a torn tail: drop it atomically first
       self.note = prepare_metrics(path, None)[1]
     try:
@@ -513,7 +513,7 @@ class GracefulStop:
                announce: bool = True):
     self.signals = signals
     self.announce = announce
-    self.signum: Optional[int] = None
+    self.signum: int | None = None
     self._previous: dict = {}
 
   @property

@@ -14,8 +14,13 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl_llm.checkpoint import (Checkpointer, CheckpointError, abstract_like,
-                                  fingerprint, verify_against)
+from jaxrl_llm.checkpoint import (
+  Checkpointer,
+  CheckpointError,
+  abstract_like,
+  fingerprint,
+  verify_against,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -376,8 +376,8 @@ def test_cli_recipe_trains_two_steps_without_nan(recipe, tmp_path):
 
 @pytest.mark.slow
 def test_critic_init_warm_starts_the_value_head_from_a_run_folder(tmp_path, capsys):
-  from jaxrl_llm.loop.setup import make_policy, make_task, warm_start_value_params
   from jaxrl_llm.loop.run import run_training
+  from jaxrl_llm.loop.setup import make_policy, make_task, warm_start_value_params
   small = dict(prompts_per_step=4, group_size=2, eval_every=2, eval_size=8, progress=False)
   src = str(tmp_path / "warm")
   run_training(RunConfig(algo="ppo", steps=2, save_every=2, out=src, seed=1, **small))

@@ -15,8 +15,15 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
 
 from jaxrl_llm.models.transformer import (
-    KVCache, Transformer, TransformerConfig, get_config, make_apply_fn, make_decode_fns,
-    rope, split_model)
+  KVCache,
+  Transformer,
+  TransformerConfig,
+  get_config,
+  make_apply_fn,
+  make_decode_fns,
+  rope,
+  split_model,
+)
 from tests.utils import assert_close, assert_no_recompile, random_mask
 
 # These tests check values, not speed: skipping XLA's backend optimisation roughly

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.parallel.multihost import PEER_LOST_EXIT_CODE
-
 from tests import parallel_setup as S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

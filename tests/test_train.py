@@ -11,10 +11,16 @@ from flax import nnx
 
 from jaxrl_llm import losses
 from jaxrl_llm.checkpoint import Checkpointer
-from jaxrl_llm.models.transformer import (Transformer, TransformerConfig, make_apply_fn,
-                                          split_model)
-from jaxrl_llm.train import (GRPO_DEFAULTS, TrainConfig, init_train_state, make_grpo_train_step,
-                             make_ppo_train_step, make_train_step, policy_forward)
+from jaxrl_llm.models.transformer import Transformer, TransformerConfig, make_apply_fn, split_model
+from jaxrl_llm.train import (
+  GRPO_DEFAULTS,
+  TrainConfig,
+  init_train_state,
+  make_grpo_train_step,
+  make_ppo_train_step,
+  make_train_step,
+  policy_forward,
+)
 from tests.utils import assert_close
 
 B, L, V = 8, 12, 32

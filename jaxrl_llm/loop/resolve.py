@@ -21,13 +21,16 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from jaxrl_llm.loop.config import RunConfig, flag
 from jaxrl_llm.loop.recipes import Budget, Recipe, get_recipe, value_of
 from jaxrl_llm.train.config import TrainConfig
-from jaxrl_llm.train.registry import (ADVANTAGE_ESTIMATOR_REGISTRY, AdvantageEstimatorSpec,
-                                      get_advantage_estimator)
+from jaxrl_llm.train.registry import (
+  ADVANTAGE_ESTIMATOR_REGISTRY,
+  AdvantageEstimatorSpec,
+  get_advantage_estimator,
+)
 
 if TYPE_CHECKING:   # optax (and JAX) are imported where used: the CLI checks flags first
   import optax
@@ -116,7 +119,7 @@ class Resolved:
     return self.run.critic is not None and self.train.use_value
 
 
-def response_budget(run: RunConfig, task: Optional[Task] = None) -> Budget:
+def response_budget(run: RunConfig, task: Task | None = None) -> Budget:
   """The run's :class:`~jaxrl_llm.loop.recipes.Budget`: ``task.max_new_tokens``, or
   without a task ``max_new_tokens`` on ``--dataset`` and the built-in task's own."""
   if task is not None:
@@ -129,7 +132,7 @@ def response_budget(run: RunConfig, task: Optional[Task] = None) -> Budget:
   return Budget(tokens, dataset=run.dataset is not None)
 
 
-def effective(run: RunConfig, name: str, budget: Optional[Budget] = None) -> Any:
+def effective(run: RunConfig, name: str, budget: Budget | None = None) -> Any:
   """The RunConfig field ``name`` as the run uses it: ``value_lr`` (``--lr`` times
   the recipe's scale when None), ``critic_warmup_steps``, ``dynamic_sampling`` and
   ``overlong_buffer`` (in tokens; the recipe's when None); any other field as set.
@@ -156,7 +159,7 @@ _RECIPE_DEFAULTED = ("value_lr", "critic_warmup_steps", "dynamic_sampling",
                      "overlong_buffer")
 
 
-def resolve(run: RunConfig, task: Optional[Task] = None) -> Resolved:
+def resolve(run: RunConfig, task: Task | None = None) -> Resolved:
   """The run with its recipe applied, checked: the one reader of recipes.
 
   Args:

@@ -6,8 +6,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import _validate as v
-from jaxrl_llm.losses._common import (ArrayLike, Coef, LossAndMetrics, check_nonnegative,
-                                      finish, masked_f32)
+from jaxrl_llm.losses._common import (
+  ArrayLike,
+  Coef,
+  LossAndMetrics,
+  check_nonnegative,
+  finish,
+  masked_f32,
+)
 from jaxrl_llm.masked import masked_mean
 
 

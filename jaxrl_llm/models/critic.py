@@ -39,10 +39,9 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
-
-import dataclasses
 
 import jax
 from flax import nnx

@@ -56,8 +56,12 @@ from flax import nnx
 
 from jaxrl_llm import _validate as v
 from jaxrl_llm._names import MODEL_PRESETS as PRESETS
-from jaxrl_llm.attention import (ATTENTION_IMPLEMENTATIONS, dot_product_attention,
-                                 paged_attention, select_implementation)
+from jaxrl_llm.attention import (
+  ATTENTION_IMPLEMENTATIONS,
+  dot_product_attention,
+  paged_attention,
+  select_implementation,
+)
 from jaxrl_llm.rollout.protocol import DecodeFns, PagedDecodeFns  # live with the sampler
 
 #: ``TransformerConfig.remat_policy`` names -> ``jax.checkpoint`` policies.

@@ -7,15 +7,14 @@ a leading device axis: :func:`replicate` the state, :func:`split_batch` the batc
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
-
-def replicate(tree, devices: Optional[Sequence[jax.Device]] = None, *,
+def replicate(tree, devices: Sequence[jax.Device] | None = None, *,
               axis_name: str = "data"):
   """Copies every leaf onto each device: leaves get a leading axis ``len(devices)``.
 
@@ -42,7 +41,7 @@ def unreplicate(tree):
   return jax.tree_util.tree_map(lambda x: x[0], tree)
 
 
-def split_batch(batch, num_devices: Optional[int] = None):
+def split_batch(batch, num_devices: int | None = None):
   """Reshapes every ``[B, ...]`` array to ``[n, B / n, ...]`` for a pmapped step.
 
   Device ``i`` gets rows ``i * B/n .. (i+1) * B/n - 1``.

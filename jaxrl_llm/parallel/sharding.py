@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Mapping, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Union
 
 import jax
 import numpy as np

@@ -21,14 +21,13 @@ Examples:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from jaxrl_llm.tasks.arithmetic import AddTask
 from jaxrl_llm.tasks.base import Problem, Task, position_match, random_baseline
 from jaxrl_llm.tasks.countdown import CountdownTask, parse_expression
 from jaxrl_llm.tasks.jsonl import JsonlTask, load_jsonl
-from jaxrl_llm.tasks.strings import (
-    CopyTask, RepeatTask, ReverseTask, SortTask, StringTask)
+from jaxrl_llm.tasks.strings import CopyTask, RepeatTask, ReverseTask, SortTask, StringTask
 from jaxrl_llm.tasks.tokenizer import CharTokenizer
 from jaxrl_llm.tasks.verifiers import REWARDS, get_reward, register_reward
 

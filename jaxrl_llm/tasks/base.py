@@ -20,7 +20,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import zlib
-from typing import Any, ClassVar, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 

@@ -36,8 +36,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -38,7 +38,8 @@ import dataclasses
 import json
 import os
 import zlib
-from typing import Any, ClassVar, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 

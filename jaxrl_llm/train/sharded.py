@@ -14,16 +14,22 @@ multi-host mesh (:mod:`jaxrl_llm.parallel.multihost`).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm.parallel.mesh import mesh_axis_sizes
-from jaxrl_llm.parallel.sharding import (ambient_mesh, batch_shardings, batch_spec,
-                                         logical_to_spec, make_rules, put_sharded,
-                                         state_shardings)
+from jaxrl_llm.parallel.sharding import (
+  ambient_mesh,
+  batch_shardings,
+  batch_spec,
+  logical_to_spec,
+  make_rules,
+  put_sharded,
+  state_shardings,
+)
 from jaxrl_llm.train.step import as_model_output
 
 
