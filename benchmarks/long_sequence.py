@@ -157,7 +157,10 @@ def run_group(model: str, devices: int, lengths, max_compile_s: float,
     cmd.append("--full-optimization")
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                         check=False)
-  rows = json.load(open(out)) if os.path.exists(out) else []
+  rows = []
+  if os.path.exists(out):
+    with open(out) as f:
+      rows = json.load(f)
   if proc.returncode != 0:
     done = {r["T"] for r in rows}
     rows += [{"model": model, "devices": devices, "T": t,

@@ -333,10 +333,8 @@ class Checkpointer:
   def _discard_partial(self, step: int) -> None:
     """Removes what a failed save of ``step`` left: its temporary folder (the space a
     full disk needs back), once orbax's background writes have stopped."""
-    try:
+    with contextlib.suppress(Exception):  # noqa: BLE001 - the failure is being reported already
       self._manager.wait_until_finished()
-    except Exception:  # noqa: BLE001 - the failure is being reported already
-      pass
     pattern = glob.escape(self._step_dir(step)) + _TMP_SUFFIX + "*"
     # Orbax gives up at the first failed write while the others are still in flight,
     # and those can finish, re-creating files, after the folder is removed: look again

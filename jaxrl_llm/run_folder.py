@@ -39,6 +39,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -176,10 +177,8 @@ def atomic_write_text(path: str, text: str) -> None:
       os.fsync(f.fileno())
     os.replace(tmp, path)
   except OSError as e:
-    try:
+    with contextlib.suppress(OSError):
       os.unlink(tmp)
-    except OSError:
-      pass
     raise io_error("writing", path, e) from None
   _fsync_dir(os.path.dirname(path))
 
@@ -382,7 +381,7 @@ class MetricsWriter:
     if not _ends_with_newline(path):           # a torn tail: drop it atomically first
       self.note = prepare_metrics(path, None)[1]
     try:
-      self._file = open(path, "ab")
+      self._file = open(path, "ab")  # noqa: SIM115 - held open until close()
       if not _ends_with_newline(path):         # a complete last row missing its newline
         self._write(b"\n")
     except OSError as e:

@@ -198,7 +198,7 @@ def case_sequence_logprobs(results):
 
 
 def case_nondividing(results):
-  apply_fn, params, optimizer, config, batch = S.build()
+  apply_fn, params, optimizer, config, _batch = S.build()
   state = init_train_state(params, optimizer, config)
   try:
     shard_train_step(make_train_step(apply_fn, optimizer, config), state,

@@ -132,7 +132,7 @@ def test_run_value_lr_and_warmup_settings():
   assert isinstance(resolve(RunConfig(algo="ppo")).optimizer.build().init(params), tuple)
   state = resolve(RunConfig(algo="vapo")).optimizer.build().init(params)
   assert state.inner_states["policy"].inner_state.updates == 0   # the freeze counter
-  with pytest.raises(ValueError, match="critic-warmup-steps .* value model"):
+  with pytest.raises(ValueError, match=r"critic-warmup-steps .* value model"):
     resolve(RunConfig(algo="grpo", critic_warmup_steps=3))
 
 

@@ -467,7 +467,7 @@ def test_cache_decode_matches_full_forward(layout):
   else:
     prompt_mask = (np.arange(p)[None] < lengths[:, None]).astype(np.float32)
   full_mask = np.concatenate([prompt_mask, np.ones((b, n), np.float32)], axis=1)
-  hidden, values, lm_head = APPLY(PARAMS, tokens, None, full_mask)
+  hidden, _values, lm_head = APPLY(PARAMS, tokens, None, full_mask)
   full_logits = np.asarray(hidden @ lm_head)
 
   cache = FNS.init_cache(PARAMS, b, p + n)

@@ -75,7 +75,7 @@ def test_tokenizer_custom_chars():
 
 
 def test_tokenizer_unknown_char():
-  with pytest.raises(ValueError, match="text.*'x'"):
+  with pytest.raises(ValueError, match=r"text.*'x'"):
     CharTokenizer().encode("12x")
 
 

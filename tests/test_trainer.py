@@ -71,7 +71,7 @@ def test_keyboard_interrupt_checkpoints_the_last_step_and_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_bad_input_is_refused_with_clear_messages(tmp_path):
-  with pytest.raises(ValueError, match="valid tasks: .*reverse"):
+  with pytest.raises(ValueError, match=r"valid tasks: .*reverse"):
     RunConfig(task="chess").validate()
   with pytest.raises(ValueError, match="valid algos: ppo, grpo"):
     RunConfig(algo="dpo").validate()
@@ -80,7 +80,7 @@ def test_bad_input_is_refused_with_clear_messages(tmp_path):
   resolve(RunConfig(algo="self_critical", group_size=1))   # not a group estimator
   out = str(tmp_path / "run")
   run_training(RunConfig(out=out, **dict(SMALL, steps=1)))
-  with pytest.raises(RunFolderError, match="different config.*lr"):
+  with pytest.raises(RunFolderError, match=r"different config.*lr"):
     run_training(RunConfig(out=out, lr=0.5, **dict(SMALL, steps=1)))
   with pytest.raises(RunFolderError, match="--resume"):
     run_training(RunConfig(out=out, **dict(SMALL, steps=1)))

@@ -11,6 +11,7 @@ each process feeds its own rows with :func:`jaxrl_llm.parallel.shard_batch`. See
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import os
 import sys
@@ -148,10 +149,8 @@ def resolve_timeouts(initialization_timeout: float | None = None,
 
 def _default_on_peer_lost(message: str) -> None:
   """Prints the one-line error and ends the process with :data:`PEER_LOST_EXIT_CODE`."""
-  try:
+  with contextlib.suppress(OSError, ValueError):
     sys.stdout.flush()
-  except (OSError, ValueError):
-    pass
   try:
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
@@ -188,10 +187,8 @@ class _PeerWatchdog:
 
   def mark(self, status: str) -> None:
     """Publishes ``done`` or ``failed`` for this process (best effort)."""
-    try:
+    with contextlib.suppress(Exception):  # noqa: BLE001 - the coordinator may be gone already
       self.client.key_value_set(f"{self.PREFIX}/{self.pid}/status", status, True)
-    except Exception:  # noqa: BLE001 - the coordinator may be gone already
-      pass
 
   def _get(self, key: str) -> str | None:
     try:
@@ -267,10 +264,8 @@ def _at_exit() -> None:
     watchdog.mark("failed")
     watchdog.stop()
     for stream in (sys.stdout, sys.stderr):
-      try:
+      with contextlib.suppress(OSError, ValueError):
         stream.flush()
-      except (OSError, ValueError):
-        pass
     os._exit(1)
   watchdog.mark("done")
   watchdog.stop()

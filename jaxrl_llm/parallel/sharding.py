@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping, Sequence
-from typing import Union
 
 import jax
 import numpy as np
@@ -45,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.parallel.mesh import MESH_AXES, mesh_axis_sizes
 
-AxisRule = Union[None, str, Sequence[str]]
+AxisRule = None | str | Sequence[str]
 
 DEFAULT_RULES: Mapping[str, AxisRule] = {
     "batch": ("data", "fsdp"),

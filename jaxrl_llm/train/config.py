@@ -272,7 +272,8 @@ def check_field(f: dataclasses.Field, x: Any) -> None:
   """Checks value ``x`` of the declared field ``f`` against its metadata (choices,
   range, int bound): ``ValueError`` naming the field otherwise."""
   meta, name = f.metadata, f.name
-  if meta.get("min_int") is not None and not (x is None and f.default is None):
+  # Not merged (SIM102): the guard (a bound that applies), then the check.
+  if meta.get("min_int") is not None and not (x is None and f.default is None):  # noqa: SIM102
     if not isinstance(x, int) or isinstance(x, bool) or x < meta["min_int"]:
       none = "None or " if f.default is None else ""
       raise ValueError(f"`{name}` must be {none}an int >= {meta['min_int']}, got {x!r}.")
