@@ -646,7 +646,7 @@ class Transformer(nnx.Module):
       mask = v.as_f32(attention_mask)
     if positions is None:
       positions = _positions_from_mask(mask)
-    kv_valid = mask > 0
+    kv_valid: jax.Array | None = mask > 0
     c = self.config
     x = self._embed(tokens)
     packed = attention_mask is not None and self.packs_padding(b, t)

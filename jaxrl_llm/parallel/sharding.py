@@ -407,8 +407,11 @@ def host_local_batch(batch, mesh, rules=None):
     index_map = NamedSharding(mesh, spec).addressable_devices_indices_map(x.shape)
     box = []
     for dim in range(x.ndim):
-      starts = [idx[dim].indices(x.shape[dim])[0] for idx in index_map.values()]
-      stops = [idx[dim].indices(x.shape[dim])[1] for idx in index_map.values()]
+      # A NamedSharding indexes every addressable device (typed Optional for others).
+      starts = [idx[dim].indices(x.shape[dim])[0]  # type: ignore[index]
+                for idx in index_map.values()]
+      stops = [idx[dim].indices(x.shape[dim])[1]  # type: ignore[index]
+               for idx in index_map.values()]
       box.append(slice(min(starts), max(stops)))
     return x[tuple(box)]
 

@@ -212,6 +212,7 @@ class JsonlTask(Task):
       tokenizer = _char_tokenizer(records + (eval_records or []))
     train = [self._problem(r, self.path, tokenizer) for r in records]
     if eval_records is not None:
+      assert self.eval_path is not None   # eval_records were read from it
       evals = [self._problem(r, self.eval_path, tokenizer) for r in eval_records]
     elif self.holdout > 0:
       held = [_split_bucket(p.prompt) < self.holdout for p in train]
