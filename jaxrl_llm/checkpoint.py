@@ -232,7 +232,7 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, max_to_keep: int | None = 3,
                save_interval_steps: int = 1, async_save: bool = False,
-               log: Callable[[str], None] | None = None):
+               log: Callable[[str], None] | None = None) -> None:
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"`max_to_keep` must be >= 1 or None, got {max_to_keep}.")
     self.directory = os.path.abspath(directory)

@@ -72,7 +72,7 @@ class RunFolderIOError(OSError):
   """
 
   def __init__(self, message: str, *, path: str | None = None,
-               err: int | None = None):
+               err: int | None = None) -> None:
     super().__init__(message)
     self.message = message
     self.filename = path
@@ -374,7 +374,7 @@ class MetricsWriter:
     ([{'step': 0, 'acc': 0.5}], None)
   """
 
-  def __init__(self, path: str, *, fsync: bool = True):
+  def __init__(self, path: str, *, fsync: bool = True) -> None:
     self.path = path
     self._fsync = fsync
     self.note: str | None = None
@@ -482,7 +482,7 @@ class RunInterrupted(KeyboardInterrupt):
   A ``KeyboardInterrupt`` subclass, so code that handles Ctrl-C handles it too.
   """
 
-  def __init__(self, signum: int, message: str = ""):
+  def __init__(self, signum: int, message: str = "") -> None:
     super().__init__(message)
     self.signum = signum
     self.exit_code = 128 + int(signum)
@@ -509,7 +509,7 @@ class GracefulStop:
   """
 
   def __init__(self, signals: tuple = (signal.SIGTERM, signal.SIGINT), *,
-               announce: bool = True):
+               announce: bool = True) -> None:
     self.signals = signals
     self.announce = announce
     self.signum: int | None = None

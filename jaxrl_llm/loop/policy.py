@@ -58,7 +58,7 @@ class Policy:
                init_params: Any, *, pad_id: int, temperature: float = _TEMPERATURE,
                ref_apply_fn: Callable[..., Any] | None = None,
                ref_part: Callable[[Any], Any] | None = None,
-               paged_decode_fns: PagedDecodeFns | None = None):
+               paged_decode_fns: PagedDecodeFns | None = None) -> None:
     self.apply = apply_fn
     self.decode_fns = decode_fns
     self.paged_decode_fns = paged_decode_fns

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 
@@ -92,6 +92,6 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, sequence: int = 1,
               axis_types=axis_types)
 
 
-def mesh_axis_sizes(mesh) -> dict:
+def mesh_axis_sizes(mesh: Mesh | AbstractMesh) -> dict:
   """``{axis name: size}`` of a :class:`Mesh` or ``AbstractMesh``."""
   return {name: int(size) for name, size in dict(mesh.shape).items()}

@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -60,8 +60,10 @@ def _env_int(names, environ):
         f"environment variable {name}={value!r} is not an integer.") from None
 
 
-def resolve_multihost_args(coordinator_address=None, num_processes=None, process_id=None,
-                           local_device_ids=None, environ=None) -> dict:
+def resolve_multihost_args(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None,
+                           local_device_ids: int | Sequence[int] | None = None,
+                           environ: Mapping[str, str] | None = None) -> dict:
   """The arguments :func:`initialize_multihost` passes on: explicit values first, then
   the environment (``JAXRL_*`` before ``JAX_*``).
 
@@ -99,7 +101,7 @@ def resolve_timeouts(initialization_timeout: float | None = None,
                      heartbeat_timeout_seconds: float | None = None,
                      shutdown_timeout_seconds: float | None = None,
                      peer_timeout_seconds: float | None = None,
-                     environ=None) -> dict:
+                     environ: Mapping[str, str] | None = None) -> dict:
   """The timeouts :func:`initialize_multihost` uses, in seconds, validated.
 
   Explicit values first, then ``JAXRL_INIT_TIMEOUT``, ``JAXRL_HEARTBEAT_TIMEOUT``,
@@ -413,7 +415,7 @@ def initialize_multihost(coordinator_address: str | None = None,
   return True
 
 
-def gather_to_host(tree):
+def gather_to_host(tree: Any) -> Any:
   """Every leaf as a full host ``numpy`` array, on every process.
 
   Arrays spread over several processes are all-gathered

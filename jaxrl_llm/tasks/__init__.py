@@ -22,6 +22,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from jaxrl_llm.tasks.arithmetic import AddTask
 from jaxrl_llm.tasks.base import Problem, Task, position_match, random_baseline
@@ -46,7 +47,7 @@ LONG_TASKS = ("repeat",)
 DEFAULT_TASK = "reverse"
 
 
-def get_task(name: str = DEFAULT_TASK, **kwargs) -> Task:
+def get_task(name: str = DEFAULT_TASK, **kwargs: Any) -> Task:
   """The registered task ``name``, built with ``kwargs`` (its dataclass fields).
 
   Raises:

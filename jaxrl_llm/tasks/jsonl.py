@@ -197,7 +197,7 @@ class JsonlTask(Task):
   _reward: Any = dataclasses.field(init=False, repr=False, compare=False)
   _max_prompt_len: int = dataclasses.field(init=False, repr=False, compare=False)
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     super().__post_init__()
     if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
       raise ValueError(f"`max_new_tokens` must be a positive int, got "

@@ -449,7 +449,8 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 
-def register_reward(name: str, fn: RewardFn | None = None):
+def register_reward(name: str,
+                    fn: RewardFn | None = None) -> RewardFn | Callable[[RewardFn], RewardFn]:
   """Registers a batched reward under ``name`` (usable as a decorator).
 
   Raises:

@@ -205,7 +205,7 @@ class TrainConfig:
       None, "overrides of the policy loss's own hyperparameters (e.g. "
       "``{\"tau_pos\": 2.0}`` for SAPO); traced like the fields above.", flag=False)
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     spec = get_policy_loss(self.policy_loss)
     for f in dataclasses.fields(self):
       check_field(f, getattr(self, f.name))

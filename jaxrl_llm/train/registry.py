@@ -32,7 +32,10 @@ import dataclasses
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:   # the configs import this module without JAX
+  import jax
 
 CLIP_OPTIONS = ("clip_low", "clip_high", "dual_clip")
 # PPO's clip epsilon: the ``ppo`` and ``cispo`` losses' default, and the clip range's
@@ -331,7 +334,7 @@ register_advantage_estimator("reinforce_pp", _reinforce_pp, hparams=("gamma",),
 
 
 def compute_advantages(name: str, inputs: AdvantageInputs, hparams: Mapping[str, Any],
-                       **static: Any):
+                       **static: Any) -> tuple[jax.Array, jax.Array | None]:
   """Runs the registered estimator ``name``: ``(advantages, returns or None)``.
 
   ``hparams`` must hold the traced hyperparameters the estimator reads (its

@@ -279,7 +279,7 @@ def _whiten(x, mask, moments, eps=1e-8):
 
 
 def prepare_batch(batch: dict, state: TrainState, config: TrainConfig,
-                  axis_name=None) -> dict:
+                  axis_name: str | None = None) -> dict:
   """Fills in ``advantages`` / ``returns`` (GAE, KL-in-reward, whitening).
 
   * ``kl_mode="reward"``: ``rewards - kl_coef * kl(old_logp, ref_logp)`` per token
