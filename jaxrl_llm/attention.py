@@ -49,6 +49,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from jaxrl_llm import _validate as v
 
@@ -417,8 +418,10 @@ def _sequence_axis_size() -> int:
   return int(mesh.shape["sequence"])
 
 
-def select_implementation(query, key, *, key_mask=None, is_causal=True,
-                          query_offset=None) -> str:
+def select_implementation(query: jax.Array | jax.ShapeDtypeStruct,
+                          key: jax.Array | jax.ShapeDtypeStruct, *,
+                          key_mask: ArrayLike | None = None, is_causal: bool = True,
+                          query_offset: ArrayLike | None = None) -> str:
   """The implementation ``implementation=None`` uses for these inputs.
 
   In order: ``"ring"`` if registered, ``query_offset`` is ``None`` and the ambient mesh
@@ -448,10 +451,11 @@ def _offset(query, key, query_offset):
 # ----------------------------------------------------------------------------------
 
 
-def dot_product_attention(query, key, value, *, key_mask=None, is_causal: bool = True,
+def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                          key_mask: ArrayLike | None = None, is_causal: bool = True,
                           implementation: str | None = None,
                           block_size: int | tuple[int, int] | None = None,
-                          query_offset=None) -> jax.Array:
+                          query_offset: ArrayLike | None = None) -> jax.Array:
   r"""Masked, causal, grouped-query softmax attention with O(T) memory available.
 
   .. math::
@@ -509,10 +513,11 @@ def dot_product_attention(query, key, value, *, key_mask=None, is_causal: bool =
   return out.astype(query.dtype)
 
 
-def attention_with_lse(query, key, value, *, key_mask=None, is_causal: bool = True,
+def attention_with_lse(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                       key_mask: ArrayLike | None = None, is_causal: bool = True,
                        implementation: str = "blockwise",
                        block_size: int | tuple[int, int] | None = None,
-                       query_offset=None) -> tuple[jax.Array, jax.Array]:
+                       query_offset: ArrayLike | None = None) -> tuple[jax.Array, jax.Array]:
   r"""Attention output and the log-sum-exp of the scores, both float32.
 
   ``lse_i = log sum_{j in A(i)} exp(q_i . k_j / sqrt(H))`` per query and head. Two
@@ -562,8 +567,8 @@ def attention_with_lse(query, key, value, *, key_mask=None, is_causal: bool = Tr
 PAGED_CHUNK_TOKENS = 128
 
 
-def paged_attention(query, k_pages, v_pages, page_table, positions, *,
-                    chunk_pages: int | None = None) -> jax.Array:
+def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: ArrayLike,
+                    positions: ArrayLike, *, chunk_pages: int | None = None) -> jax.Array:
   r"""Causal grouped-query attention of queries over their row's pages of a KV pool.
 
   The keys of row ``b`` live in a shared pool of pages: key position ``j`` of the row is

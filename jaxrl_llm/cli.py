@@ -18,7 +18,8 @@ import re
 import sys
 import types
 import typing
-from typing import Any, NoReturn, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from jaxrl_llm.loop.config import flag
 
@@ -84,7 +85,7 @@ def _add_field(group, f, hints, *, dest, default, shown):
                        metavar=(f.name.upper() if choices is None else None))
 
 
-def selected_estimator(name: str) -> Optional[str]:
+def selected_estimator(name: str) -> str | None:
   """The in-step advantage estimator that a flag for TrainConfig field ``name``
   selects when given alone: the one registered estimator whose static fields include
   it (``hybrid_n``: ``hybrid``); None for any other field.
@@ -382,7 +383,7 @@ def informative_keys(histories: Sequence[list]) -> list:
   return keep
 
 
-def plot_runs(runs: Sequence[str], labels: Optional[Sequence[str]], output: str) -> None:
+def plot_runs(runs: Sequence[str], labels: Sequence[str] | None, output: str) -> None:
   """Draws the learning curves of ``runs`` into ``output`` (needs matplotlib): a panel
   per :func:`informative_keys` metric."""
   import matplotlib
@@ -499,7 +500,7 @@ def _early_note(run: Any) -> None:
         "the model (the first step then compiles) ...", file=sys.stderr, flush=True)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
   words = list(sys.argv[1:] if argv is None else argv)
   # train is the default command: ``jaxrl-llm --steps 5`` is ``jaxrl-llm train --steps 5``
   # (``jaxrl-llm --help`` alone is the top-level help).

@@ -8,7 +8,7 @@ one (PPO's GAE) runs inside the train step, so the batch carries ``rewards`` and
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
@@ -57,7 +57,7 @@ def _rollout(sampling: SamplingSettings, task: Task, policy: Policy, params: Any
 
 def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
                 ref_params: Any, rng_np: np.random.Generator, key: jax.Array, *,
-                info: Optional[dict] = None) -> tuple[dict, dict]:
+                info: dict | None = None) -> tuple[dict, dict]:
   """One rollout: ``(batch, stats)`` with ``stats`` reward, accuracy, response length.
 
   ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any
 
 from jaxrl_llm._names import MODEL_PRESETS, ROLLOUT_BACKENDS
 from jaxrl_llm.train.config import TrainConfig, document_fields, setting
@@ -58,13 +58,13 @@ class RunConfig:
                        min_int=1)
   prompts_per_step: int = setting(32, "prompts sampled per step.", min_int=1)
   group_size: int = setting(8, "completions sampled per prompt.", min_int=1)
-  lr: Optional[float] = setting(
+  lr: float | None = setting(
       None, "Adam learning rate of the policy (None: 1e-3 for a built-in model, trained "
       "from scratch; 1e-6 for a Hugging Face --model, the actor learning rate of verl's "
       "PPO and TRL's GRPO defaults for pretrained LLMs).", low=0.0)
   seed: int = setting(0, "seed of the model initialisation, the prompts and the "
                       "sampling.")
-  clip_end: Optional[float] = setting(
+  clip_end: float | None = setting(
       None, "anneal the clip epsilon linearly from ``clip_low`` to this value over "
       "the run (None: constant).")
   eval_every: int = setting(25, "steps between greedy evaluations on the held-out "
@@ -89,7 +89,7 @@ class RunConfig:
   max_consecutive_skips: int = setting(
       20, "stop the run (non-zero exit) after this many train steps in a row were "
       "skipped for non-finite values.", min_int=1)
-  dataset: Optional[str] = setting(
+  dataset: str | None = setting(
       None, "a JSONL file of {\"prompt\": ..., \"answer\": ...} lines to train on "
       "instead of the built-in --task.")
   reward: str = setting(
@@ -97,31 +97,31 @@ class RunConfig:
       "math, boxed, exact).")
   max_new_tokens: int = setting(64, "tokens sampled per completion on --dataset.",
                                 min_int=1)
-  critic: Optional[str] = setting(
+  critic: str | None = setting(
       None, "a separate critic (its own parameters and Adam optimizer) for recipes with "
       "a value model: a Hugging Face model folder it is initialised from, or \"policy\" "
       "(a copy of the policy's initial weights); None: the policy's value head.")
-  critic_init: Optional[str] = setting(
+  critic_init: str | None = setting(
       None, "a run folder of this trainer whose newest checkpoint's value parameters "
       "(the separate critic, or the value head) initialise this run's: a critic warmed "
       "up once serves many runs (the model layout must match).")
-  value_lr: Optional[float] = setting(
+  value_lr: float | None = setting(
       None, "learning rate of the value parameters (the separate critic with --critic, "
       "else the value head; the trunk trains at --lr). None: --lr times the recipe's "
       "value_lr_scale (vapo: 2, else 1), and times 10 for a Hugging Face --model "
       "(verl's critic 1e-5 beside its actor 1e-6).", low=0.0)
-  critic_warmup_steps: Optional[int] = setting(
+  critic_warmup_steps: int | None = setting(
       None, "first steps that train only the value function on rollouts of the frozen "
       "policy (generation, scoring and evaluation still run; with a shared trunk only "
       "the value head trains). None: the recipe's (vapo: 10, else 0).", min_int=0)
-  dynamic_sampling: Optional[bool] = setting(
+  dynamic_sampling: bool | None = setting(
       None, "DAPO dynamic sampling: drop groups whose rewards are all equal and draw "
       "more to refill the batch (at most --max-sampling-draws rollouts). None: the "
       "recipe's (dapo: on).")
   max_sampling_draws: int = setting(
       4, "bound on the rollouts one step of dynamic sampling draws (the first "
       "included); too few groups with signal are repeated cyclically.", min_int=1)
-  overlong_buffer: Optional[int] = setting(
+  overlong_buffer: int | None = setting(
       None, "DAPO's soft overlong penalty: responses in the last this many tokens of "
       "the budget get a reward penalty growing linearly to --overlong-penalty (0: off; "
       "None: the recipe's; dapo: a quarter of a --dataset's budget, 0 on a built-in "
@@ -133,7 +133,7 @@ class RunConfig:
       "RolloutEngine: paged KV cache, a group's prompt prefilled once, a finished "
       "completion frees its slot) or \"simple\" (the rectangular sample loop: every "
       "row decodes until the longest ends).", choices=ROLLOUT_BACKENDS)
-  rollout_slots: Optional[int] = setting(
+  rollout_slots: int | None = setting(
       None, "the engine's slots, the completions decoded together (None: all "
       "completions of a step, at most 256).", min_int=1)
   train: dict = setting(
@@ -142,7 +142,7 @@ class RunConfig:
       factory=dict)
 
   @classmethod
-  def from_dict(cls, fields: dict) -> "RunConfig":
+  def from_dict(cls, fields: dict) -> RunConfig:
     """A RunConfig from ``config.json``: its fields, ``train`` a dict of TrainConfig
     fields.
 

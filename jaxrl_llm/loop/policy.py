@@ -12,7 +12,8 @@ continuous-batching :class:`~jaxrl_llm.rollout.RolloutEngine`
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +21,15 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_llm.loop.config import RunConfig
-from jaxrl_llm.rollout import (Completion, DecodeFns, PagedDecodeFns, Request,
-                               RolloutEngine, SampleOutput, sample)
+from jaxrl_llm.rollout import (
+  Completion,
+  DecodeFns,
+  PagedDecodeFns,
+  Request,
+  RolloutEngine,
+  SampleOutput,
+  sample,
+)
 from jaxrl_llm.train import TrainConfig, policy_forward
 
 # The defaults of the run's settings (declared once, in the configs).
@@ -48,13 +56,13 @@ class Policy:
 
   def __init__(self, apply_fn: Callable[..., Any], decode_fns: DecodeFns,
                init_params: Any, *, pad_id: int, temperature: float = _TEMPERATURE,
-               ref_apply_fn: Optional[Callable[..., Any]] = None,
-               ref_part: Optional[Callable[[Any], Any]] = None,
-               paged_decode_fns: Optional[PagedDecodeFns] = None):
+               ref_apply_fn: Callable[..., Any] | None = None,
+               ref_part: Callable[[Any], Any] | None = None,
+               paged_decode_fns: PagedDecodeFns | None = None) -> None:
     self.apply = apply_fn
     self.decode_fns = decode_fns
     self.paged_decode_fns = paged_decode_fns
-    self.engine: Optional[RolloutEngine] = None
+    self.engine: RolloutEngine | None = None
     self.init_params = init_params
     self.pad_id = pad_id
     self.temperature = temperature
@@ -69,7 +77,7 @@ class Policy:
 
   @classmethod
   def reference(cls, model: str, vocab_size: int, max_len: int, pad_id: int, *,
-                value_head: bool, seed: int = _SEED, temperature: float = _TEMPERATURE) -> "Policy":
+                value_head: bool, seed: int = _SEED, temperature: float = _TEMPERATURE) -> Policy:
     """The reference transformer preset ``model`` (``tiny`` / ``small``)."""
     from jaxrl_llm.models.transformer import Transformer, get_config, split_model
     cfg = get_config(model, vocab_size, value_head=value_head,
@@ -79,12 +87,11 @@ class Policy:
 
   @classmethod
   def of_transformer(cls, graphdef: Any, params: Any, *, pad_id: int,
-                     temperature: float = _TEMPERATURE) -> "Policy":
+                     temperature: float = _TEMPERATURE) -> Policy:
     """A :class:`~jaxrl_llm.models.Transformer` (``split_model`` output) as a policy;
     its KL reference is the same model without the value head."""
     from jaxrl_llm.models.critic import drop_value_head
-    from jaxrl_llm.models.transformer import (make_apply_fn, make_decode_fns,
-                                              make_paged_decode_fns)
+    from jaxrl_llm.models.transformer import make_apply_fn, make_decode_fns, make_paged_decode_fns
     ref_graphdef, _ = drop_value_head(graphdef, params)
     paged = make_paged_decode_fns(graphdef)
     if ref_graphdef is graphdef:        # no value head: the reference is the model
@@ -115,8 +122,8 @@ class Policy:
     self.engine = RolloutEngine(self.paged_decode_fns, max_slots=max_slots,
                                 max_len=max_len, page_size=page_size)
 
-  def generate(self, params: Any, tokens: Any, mask: Any, rng: Optional[jax.Array], *,
-               max_new_tokens: int, eos_id: Optional[int | Sequence[int]],
+  def generate(self, params: Any, tokens: Any, mask: Any, rng: jax.Array | None, *,
+               max_new_tokens: int, eos_id: int | Sequence[int] | None,
                temperature: float = _TEMPERATURE, greedy: bool = False,
                n: int = 1) -> SampleOutput:
     """``n`` completions of each prompt row of ``tokens`` ``[B, P]`` (left-padded,
@@ -139,8 +146,8 @@ class Policy:
                         greedy=greedy, eos_id=eos_id, pad_id=self.pad_id)
 
   def _generate_with_engine(self, params: Any, tokens: Any, mask: Any,
-                            rng: Optional[jax.Array], *, n: int, max_new_tokens: int,
-                            eos_id: Optional[int | Sequence[int]], temperature: float,
+                            rng: jax.Array | None, *, n: int, max_new_tokens: int,
+                            eos_id: int | Sequence[int] | None, temperature: float,
                             greedy: bool) -> SampleOutput:
     assert self.engine is not None
     tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, np.float32)

@@ -21,14 +21,17 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from jaxrl_llm._names import MODEL_PRESETS
 from jaxrl_llm.loop.config import RunConfig, flag
 from jaxrl_llm.loop.recipes import Budget, Recipe, get_recipe, value_of
 from jaxrl_llm.train.config import TrainConfig
-from jaxrl_llm.train.registry import (ADVANTAGE_ESTIMATOR_REGISTRY, AdvantageEstimatorSpec,
-                                      get_advantage_estimator)
+from jaxrl_llm.train.registry import (
+  ADVANTAGE_ESTIMATOR_REGISTRY,
+  AdvantageEstimatorSpec,
+  get_advantage_estimator,
+)
 
 if TYPE_CHECKING:   # optax (and JAX) are imported where used: the CLI checks flags first
   import optax
@@ -117,7 +120,7 @@ class Resolved:
     return self.run.critic is not None and self.train.use_value
 
 
-def response_budget(run: RunConfig, task: Optional[Task] = None) -> Budget:
+def response_budget(run: RunConfig, task: Task | None = None) -> Budget:
   """The run's :class:`~jaxrl_llm.loop.recipes.Budget`: ``task.max_new_tokens``, or
   without a task ``max_new_tokens`` on ``--dataset`` and the built-in task's own."""
   if task is not None:
@@ -143,7 +146,7 @@ def is_pretrained(run: RunConfig) -> bool:
   return run.model not in MODEL_PRESETS
 
 
-def effective(run: RunConfig, name: str, budget: Optional[Budget] = None) -> Any:
+def effective(run: RunConfig, name: str, budget: Budget | None = None) -> Any:
   """The RunConfig field ``name`` as the run uses it: ``lr`` (by model kind when None:
   :data:`SCRATCH_LR` for a built-in model, :data:`PRETRAINED_LR` for a checkpoint),
   ``value_lr`` (the ``lr`` times the recipe's scale, and times
@@ -179,7 +182,7 @@ _RECIPE_DEFAULTED = ("lr", "value_lr", "critic_warmup_steps", "dynamic_sampling"
                      "overlong_buffer")
 
 
-def resolve(run: RunConfig, task: Optional[Task] = None) -> Resolved:
+def resolve(run: RunConfig, task: Task | None = None) -> Resolved:
   """The run with its recipe applied, checked: the one reader of recipes.
 
   Args:

@@ -32,7 +32,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -106,8 +106,8 @@ def _write_run_folder(run: RunConfig) -> None:
 # ----------------------------------------------------------------------------- loop
 
 
-def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
-                 on_step: Optional[Callable[[dict], None]] = None) -> dict:
+def run_training(run: RunConfig, *, policy: Policy | None = None,
+                 on_step: Callable[[dict], None] | None = None) -> dict:
   """Runs (or resumes) a training run; returns a summary dict.
 
   ``policy``: any :class:`~jaxrl_llm.loop.Policy` (default: the reference transformer

@@ -48,8 +48,9 @@ def make_task(run: RunConfig) -> Task:
 
 def _load(run: RunConfig, task: Task, *, value_head: bool, path: str | None = None):
   """``(graphdef, params)`` of ``path`` (default ``run.model``): a folder or a preset."""
-  from jaxrl_llm.models import Transformer, from_pretrained, get_config, split_model
   from flax import nnx
+
+  from jaxrl_llm.models import Transformer, from_pretrained, get_config, split_model
   tok = task.tokenizer
   path = run.model if path is None else path
   if not is_checkpoint(path):

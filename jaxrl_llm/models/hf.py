@@ -60,12 +60,15 @@ import functools
 import json
 import math
 import os
-from typing import Any, Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from jaxrl_llm.models.transformer import (
   RopeScaling,
@@ -73,6 +76,9 @@ from jaxrl_llm.models.transformer import (
   TransformerConfig,
   split_model,
 )
+
+if TYPE_CHECKING:
+  from jaxrl_llm.parallel.sharding import Rules
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3"}
@@ -155,7 +161,7 @@ def _rope_scaling(scaling: Mapping[str, Any] | None, max_pos: int):
           scaling.get("original_max_position_embeddings", max_pos)))
 
 
-def config_from_hf(hf: Mapping[str, Any], *, dtype=None,
+def config_from_hf(hf: Mapping[str, Any], *, dtype: DTypeLike | None = None,
                    value_head: bool = False) -> TransformerConfig:
   """The :class:`TransformerConfig` of a Hugging Face ``config.json`` dict.
 
@@ -504,7 +510,8 @@ def _place(shape, dtype, sharding, read: Callable[[Any], np.ndarray]):
       shape, sharding, lambda index: np.ascontiguousarray(read(index).astype(dtype)))
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh=None, rules=None,
+def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike | None = None,
+                    mesh: Mesh | None = None, rules: Rules | None = None,
                     value_head: bool | str | os.PathLike | None = False) -> Transformer:
   """Loads a local Hugging Face Llama / Qwen2 / Qwen3 folder into a :class:`Transformer`.
 
@@ -650,9 +657,8 @@ def _host(x) -> np.ndarray:
 
 
 def save_pretrained(model: Transformer, path: str | os.PathLike, *,
-                    max_shard_size: int | str = "5GB", dtype=None,
-                    extra_config: Mapping[str, Any] | None = None,
-                    tokenizer=None) -> None:
+                    max_shard_size: int | str = "5GB", dtype: DTypeLike | None = None,
+                    extra_config: Mapping[str, Any] | None = None, tokenizer: Any = None) -> None:
   """Writes ``model`` as a Hugging Face folder (``config.json`` + safetensors).
 
   Tensors are written in Hugging Face names and layouts (see the module docstring),
@@ -738,7 +744,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
     _save_tokenizer(tokenizer, path)
 
 
-def save_value_head(model: Transformer, file: str | os.PathLike, *, dtype=None) -> None:
+def save_value_head(model: Transformer, file: str | os.PathLike, *,
+                    dtype: DTypeLike | None = None) -> None:
   """Writes the value head of ``model`` alone to the safetensors ``file``.
 
   Tensors ``value_head.weight`` ``[1, D]`` (an ``nn.Linear`` layout) and

@@ -96,7 +96,7 @@ class Request:
   top_p: float | None = None
   eos_ids: Sequence[int] | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     prompt = np.asarray(self.prompt)
     if prompt.ndim != 1 or prompt.size == 0 or not (
         np.issubdtype(prompt.dtype, np.integer)):
@@ -213,7 +213,7 @@ class RolloutEngine:
   def __init__(self, decode_fns: PagedDecodeFns, *, max_slots: int, max_len: int,
                page_size: int = 16, num_pages: int | None = None,
                steps_per_call: int = 16, prefill_chunk: int = 128,
-               policy: str = "longest_first", share_prompts: bool = True):
+               policy: str = "longest_first", share_prompts: bool = True) -> None:
     for name, value in (("max_slots", max_slots), ("max_len", max_len),
                         ("page_size", page_size), ("steps_per_call", steps_per_call),
                         ("prefill_chunk", prefill_chunk)):
@@ -268,7 +268,7 @@ class RolloutEngine:
 
   # -- generation ------------------------------------------------------------------
 
-  def generate(self, params, requests: Sequence[Request], seed: int = 0
+  def generate(self, params: Any, requests: Sequence[Request], seed: int = 0
                ) -> list[Completion]:
     """Completes every request ``n`` times; returns the completions ordered by
     ``(request, sample)``. ``self.stats`` then holds the run's counters: decode steps
