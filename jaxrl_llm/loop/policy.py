@@ -35,6 +35,8 @@ from jaxrl_llm.train import TrainConfig, policy_forward
 # The defaults of the run's settings (declared once, in the configs).
 _TEMPERATURE: float = TrainConfig.temperature
 _SEED: int = RunConfig.seed
+# The engine's longest prefill chunk (tokens per prefill call).
+_MAX_PREFILL_CHUNK = 128
 
 
 class Policy:
@@ -108,10 +110,13 @@ class Policy:
     with ``params`` (copy them before a train step donates ``params``)."""
     return params if self._ref_part is None else self._ref_part(params)
 
-  def use_engine(self, *, max_slots: int, max_len: int, page_size: int = 16) -> None:
+  def use_engine(self, *, max_slots: int, max_len: int, page_size: int = 16,
+                 max_prompt_len: int | None = None) -> None:
     """Generates through a :class:`~jaxrl_llm.rollout.RolloutEngine` of ``max_slots``
     slots from now on (continuous batching, paged KV cache, a group's prompt prefilled
-    once); ``max_len`` bounds prompt + completion.
+    once); ``max_len`` bounds prompt + completion. ``max_prompt_len`` (when known)
+    sizes the prefill chunk: the smallest power of two that holds it, at most 128, so
+    short prompts are not prefilled in 128-token chunks.
 
     Raises:
       ValueError: the model provides no paged protocol (``paged_decode_fns``).
@@ -119,8 +124,11 @@ class Policy:
     if self.paged_decode_fns is None:
       raise ValueError("this policy's model has no paged decode protocol "
                        "(`paged_decode_fns`): generate with sample (--rollout simple).")
+    chunk = _MAX_PREFILL_CHUNK
+    if max_prompt_len is not None:
+      chunk = min(chunk, 1 << max(max_prompt_len - 1, 0).bit_length())
     self.engine = RolloutEngine(self.paged_decode_fns, max_slots=max_slots,
-                                max_len=max_len, page_size=page_size)
+                                max_len=max_len, page_size=page_size, prefill_chunk=chunk)
 
   def generate(self, params: Any, tokens: Any, mask: Any, rng: jax.Array | None, *,
                max_new_tokens: int, eos_id: int | Sequence[int] | None,

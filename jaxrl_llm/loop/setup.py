@@ -99,7 +99,8 @@ def make_policy(resolved: Resolved, task: Task) -> Policy:
   if run.rollout == "engine":
     rows = resolved.sampling.prompts_per_step * resolved.sampling.group_size
     policy.use_engine(max_slots=run.rollout_slots or min(rows, _MAX_DEFAULT_SLOTS),
-                      max_len=task.max_prompt_len + task.max_new_tokens)
+                      max_len=task.max_prompt_len + task.max_new_tokens,
+                      max_prompt_len=task.max_prompt_len)
   return policy
 
 
