@@ -34,6 +34,8 @@ _NEG = -1e30
 def row_keys(key, request, sample, position):
   """``[S]`` keys ``fold_in(fold_in(fold_in(key, request), sample), position)``.
 
+  ``key`` is one key, or ``[S]`` keys (one per row: rows of several seeds).
+
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> k = row_keys(jax.random.key(0), jnp.array([0, 0]), jnp.array([0, 1]),
@@ -44,7 +46,10 @@ def row_keys(key, request, sample, position):
   def one(r, j, n):
     return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, r), j), n)
 
-  return jax.vmap(one)(request, sample, position)
+  if jnp.ndim(key) == 0:
+    return jax.vmap(one)(request, sample, position)
+  return jax.vmap(lambda k, r, j, n: jax.random.fold_in(
+      jax.random.fold_in(jax.random.fold_in(k, r), j), n))(key, request, sample, position)
 
 
 def filter_rows(scaled, top_k, top_p):
