@@ -127,6 +127,15 @@ class RunConfig:
   rollout_slots: Optional[int] = setting(
       None, "the engine's slots, the completions decoded together (None: all "
       "completions of a step, at most 256).", min_int=1)
+  partial_rollouts: bool = setting(
+      False, "partial rollouts (:mod:`jaxrl_llm.loop.partial`): a step generates until "
+      "--prompts-per-step groups finished and trains on them; the samples still "
+      "decoding stay in the engine and continue next step under the new weights "
+      "(rollout correction on by default; needs --rollout engine).")
+  token_budget: Optional[int] = setting(
+      None, "with --partial-rollouts: tokens per engine call (a step makes calls until "
+      "it has its groups). None: one device call at full slots (slots x 16).",
+      min_int=1)
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
@@ -194,6 +203,12 @@ class RunConfig:
       raise ValueError("only one of --data, --fsdp, --tensor may be -1")
     if self.resume and self.overwrite:
       raise ValueError("--resume and --overwrite are exclusive")
+    if self.partial_rollouts and self.rollout != "engine":
+      raise ValueError(f"--partial-rollouts needs --rollout engine (got --rollout "
+                       f"{self.rollout}): in-flight samples live in the engine's slots")
+    if self.token_budget is not None and not self.partial_rollouts:
+      raise ValueError("--token-budget is the budget of --partial-rollouts; add "
+                       "--partial-rollouts")
 
   def check_devices(self, device_count: int) -> None:
     """Raises ``ValueError`` unless the mesh flags fit ``device_count`` devices and the

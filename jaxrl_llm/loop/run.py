@@ -149,6 +149,10 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
     _say(f"{run.algo} on {run.task} ({run.model} model): steps {start + 1}-{run.steps}, "
          f"writing to {run.out} (the first step compiles; it takes longest)")
   base_key = jax.random.PRNGKey(run.seed)
+  partial = None
+  if run.partial_rollouts:     # in-flight samples are not checkpointed (loop.partial)
+    from jaxrl_llm.loop.partial import PartialRollouts
+    partial = PartialRollouts(policy, task, resolved.sampling, config, run.token_budget)
   t0, step = time.time(), start
   t_warm, warm_step = t0, start
   skips = applied = 0
@@ -158,8 +162,16 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
         rng_np = np.random.default_rng([run.seed, step])
         key = jax.random.fold_in(base_key, step)
         t_step = time.time()
+        drawn: Optional[tuple[dict, list]] = None
+        extra: dict[str, float] = {}
+        if partial is not None:     # version: the train steps applied to state.params
+          rows, problems, extra = partial.rollout(state.params, step - 1, rng_np, key)
+          drawn = (rows, problems)
         batch, stats = build_batch(resolved, task, policy, state.params, ref_params,
-                                   rng_np, key)
+                                   rng_np, key, drawn=drawn)
+        if partial is not None:
+          from jaxrl_llm.loop.partial import behaviour_kl
+          stats.update(extra, behaviour_kl=behaviour_kl(batch))
         state, m = step_fn(state, place(batch))
         row = {"step": step, **stats, **{k: float(val) for k, val in m.items()},
                "time_s": time.time() - t_step}
