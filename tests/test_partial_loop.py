@@ -100,6 +100,7 @@ def _train(out, *flags):
     (["--partial-rollouts", "--rollout", "simple"],
      "error: --partial-rollouts needs --rollout engine (got --rollout simple)"),
     (["--token-budget", "8"], "error: --token-budget is the budget of --partial-rollouts"),
+    (["--partial-kv", "keep"], "error: --partial-kv keep is a setting of --partial-rollouts"),
 ])
 def test_bad_partial_rollout_flags_are_one_line_errors_before_anything_is_written(
     tmp_path, flags, message):

@@ -136,6 +136,12 @@ class RunConfig:
       None, "with --partial-rollouts: tokens per engine call (a step makes calls until "
       "it has its groups). None: one device call at full slots (slots x 16).",
       min_int=1)
+  partial_kv: str = setting(
+      "recompute", "with --partial-rollouts, the in-flight samples' KV cache when the "
+      "weights change: \"recompute\" (prefill prompt + generated tokens again under the "
+      "new weights, as AReaL and slime: each token's behaviour log-prob is its "
+      "version's) or \"keep\" (the stale cache: cheaper, tokens drawn from a mixed-"
+      "version model).", choices=("recompute", "keep"))
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
@@ -206,6 +212,9 @@ class RunConfig:
     if self.partial_rollouts and self.rollout != "engine":
       raise ValueError(f"--partial-rollouts needs --rollout engine (got --rollout "
                        f"{self.rollout}): in-flight samples live in the engine's slots")
+    if not self.partial_rollouts and (self.partial_kv != "recompute"):
+      raise ValueError(f"--partial-kv {self.partial_kv} is a setting of "
+                       "--partial-rollouts; add --partial-rollouts")
     if self.token_budget is not None and not self.partial_rollouts:
       raise ValueError("--token-budget is the budget of --partial-rollouts; add "
                        "--partial-rollouts")

@@ -25,19 +25,22 @@ One step of :class:`PartialRollouts`:
    scores them), with the sampler's per-token log-probs as ``rollout_logp``. The other
    complete groups wait for the next step.
 
-Off-policy correction. A token sampled at version ``v`` and trained at step ``s``
-(whose parameters are version ``s - 1``) lags ``s - 1 - v`` versions. Its behaviour
-log-prob is the engine's, recorded per token under the version that sampled it (the
-engine recomputes the in-flight cache under new weights: see
-:mod:`jaxrl_llm.rollout.engine`, "Partial rollouts"); :func:`jaxrl_llm.loop.resolve.resolve`
-turns the rollout correction on (``rollout_correction="token"``, truncated IS) unless
-the run sets it, so the loss is the decoupled PPO objective of AReaL: the proximal
-policy is the current one (``old_logp``), the behaviour policy the sampler's
-(``rollout_logp``). Metrics per step: ``staleness_mean`` / ``staleness_max`` (version
-lag of the trained tokens), ``in_flight`` (samples left in the engine),
-``groups_waiting`` (complete groups left for later steps), ``behaviour_kl`` (the
-masked mean of ``rollout_logp - old_logp`` over trained tokens, a k1 estimate of the
-train/behaviour mismatch), ``generate_s``, ``engine_calls``.
+Off-policy correction. A token sampled at version ``v`` and trained at step ``s`` (whose
+parameters are version ``s - 1``) lags ``s - 1 - v`` versions. Its behaviour log-prob is
+the engine's, recorded per token under the version that sampled it (by default,
+``--partial-kv recompute``, the engine recomputes the in-flight cache under new weights,
+so that log-prob is the version's own; ``--partial-kv keep`` keeps the stale cache,
+cheaper, and the log-prob is that of the mixed-version distribution the token was drawn
+from: see :mod:`jaxrl_llm.rollout.engine`, "Partial rollouts");
+:func:`jaxrl_llm.loop.resolve.resolve` turns the rollout correction on
+(``rollout_correction="token"``, truncated IS) unless the run sets it, so the loss is
+the decoupled PPO objective of AReaL: the proximal policy is the current one
+(``old_logp``), the behaviour policy the sampler's (``rollout_logp``). Metrics per step:
+``staleness_mean`` / ``staleness_max`` (version lag of the trained tokens),
+``in_flight`` (samples left in the engine), ``groups_waiting`` (complete groups left for
+later steps), ``behaviour_kl`` (the masked mean of ``rollout_logp - old_logp`` over
+trained tokens, a k1 estimate of the train/behaviour mismatch), ``generate_s``,
+``engine_calls``.
 
 Resume. The in-flight samples and waiting groups are not checkpointed: a resumed run
 starts with none and submits new prompts; the partial completions in flight when the
@@ -71,15 +74,18 @@ class PartialRollouts:
     config: the train config (temperature; ``rollout_correction`` adds
       ``rollout_logp`` rows).
     token_budget: tokens per engine call (None: ``slots * steps_per_call``).
+    kv: the engine's ``on_new_version`` (``"recompute"`` or ``"keep"``).
   """
 
   def __init__(self, policy: Policy, task: Task, sampling: SamplingSettings,
-               config: TrainConfig, token_budget: Optional[int] = None):
+               config: TrainConfig, token_budget: Optional[int] = None,
+               kv: str = "recompute"):
     if policy.engine is None or policy.paged_decode_fns is None:
       raise ValueError("--partial-rollouts needs the rollout engine (--rollout engine).")
     base = policy.engine
     self.engine = RolloutEngine(policy.paged_decode_fns, max_slots=base.max_slots,
-                                max_len=base.max_len, page_size=base.page_size)
+                                max_len=base.max_len, page_size=base.page_size,
+                                on_new_version=kv)
     self.task, self.sampling, self.config, self.policy = task, sampling, config, policy
     self.token_budget = token_budget or base.max_slots * base.steps_per_call
     self.problems: dict[int, Any] = {}                  # group id -> problem
@@ -116,7 +122,7 @@ class PartialRollouts:
                                 temperature=float(self.config.temperature),
                                 eos_ids=eos_ids, tag=gid))
     seed = int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
-    start, calls = time.perf_counter(), 0
+    start, calls, recompute_s, recomputed = time.perf_counter(), 0, 0.0, 0
 
     def complete() -> list[int]:
       return [gid for gid, done in self.finished.items() if len(done) == g]
@@ -129,6 +135,8 @@ class PartialRollouts:
                                     version=version):
         self.finished[c.tag].append(c)
       requests, calls = [], calls + 1
+      recompute_s += self.engine.stats.get("recompute_s", 0.0)
+      recomputed += self.engine.stats.get("recomputed_tokens", 0)
     generate_s = time.perf_counter() - start
     take = sorted(complete())[:p]
     completions = [c for gid in take
@@ -163,7 +171,8 @@ class PartialRollouts:
              "staleness_max": float(lag.max()) if lag.size else 0.0,
              "in_flight": float(self.engine.in_flight),
              "groups_waiting": float(len(complete())),
-             "engine_calls": float(calls), "generate_s": generate_s}
+             "engine_calls": float(calls), "generate_s": generate_s,
+             "recompute_s": recompute_s, "recomputed_tokens": float(recomputed)}
     return rows, problems, stats
 
 

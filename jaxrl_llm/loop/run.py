@@ -152,7 +152,8 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
   partial = None
   if run.partial_rollouts:     # in-flight samples are not checkpointed (loop.partial)
     from jaxrl_llm.loop.partial import PartialRollouts
-    partial = PartialRollouts(policy, task, resolved.sampling, config, run.token_budget)
+    partial = PartialRollouts(policy, task, resolved.sampling, config, run.token_budget,
+                              run.partial_kv)
   t0, step = time.time(), start
   t_warm, warm_step = t0, start
   skips = applied = 0

@@ -67,7 +67,8 @@ from (0 under greedy decoding). ``temperature=0`` means greedy decoding (argmax;
 Compilations per engine (for a given model, ``params`` structure and request mix): one
 prefill forward ``[1, prefill_chunk]``, one admission (page copy + logits row), one
 decode loop per (any top-k/top-p in the batch, number of stop ids rounded up to a
-power of two) combination: 3 for a homogeneous workload.
+power of two) combination: 3 for a homogeneous workload; partial rollouts that
+recompute a new version's cache add one ``[max_slots, prefill_chunk]`` prefill.
 """
 
 from __future__ import annotations
@@ -506,7 +507,8 @@ class RolloutEngine:
 
     def recompute():
       """The in-flight cache under the new ``params``: each group's prompt once, then
-      each live slot's own part (prompt tail + generated tokens) and its logits."""
+      the live slots' own parts (prompt tail + generated tokens) together, in
+      ``[S, prefill_chunk]`` rounds, and their logits."""
       start = time.perf_counter()
       by_group: dict[int, tuple[_Group, list[int]]] = {}
       for index, slot in enumerate(slots):
@@ -514,6 +516,7 @@ class RolloutEngine:
           by_group.setdefault(id(slot.group), (slot.group, []))[1].append(index)
       for group in groups.values():          # groups with samples still waiting
         by_group.setdefault(id(group), (group, []))
+      tails: dict[int, tuple[np.ndarray, int]] = {}
       for group, members in by_group.values():
         full = len(group.prompt) // ps
         if group.waiting > 0:                # it holds all its prompt pages (if any)
@@ -525,8 +528,29 @@ class RolloutEngine:
           slot = slots[index]
           seq = np.concatenate([group.prompt, np.asarray(slot.tokens, np.int32)])
           first = min(full * ps, slot.position - 1)
-          set_logits(index, prefill(seq[first:slot.position], first,
-                                    slot.shared + slot.own))
+          tails[index] = (seq[first:slot.position], first)
+      if tails:
+        c = self.prefill_chunk
+        table = np.zeros((s, self.pages_per_slot), np.int32)
+        for index in tails:
+          ids = slots[index].shared + slots[index].own
+          table[index, :len(ids)] = ids
+        rounds = max(_ceil_div(len(t), c) for t, _ in tails.values())
+        for r in range(rounds):
+          chunk_tokens = np.zeros((s, c), np.int32)
+          positions = np.full((s, c), -1, np.int32)
+          ending = []
+          for index, (tail, first) in tails.items():
+            part = tail[r * c:(r + 1) * c]
+            chunk_tokens[index, :len(part)] = part
+            positions[index, :len(part)] = np.arange(first + r * c, first + r * c + len(part))
+            if len(part) and (r + 1) * c >= len(tail):
+              ending.append(index)
+          logits, st.pages = self._forward(params, chunk_tokens, positions, table, st.pages)
+          stats["prefill_calls"] += 1
+          for index in ending:                 # the logits after the slot's last token
+            set_logits(index, logits[index])
+      stats["prefill_tokens"] += sum(len(t) for t, _ in tails.values())
       stats["recomputed_tokens"] = stats["prefill_tokens"]
       stats["prefill_tokens"] = 0
       timers["recompute_s"] = time.perf_counter() - start
