@@ -142,6 +142,14 @@ class RunConfig:
       "new weights, as AReaL and slime: each token's behaviour log-prob is its "
       "version's) or \"keep\" (the stale cache: cheaper, tokens drawn from a mixed-"
       "version model).", choices=("recompute", "keep"))
+  async_rollouts: bool = setting(
+      False, "asynchronous RL (--async; :mod:`jaxrl_llm.loop.async_rollout`): a rollout "
+      "thread generates the next batches under the newest weights while the trainer "
+      "steps, at most --max-staleness versions behind (rollout correction on by "
+      "default).")
+  max_staleness: int = setting(
+      1, "with --async: the most policy versions a trained batch may lag (0: the "
+      "synchronous loop, bit for bit).", min_int=0)
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
@@ -215,6 +223,11 @@ class RunConfig:
     if not self.partial_rollouts and (self.partial_kv != "recompute"):
       raise ValueError(f"--partial-kv {self.partial_kv} is a setting of "
                        "--partial-rollouts; add --partial-rollouts")
+    if self.async_rollouts and self.partial_rollouts:
+      raise ValueError("--async and --partial-rollouts are exclusive (choose one)")
+    if self.max_staleness != 1 and not self.async_rollouts:
+      raise ValueError(f"--max-staleness {self.max_staleness} is a setting of --async; "
+                       "add --async")
     if self.token_budget is not None and not self.partial_rollouts:
       raise ValueError("--token-budget is the budget of --partial-rollouts; add "
                        "--partial-rollouts")

@@ -154,6 +154,12 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
     from jaxrl_llm.loop.partial import PartialRollouts
     partial = PartialRollouts(policy, task, resolved.sampling, config, run.token_budget,
                               run.partial_kv)
+  asynchronous = None
+  if run.async_rollouts:       # a rollout thread at most K versions ahead (loop.async_rollout)
+    from jaxrl_llm.loop.async_rollout import AsyncRollouts
+    asynchronous = AsyncRollouts(resolved, task, policy, max_staleness=run.max_staleness,
+                                 first_step=start + 1, last_step=run.steps, seed=run.seed)
+    asynchronous.publish(state.params, start)
   t0, step = time.time(), start
   t_warm, warm_step = t0, start
   skips = applied = 0
@@ -168,12 +174,17 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
         if partial is not None:     # version: the train steps applied to state.params
           rows, problems, extra = partial.rollout(state.params, step - 1, rng_np, key)
           drawn = (rows, problems)
+        elif asynchronous is not None:
+          rows, problems, extra = asynchronous.take(step)
+          drawn = (rows, problems)
         batch, stats = build_batch(resolved, task, policy, state.params, ref_params,
                                    rng_np, key, drawn=drawn)
-        if partial is not None:
+        if drawn is not None:
           from jaxrl_llm.loop.partial import behaviour_kl
           stats.update(extra, behaviour_kl=behaviour_kl(batch))
         state, m = step_fn(state, place(batch))
+        if asynchronous is not None:
+          asynchronous.publish(state.params, step)
         row = {"step": step, **stats, **{k: float(val) for k, val in m.items()},
                "time_s": time.time() - t_step}
         if step <= warmup_steps:
@@ -214,6 +225,9 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
       metrics.close()
       ckpt.close()
       raise
+    finally:
+      if asynchronous is not None:
+        asynchronous.close()
   metrics.close()
   kept = ckpt.all_steps()
   ckpt.close()

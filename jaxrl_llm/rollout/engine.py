@@ -386,7 +386,8 @@ class RolloutEngine:
       ValueError: ``requests`` not a sequence of :class:`Request`, or a request whose
         prompt + ``max_new_tokens`` exceeds ``max_len``, or that needs more pages than
         the whole pool; ``token_budget`` not None or an int >= 1; ``version`` not an
-        int.
+        int. Any error raised while generating (a ``KeyboardInterrupt`` too) drops the
+        in-flight samples, as :meth:`reset`.
     """
     self._check(requests)
     if token_budget is not None and (not isinstance(token_budget, (int, np.integer))
@@ -394,6 +395,14 @@ class RolloutEngine:
       raise ValueError(f"`token_budget` must be None or an int >= 1, got {token_budget!r}.")
     if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
       raise ValueError(f"`version` must be an int, got {version!r}.")
+    try:
+      return self._generate(params, requests, seed, token_budget, int(version))
+    except BaseException:
+      self._state = None       # an interrupted call: its buffers may be donated, gone
+      raise
+
+  def _generate(self, params, requests: Sequence[Request], seed: int,
+                token_budget: int | None, version: int) -> list[Completion]:
     s, ps, k_steps = self.max_slots, self.page_size, self.steps_per_call
     stats: collections.Counter[str] = collections.Counter()
     timers = {"prefill_s": 0.0, "decode_s": 0.0}
