@@ -44,9 +44,11 @@ def one_run(mode: str, seed: int, args) -> dict:
                     prompts_per_step=args.prompts, group_size=args.group, seed=seed,
                     eval_every=args.steps, eval_size=args.eval_size,
                     save_every=args.steps, out=out, progress=False,
-                    partial_rollouts=mode != "sync",
-                    token_budget=args.budget if mode != "sync" else None,
-                    partial_kv="keep" if mode == "partial-keep" else "recompute")
+                    partial_rollouts=mode.startswith("partial"),
+                    token_budget=args.budget if mode.startswith("partial") else None,
+                    partial_kv="keep" if mode == "partial-keep" else "recompute",
+                    async_rollouts=mode.startswith("async"),
+                    max_staleness=int(mode[5:]) if mode.startswith("async") else 1)
     start = time.perf_counter()
     summary = run_training(run, on_step=rows.append)
     wall = time.perf_counter() - start
@@ -54,11 +56,17 @@ def one_run(mode: str, seed: int, args) -> dict:
   batch = args.prompts * args.group
   step_s = float(np.mean([r["time_s"] for r in warm]))
   gen_s = float(np.mean([r["generate_s"] for r in warm]))
+  if mode.startswith("async"):      # a rollout thread: each side waits on the other
+    trainer_idle = float(np.mean([r["trainer_wait_s"] for r in warm]))
+    sampler_idle = float(np.mean([r["sampler_wait_s"] for r in warm]))
+  else:                             # one thread: the trainer waits while it generates
+    trainer_idle, sampler_idle = gen_s, step_s - gen_s
   length = float(np.mean([r["response_length"] for r in warm]))
   out = {"mode": mode, "seed": seed, "steps": args.steps, "wall_s": round(wall, 1),
          "step_s": step_s, "it_s": 1.0 / step_s, "samples_s": batch / step_s,
          "tokens_s": batch * length / step_s, "generate_s": gen_s,
-         "idle_share": gen_s / step_s, "train_s": step_s - gen_s,
+         "trainer_idle_s": trainer_idle, "sampler_idle_s": sampler_idle,
+         "trainer_idle_share": trainer_idle / step_s,
          "response_length": length,
          "eval_reward_end": summary["eval_reward_end"],
          "eval_accuracy_end": summary["eval_accuracy_end"],
@@ -66,8 +74,9 @@ def one_run(mode: str, seed: int, args) -> dict:
   if mode != "sync":
     out["staleness_mean"] = float(np.mean([r["staleness_mean"] for r in warm]))
     out["staleness_max"] = float(np.max([r["staleness_max"] for r in warm]))
-    out["in_flight"] = float(np.mean([r["in_flight"] for r in warm]))
     out["behaviour_kl"] = float(np.mean([r["behaviour_kl"] for r in warm]))
+  if mode.startswith("partial"):
+    out["in_flight"] = float(np.mean([r["in_flight"] for r in warm]))
     out["recompute_s"] = float(np.mean([r["recompute_s"] for r in warm]))
   return out
 
@@ -83,8 +92,9 @@ def main(argv=None):
   p.add_argument("--group", type=int, default=4)
   p.add_argument("--budget", type=int, default=None, help="--token-budget (None: default)")
   p.add_argument("--eval-size", type=int, default=32)
-  p.add_argument("--modes", default="sync,partial,partial-keep",
-                 help="sync, partial (recompute the cache) and partial-keep (stale cache)")
+  p.add_argument("--modes", default="sync,partial,partial-keep,async1,async2",
+                 help="sync, partial (recompute the cache), partial-keep (stale cache), "
+                 "asyncK (--async --max-staleness K)")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
   if args.quick:
@@ -96,8 +106,8 @@ def main(argv=None):
   print(f"task {args.task}, algo {args.algo}, {args.steps} steps, {args.prompts} prompts "
         f"x {args.group} samples, token budget {args.budget or 'default'}\n")
   cols = ["mode", "seed", "step_s", "it_s", "samples_s", "tokens_s", "generate_s",
-          "idle_share", "train_s", "response_length", "eval_reward_end",
-          "eval_accuracy_end", "staleness_mean", "staleness_max", "in_flight",
+          "trainer_idle_s", "trainer_idle_share", "sampler_idle_s", "response_length",
+          "eval_reward_end", "eval_accuracy_end", "staleness_mean", "staleness_max", "in_flight",
           "behaviour_kl", "recompute_s"]
   shown = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
            for r in runs]

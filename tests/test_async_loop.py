@@ -87,3 +87,26 @@ def test_bad_async_flags_are_one_line_errors_before_anything_is_written(tmp_path
   errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and errors[0].startswith(message), done.stderr
   assert not out.exists()
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_async_run_then_resume_trains_every_step_once(tmp_path):
+  """The real command, killed with SIGKILL after step 3 (checkpoint at 2, batches of
+  later steps generated ahead and lost), then ``--resume``: every step is trained
+  once (metrics rows 0..6 once each), none lost beyond the checkpoint, and no batch
+  older than K = 1 version."""
+  import signal
+
+  from tests.test_cli_faults import STEPS, _cmd, _env, _rows as _fault_rows, _run_until
+  run = tmp_path / "async"
+  flags = ("--async", "--max-staleness", "1")
+  code, _, err = _run_until(run, 3, signal.SIGKILL, *flags)
+  assert code == -signal.SIGKILL, err[-3000:]
+  done = subprocess.run(_cmd(run, "--resume", *flags), env=_env(), cwd=ROOT,
+                        capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "resuming from step 2" in done.stderr
+  rows = _fault_rows(run)
+  assert [r["step"] for r in rows] == list(range(STEPS + 1))
+  assert all(r["staleness_max"] <= 1 for r in rows[1:])
+  assert rows[3]["staleness_max"] == 0          # the first step after the resume

@@ -361,11 +361,12 @@ class RolloutEngine:
                token_budget: int | None = None, version: int = 0) -> list[Completion]:
     """Completes every request ``n`` times; returns the completions ordered by
     ``(call, request, sample)``. ``self.stats`` then holds the call's counters: decode
-    steps and device calls, prefill calls and tokens, ``slot_utilisation`` (useful
-    tokens / (slots x decode steps)), ``peak_pages`` and ``mean_pages_in_use``
+    steps and device calls, prefill calls and tokens, ``slot_utilisation`` (tokens
+    generated in the call / (slots x decode steps)), ``useful_tokens`` (those of the
+    returned completions), ``peak_pages`` and ``mean_pages_in_use``
     (weighted by decode steps), ``page_bytes``, host wall times ``prefill_s``,
     ``decode_s``, ``total_s``, and for partial rollouts ``generated_tokens``,
-    ``in_flight_after``, ``recomputed_tokens``.
+    ``in_flight_after``, ``recomputed_tokens`` and ``recompute_s``.
 
     Args:
       params: the model's parameters.
