@@ -81,6 +81,80 @@ def one_run(mode: str, seed: int, args) -> dict:
   return out
 
 
+def rollout_phase(args) -> list[dict]:
+  """The generation of one step alone, at fixed (initial) weights: the length mix of
+  the untrained model stays heavy-tailed (training on ``repeat`` quickly makes most
+  responses long). ``sync`` is :func:`jaxrl_llm.loop.batch._rollout` through the
+  engine; ``partial`` / ``partial-keep`` are :class:`PartialRollouts` steps whose
+  ``version`` advances every step (so ``recompute`` prefills the in-flight samples
+  again each step, as in training). Steps 1-2 compile and are left out."""
+  import jax
+
+  from jaxrl_llm.loop.batch import _rollout
+  from jaxrl_llm.loop.partial import PartialRollouts
+  from jaxrl_llm.loop.resolve import resolve
+  from jaxrl_llm.loop.setup import make_policy, make_task
+  run = RunConfig(task=args.task, algo=args.algo, prompts_per_step=args.prompts,
+                  group_size=args.group, seed=0)
+  task = make_task(run)
+  resolved = resolve(run, task)
+  policy = make_policy(resolved, task)
+  params = policy.init_params
+  modes = ("sync", "partial", "partial-keep")
+  partials = {mode: PartialRollouts(policy, task, resolved.sampling, resolved.train,
+                                    args.budget,
+                                    "keep" if mode == "partial-keep" else "recompute")
+              for mode in modes[1:]}
+  rec = {mode: {"generate_s": [], "decode_steps": [], "util": [], "recompute_s": [],
+                "lengths": []} for mode in modes}
+  for step in range(1, args.phase_steps + 1):
+    for mode in modes:          # interleaved: a change of the machine's load hits all
+      partial = partials.get(mode)
+      engine = policy.engine if partial is None else partial.engine
+      rng, key = np.random.default_rng([0, step]), jax.random.PRNGKey(step)
+      stats_calls: list[dict] = []
+      generate = engine.generate
+
+      def counted(*a, _generate=generate, _calls=stats_calls, _engine=engine, **k):
+        result = _generate(*a, **k)
+        _calls.append(dict(_engine.stats))
+        return result
+
+      engine.generate = counted
+      start = time.perf_counter()
+      if partial is None:
+        rows, _ = _rollout(resolved.sampling, task, policy, params, rng, key,
+                           resolved.train, args.prompts)
+        recompute = 0.0
+      else:
+        rows, _, stats = partial.rollout(params, step - 1, rng, key)
+        recompute = stats["recompute_s"]
+      elapsed = time.perf_counter() - start
+      del engine.generate
+      if step <= 2:
+        continue
+      steps = sum(c.get("decode_steps", 0) for c in stats_calls)
+      tokens = sum(c.get("generated_tokens", 0) for c in stats_calls)
+      r = rec[mode]
+      r["generate_s"].append(elapsed)
+      r["decode_steps"].append(steps)
+      r["util"].append(tokens / (engine.max_slots * max(steps, 1)))
+      r["recompute_s"].append(recompute)
+      r["lengths"].extend(np.asarray(rows["lengths"]).tolist())
+  out = []
+  for mode in modes:
+    r = rec[mode]
+    lengths = np.asarray(r["lengths"])
+    out.append({"mode": mode, "generate_s": float(np.mean(r["generate_s"])),
+                "decode_steps": float(np.mean(r["decode_steps"])),
+                "slot_utilisation": float(np.mean(r["util"])),
+                "recompute_s": float(np.mean(r["recompute_s"])),
+                "length_p10": float(np.percentile(lengths, 10)),
+                "length_p50": float(np.percentile(lengths, 50)),
+                "length_p90": float(np.percentile(lengths, 90))})
+  return out
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--quick", action="store_true", help="smoke sizes")
@@ -95,13 +169,17 @@ def main(argv=None):
   p.add_argument("--modes", default="sync,partial,partial-keep,async1,async2",
                  help="sync, partial (recompute the cache), partial-keep (stale cache), "
                  "asyncK (--async --max-staleness K)")
+  p.add_argument("--phase-steps", type=int, default=10,
+                 help="steps of the fixed-weights rollout-phase measurement (0: skip)")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
   if args.quick:
     args.steps, args.prompts, args.group, args.eval_size = 4, 2, 2, 4
+    args.phase_steps = 3
   seeds = [int(s) for s in args.seeds.split(",")]
   modes = args.modes.split(",")
-  runs = [one_run(mode, seed, args) for seed in seeds for mode in modes]
+  runs = [one_run(mode, seed, args) for seed in seeds for mode in modes if mode]
+  phase = rollout_phase(args) if args.phase_steps > 2 else []
   print(f"machine: {machine()}")
   print(f"task {args.task}, algo {args.algo}, {args.steps} steps, {args.prompts} prompts "
         f"x {args.group} samples, token budget {args.budget or 'default'}\n")
@@ -111,9 +189,15 @@ def main(argv=None):
           "behaviour_kl", "recompute_s"]
   shown = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
            for r in runs]
-  print(markdown_table(shown, [c for c in cols if any(c in r for r in runs)]))
+  if runs:
+    print(markdown_table(shown, [c for c in cols if any(c in r for r in runs)]))
+  if phase:
+    print(f"\nrollout phase alone at the initial weights ({args.phase_steps - 2} steps "
+          "after 2 compiling ones; trained lengths of the step's batch):\n")
+    print(markdown_table(phase, list(phase[0])))
   if args.json:
-    write_json(args.json, {"machine": machine(), "args": vars(args), "runs": runs})
+    write_json(args.json, {"machine": machine(), "args": vars(args), "runs": runs,
+                           "rollout_phase": phase})
   return runs
 
 
