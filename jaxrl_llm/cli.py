@@ -29,7 +29,8 @@ PLOT_KEYS = (("reward", "train reward"), ("eval_accuracy", "eval accuracy (greed
 
 
 # Other flag names of a field (the mesh axes' short names).
-ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("--tensor",)}
+ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("--tensor",),
+           "async_rollouts": ("--async",)}
 # The subcommands (build_parser adds each; train is the default).
 COMMANDS = ("train", "eval", "plot", "export")
 TRAIN_PREFIX = "train__"

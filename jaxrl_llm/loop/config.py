@@ -136,6 +136,29 @@ class RunConfig:
   rollout_slots: int | None = setting(
       None, "the engine's slots, the completions decoded together (None: all "
       "completions of a step, at most 256).", min_int=1)
+  partial_rollouts: bool = setting(
+      False, "partial rollouts (:mod:`jaxrl_llm.loop.partial`): a step generates until "
+      "--prompts-per-step groups finished and trains on them; the samples still "
+      "decoding stay in the engine and continue next step under the new weights "
+      "(rollout correction on by default; needs --rollout engine).")
+  token_budget: int | None = setting(
+      None, "with --partial-rollouts: tokens per engine call (a step makes calls until "
+      "it has its groups). None: one device call at full slots (slots x 16).",
+      min_int=1)
+  partial_kv: str = setting(
+      "recompute", "with --partial-rollouts, the in-flight samples' KV cache when the "
+      "weights change: \"recompute\" (prefill prompt + generated tokens again under the "
+      "new weights, as AReaL and slime: each token's behaviour log-prob is its "
+      "version's) or \"keep\" (the stale cache: cheaper, tokens drawn from a mixed-"
+      "version model).", choices=("recompute", "keep"))
+  async_rollouts: bool = setting(
+      False, "asynchronous RL (--async; :mod:`jaxrl_llm.loop.async_rollout`): a rollout "
+      "thread generates the next batches under the newest weights while the trainer "
+      "steps, at most --max-staleness versions behind (rollout correction on by "
+      "default).")
+  max_staleness: int = setting(
+      1, "with --async: the most policy versions a trained batch may lag (0: the "
+      "synchronous loop, bit for bit).", min_int=0)
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
@@ -203,6 +226,20 @@ class RunConfig:
       raise ValueError("only one of --data, --fsdp, --tensor may be -1")
     if self.resume and self.overwrite:
       raise ValueError("--resume and --overwrite are exclusive")
+    if self.partial_rollouts and self.rollout != "engine":
+      raise ValueError(f"--partial-rollouts needs --rollout engine (got --rollout "
+                       f"{self.rollout}): in-flight samples live in the engine's slots")
+    if not self.partial_rollouts and (self.partial_kv != "recompute"):
+      raise ValueError(f"--partial-kv {self.partial_kv} is a setting of "
+                       "--partial-rollouts; add --partial-rollouts")
+    if self.async_rollouts and self.partial_rollouts:
+      raise ValueError("--async and --partial-rollouts are exclusive (choose one)")
+    if self.max_staleness != 1 and not self.async_rollouts:
+      raise ValueError(f"--max-staleness {self.max_staleness} is a setting of --async; "
+                       "add --async")
+    if self.token_budget is not None and not self.partial_rollouts:
+      raise ValueError("--token-budget is the budget of --partial-rollouts; add "
+                       "--partial-rollouts")
 
   def check_devices(self, device_count: int) -> None:
     """Raises ``ValueError`` unless the mesh flags fit ``device_count`` devices and the

@@ -211,6 +211,11 @@ def resolve(run: RunConfig, task: Task | None = None) -> Resolved:
     raise ValueError(f"--overlong-buffer {buffer} is longer than the task's response "
                      f"budget of {budget.max_new_tokens} tokens")
   dynamic = effective(run, "dynamic_sampling", budget)
+  if dynamic and (run.partial_rollouts or run.async_rollouts):
+    mode = "--partial-rollouts" if run.partial_rollouts else "--async"
+    raise ValueError(f"{mode} generates the batches outside the step; dynamic sampling "
+                     "(--algo dapo) draws extra rollouts in the step: pass "
+                     f"--no-dynamic-sampling or drop {mode}")
   if dynamic and run.group_size < 2:
     raise ValueError("--dynamic-sampling drops groups whose rewards are all equal and "
                      f"needs --group-size >= 2 (got {run.group_size})")
@@ -244,6 +249,8 @@ def _train_config(run: RunConfig, recipe: Recipe, budget: Budget) -> TrainConfig
   """The :class:`TrainConfig` of the run: the recipe's fields, then ``run.train``, then
   the clip schedule of ``clip_end``."""
   fields = {**recipe.train_fields(budget), **run.train}
+  if (run.partial_rollouts or run.async_rollouts) and "rollout_correction" not in run.train:
+    fields["rollout_correction"] = "token"    # off-policy tokens: decoupled PPO (AReaL)
   if run.clip_end is not None:
     import optax
     start = TrainConfig(**fields).clip_range()[0]

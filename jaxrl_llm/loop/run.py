@@ -152,6 +152,17 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
          f"{start + 1}-{run.steps}, writing to {run.out} (the first step compiles; it "
          "takes longest)")
   base_key = jax.random.PRNGKey(run.seed)
+  partial = None
+  if run.partial_rollouts:     # in-flight samples are not checkpointed (loop.partial)
+    from jaxrl_llm.loop.partial import PartialRollouts
+    partial = PartialRollouts(policy, task, resolved.sampling, config, run.token_budget,
+                              run.partial_kv)
+  asynchronous = None
+  if run.async_rollouts:       # a rollout thread at most K versions ahead (loop.async_rollout)
+    from jaxrl_llm.loop.async_rollout import AsyncRollouts
+    asynchronous = AsyncRollouts(resolved, task, policy, max_staleness=run.max_staleness,
+                                 first_step=start + 1, last_step=run.steps, seed=run.seed)
+    asynchronous.publish(state.params, start)
   t0, step = time.time(), start
   t_warm, warm_step = t0, start
   skips = applied = 0
@@ -161,9 +172,22 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
         rng_np = np.random.default_rng([run.seed, step])
         key = jax.random.fold_in(base_key, step)
         t_step = time.time()
+        drawn: tuple[dict, list] | None = None
+        extra: dict[str, float] = {}
+        if partial is not None:     # version: the train steps applied to state.params
+          rows, problems, extra = partial.rollout(state.params, step - 1, rng_np, key)
+          drawn = (rows, problems)
+        elif asynchronous is not None:
+          rows, problems, extra = asynchronous.take(step)
+          drawn = (rows, problems)
         batch, stats = build_batch(resolved, task, policy, state.params, ref_params,
-                                   rng_np, key)
+                                   rng_np, key, drawn=drawn)
+        if drawn is not None:
+          from jaxrl_llm.loop.partial import behaviour_kl
+          stats.update(extra, behaviour_kl=behaviour_kl(batch))
         state, m = step_fn(state, place(batch))
+        if asynchronous is not None:
+          asynchronous.publish(state.params, step)
         row = {"step": step, **stats, **{k: float(val) for k, val in m.items()},
                "time_s": time.time() - t_step}
         if step <= warmup_steps:
@@ -204,6 +228,9 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
       metrics.close()
       ckpt.close()
       raise
+    finally:
+      if asynchronous is not None:
+        asynchronous.close()
   metrics.close()
   kept = ckpt.all_steps()
   ckpt.close()

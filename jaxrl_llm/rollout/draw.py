@@ -36,6 +36,8 @@ def row_keys(key: jax.Array, request: ArrayLike, sample: ArrayLike,
              position: ArrayLike) -> jax.Array:
   """``[S]`` keys ``fold_in(fold_in(fold_in(key, request), sample), position)``.
 
+  ``key`` is one key, or ``[S]`` keys (one per row: rows of several seeds).
+
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> k = row_keys(jax.random.key(0), jnp.array([0, 0]), jnp.array([0, 1]),
@@ -46,7 +48,10 @@ def row_keys(key: jax.Array, request: ArrayLike, sample: ArrayLike,
   def one(r, j, n):
     return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, r), j), n)
 
-  return jax.vmap(one)(request, sample, position)
+  if jnp.ndim(key) == 0:
+    return jax.vmap(one)(request, sample, position)
+  return jax.vmap(lambda k, r, j, n: jax.random.fold_in(
+      jax.random.fold_in(jax.random.fold_in(k, r), j), n))(key, request, sample, position)
 
 
 def filter_rows(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
