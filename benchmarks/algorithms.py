@@ -195,11 +195,11 @@ class _Recorder:
     self.first_batch = None
     self._orig = T.build_batch
 
-  def __call__(self, resolved, task, policy, params, ref_params, rng_np, key):
+  def __call__(self, resolved, task, policy, params, ref_params, rng_np, key, **kwargs):
     t0 = time.perf_counter()
     info: dict = {}
     batch, stats = self._orig(resolved, task, policy, params, ref_params, rng_np, key,
-                              info=info)
+                              info=info, **kwargs)
     t1 = time.perf_counter()
     if self.first_batch is None:
       self.first_batch = {k: np.array(val) for k, val in batch.items()}

@@ -76,9 +76,7 @@ class AsyncRollouts:
     self.resolved, self.task, self.k = resolved, task, max_staleness
     self.policy = copy.copy(policy)
     if policy.engine is not None:           # engines are not shared between threads
-      e = policy.engine
-      self.policy.use_engine(max_slots=e.max_slots, max_len=e.max_len,
-                             page_size=e.page_size)
+      self.policy.engine = policy.engine.replica()
     self.first_step, self.last_step, self.seed = first_step, last_step, seed
     self._cond = threading.Condition()
     self._params: Any = None

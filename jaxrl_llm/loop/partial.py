@@ -59,7 +59,7 @@ import numpy as np
 from jaxrl_llm.loop.evaluation import decode, stop_ids
 from jaxrl_llm.loop.policy import Policy, completions_to_sample_output
 from jaxrl_llm.loop.resolve import SamplingSettings
-from jaxrl_llm.rollout import Completion, Request, RolloutEngine
+from jaxrl_llm.rollout import Completion, Request
 from jaxrl_llm.tasks.base import Task
 from jaxrl_llm.train import TrainConfig
 
@@ -83,9 +83,7 @@ class PartialRollouts:
     if policy.engine is None or policy.paged_decode_fns is None:
       raise ValueError("--partial-rollouts needs the rollout engine (--rollout engine).")
     base = policy.engine
-    self.engine = RolloutEngine(policy.paged_decode_fns, max_slots=base.max_slots,
-                                max_len=base.max_len, page_size=base.page_size,
-                                on_new_version=kv)
+    self.engine = base.replica(on_new_version=kv)
     self.task, self.sampling, self.config, self.policy = task, sampling, config, policy
     self.token_budget = token_budget or base.max_slots * base.steps_per_call
     self.problems: dict[int, Any] = {}                  # group id -> problem

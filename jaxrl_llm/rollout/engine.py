@@ -307,6 +307,27 @@ class RolloutEngine:
     self._admit = _admit_jit
     self._decode = functools.partial(_decode_jit, decode_fns.forward)
 
+  def replica(self, **overrides: Any) -> RolloutEngine:
+    """A new engine with this one's settings (``overrides`` replace some), sharing its
+    compilations and none of its state: for a second thread or a second role.
+
+    >>> from flax import nnx
+    >>> from jaxrl_llm.models import (Transformer, TransformerConfig,
+    ...                               make_paged_decode_fns, split_model)
+    >>> graphdef, _ = split_model(Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0)))
+    >>> engine = RolloutEngine(make_paged_decode_fns(graphdef), max_slots=2, max_len=8,
+    ...                        prefill_chunk=4)
+    >>> copy = engine.replica(on_new_version="keep")
+    >>> (copy.prefill_chunk, copy.max_slots, copy.on_new_version)
+    (4, 2, 'keep')
+    """
+    settings = dict(max_slots=self.max_slots, max_len=self.max_len,
+                    page_size=self.page_size, num_pages=self.num_pages,
+                    steps_per_call=self.steps_per_call, prefill_chunk=self.prefill_chunk,
+                    policy=self.policy, share_prompts=self.share_prompts,
+                    on_new_version=self.on_new_version)
+    return RolloutEngine(self.fns, **{**settings, **overrides})
+
   # -- validation ------------------------------------------------------------------
 
   def pages_needed(self, request: Request) -> int:
