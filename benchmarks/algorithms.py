@@ -90,20 +90,29 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import machine, markdown_table, timeit, write_json  # noqa: E402
-from jaxrl_llm import advantages as A  # noqa: E402
-from jaxrl_llm.loop import run as T  # noqa: E402
-from jaxrl_llm.loop.config import RunConfig  # noqa: E402
-from jaxrl_llm.loop.policy import Policy  # noqa: E402
-from jaxrl_llm.loop.resolve import resolve  # noqa: E402
-from jaxrl_llm.losses import kl_penalty  # noqa: E402
-from jaxrl_llm.models.transformer import (Transformer, get_config, make_apply_fn,  # noqa: E402
-                                          make_decode_fns, split_model)
-from jaxrl_llm.rollout.sampler import sample  # noqa: E402
-from jaxrl_llm.tasks import get_task  # noqa: E402
-from jaxrl_llm.train import (POLICY_LOSS_REGISTRY, AdvantageInputs,  # noqa: E402
-                             compute_advantages, get_advantage_estimator,
-                             make_train_step)
+from benchmarks._common import machine, markdown_table, timeit, write_json
+from jaxrl_llm import advantages as A
+from jaxrl_llm.loop import run as T
+from jaxrl_llm.loop.config import RunConfig
+from jaxrl_llm.loop.policy import Policy
+from jaxrl_llm.loop.resolve import resolve
+from jaxrl_llm.losses import kl_penalty
+from jaxrl_llm.models.transformer import (
+  Transformer,
+  get_config,
+  make_apply_fn,
+  make_decode_fns,
+  split_model,
+)
+from jaxrl_llm.rollout.sampler import sample
+from jaxrl_llm.tasks import get_task
+from jaxrl_llm.train import (
+  POLICY_LOSS_REGISTRY,
+  AdvantageInputs,
+  compute_advantages,
+  get_advantage_estimator,
+  make_train_step,
+)
 
 ALGOS = ("ppo", "vapo", "grpo", "dapo", "rloo")
 TASKS = ("reverse", "repeat")
@@ -186,11 +195,11 @@ class _Recorder:
     self.first_batch = None
     self._orig = T.build_batch
 
-  def __call__(self, resolved, task, policy, params, ref_params, rng_np, key):
+  def __call__(self, resolved, task, policy, params, ref_params, rng_np, key, **kwargs):
     t0 = time.perf_counter()
     info: dict = {}
     batch, stats = self._orig(resolved, task, policy, params, ref_params, rng_np, key,
-                              info=info)
+                              info=info, **kwargs)
     t1 = time.perf_counter()
     if self.first_batch is None:
       self.first_batch = {k: np.array(val) for k, val in batch.items()}

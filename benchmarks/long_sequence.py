@@ -74,8 +74,7 @@ def compile_case(name: str, devices: int, length: int) -> dict:
 
   from jaxrl_llm.models.transformer import Transformer, make_apply_fn, split_model
   from jaxrl_llm.parallel import ambient_mesh, batch_shardings, make_mesh, state_shardings
-  from jaxrl_llm.train import (TrainConfig, init_train_state, make_ppo_train_step,
-                               shard_apply_fn)
+  from jaxrl_llm.train import TrainConfig, init_train_state, make_ppo_train_step, shard_apply_fn
 
   cfg = model_config(name)
   graphdef, params = split_model(nnx.eval_shape(lambda: Transformer(cfg,
@@ -158,7 +157,10 @@ def run_group(model: str, devices: int, lengths, max_compile_s: float,
     cmd.append("--full-optimization")
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                         check=False)
-  rows = json.load(open(out)) if os.path.exists(out) else []
+  rows = []
+  if os.path.exists(out):
+    with open(out) as f:
+      rows = json.load(f)
   if proc.returncode != 0:
     done = {r["T"] for r in rows}
     rows += [{"model": model, "devices": devices, "T": t,

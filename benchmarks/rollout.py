@@ -57,10 +57,15 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import machine, markdown_table, write_json  # noqa: E402
-from jaxrl_llm.models import (Transformer, TransformerConfig,  # noqa: E402
-                              make_decode_fns, make_paged_decode_fns, split_model)
-from jaxrl_llm.rollout import Request, RolloutEngine, sample  # noqa: E402
+from benchmarks._common import machine, markdown_table, write_json
+from jaxrl_llm.models import (
+  Transformer,
+  TransformerConfig,
+  make_decode_fns,
+  make_paged_decode_fns,
+  split_model,
+)
+from jaxrl_llm.rollout import Request, RolloutEngine, sample
 
 
 def _model(args):
@@ -150,6 +155,7 @@ def hf_model(model, folder):
   try:
     import torch
     import transformers
+
     from jaxrl_llm.models import save_pretrained
   except ImportError as e:
     print(f"(Hugging Face baseline skipped: {e})")

@@ -33,14 +33,19 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-from jaxrl_llm.models.transformer import (  # noqa: E402
-    Transformer, get_config, make_apply_fn, make_decode_fns, split_model)
-from jaxrl_llm.rollout.sampler import sample  # noqa: E402
+from jaxrl_llm.models.transformer import (
+  Transformer,
+  get_config,
+  make_apply_fn,
+  make_decode_fns,
+  split_model,
+)
+from jaxrl_llm.rollout.sampler import sample
 
 VOCAB = 512
 FULL_CASES = [  # (config, batch, prompt_len, new_tokens)
@@ -138,7 +143,7 @@ def main(argv=None):
     print(f"{r['config']:<6} {r['params']:>8} {r['batch']:>3} {r['prompt_len']:>4} "
           f"{r['new_tokens']:>4} {r['cached_tok_s']:>13.0f} {r['no_cache_tok_s']:>15.0f} "
           f"{r['speedup']:>7.1f}x {r['cached_compile_s']:>8.1f}/{r['no_cache_compile_s']:<8.1f}"
-          f" {str(r['same_tokens']):>5}", flush=True)
+          f" {r['same_tokens']!s:>5}", flush=True)
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

@@ -34,23 +34,27 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
-import argparse  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import argparse
+import re
+import statistics
+import time
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+import optax
+from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import machine, markdown_table, write_json  # noqa: E402
-from jaxrl_llm.models.transformer import (Transformer, TransformerConfig,  # noqa: E402
-                                          make_apply_fn, split_model)
-from jaxrl_llm.parallel import make_mesh, shard_batch  # noqa: E402
-from jaxrl_llm.train import (TrainConfig, init_train_state, make_train_step,  # noqa: E402
-                             shard_apply_fn, shard_train_step)
+from benchmarks._common import machine, markdown_table, write_json
+from jaxrl_llm.models.transformer import Transformer, TransformerConfig, make_apply_fn, split_model
+from jaxrl_llm.parallel import make_mesh, shard_batch
+from jaxrl_llm.train import (
+  TrainConfig,
+  init_train_state,
+  make_train_step,
+  shard_apply_fn,
+  shard_train_step,
+)
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                "collective-permute")

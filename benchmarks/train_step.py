@@ -45,12 +45,11 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import long_sequence  # noqa: E402
-from benchmarks._common import machine, markdown_table, timeit, write_json  # noqa: E402
-from jaxrl_llm.advantages import default_gae_method  # noqa: E402
-from jaxrl_llm.models.transformer import (Transformer, get_config,  # noqa: E402
-                                          make_apply_fn, split_model)
-from jaxrl_llm.train import TrainConfig, init_train_state, make_ppo_train_step  # noqa: E402
+from benchmarks import long_sequence
+from benchmarks._common import machine, markdown_table, timeit, write_json
+from jaxrl_llm.advantages import default_gae_method
+from jaxrl_llm.models.transformer import Transformer, get_config, make_apply_fn, split_model
+from jaxrl_llm.train import TrainConfig, init_train_state, make_ppo_train_step
 
 VOCAB = 256
 FULL_CASES = [("tiny", 8, 128), ("tiny", 32, 128), ("tiny", 8, 512),

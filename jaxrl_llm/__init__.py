@@ -11,29 +11,70 @@ from typing import TYPE_CHECKING
 from jaxrl_llm._lazy import lazy_namespace, public_names
 
 if TYPE_CHECKING:  # the names as static imports, for type checkers and IDEs
-  from jaxrl_llm.masked import (
-      explained_variance, masked_count, masked_mean, masked_std, masked_sum, masked_var,
-      masked_whiten)
   from jaxrl_llm.advantages import (
-      broadcast_to_tokens, discounted_returns, dr_grpo_advantages, gae, group_advantages,
-      grpo_advantages, hybrid_advantages, lambda_returns, nstep_returns,
-      reinforce_pp_advantages, remax_advantages, reverse_linear_recurrence,
-      rloo_advantages, self_critical_advantages)
-  from jaxrl_llm.advantages import decoupled_gae, default_gae_method, length_adaptive_lambda
-  from jaxrl_llm.losses import (
-      AGGREGATION_MODES, KL_KINDS, aggregate, aggregate_parts, cispo_policy_loss,
-      entropy_from_logits, gmpo_policy_loss, gspo_policy_loss, kl_penalty,
-      ppo_policy_loss, reinforce_policy_loss, sapo_policy_loss, value_loss)
-  from jaxrl_llm.losses import rollout_correction_weights
-  from jaxrl_llm.control import (
-      AdaptiveClipState, AdaptiveKLState, adaptive_clip_init, adaptive_clip_update,
-      adaptive_kl_init, adaptive_kl_update)
-  from jaxrl_llm.logprobs import token_logprobs, token_logprobs_from_hidden
+    broadcast_to_tokens,
+    decoupled_gae,
+    default_gae_method,
+    discounted_returns,
+    dr_grpo_advantages,
+    gae,
+    group_advantages,
+    grpo_advantages,
+    hybrid_advantages,
+    lambda_returns,
+    length_adaptive_lambda,
+    nstep_returns,
+    reinforce_pp_advantages,
+    remax_advantages,
+    reverse_linear_recurrence,
+    rloo_advantages,
+    self_critical_advantages,
+  )
   from jaxrl_llm.attention import attention_with_lse, dot_product_attention
-  from jaxrl_llm.train import (
-      TrainConfig, TrainState, init_train_state, make_grpo_train_step,
-      make_ppo_train_step, make_train_step, policy_forward)
   from jaxrl_llm.checkpoint import Checkpointer
+  from jaxrl_llm.control import (
+    AdaptiveClipState,
+    AdaptiveKLState,
+    adaptive_clip_init,
+    adaptive_clip_update,
+    adaptive_kl_init,
+    adaptive_kl_update,
+  )
+  from jaxrl_llm.logprobs import token_logprobs, token_logprobs_from_hidden
+  from jaxrl_llm.losses import (
+    AGGREGATION_MODES,
+    KL_KINDS,
+    aggregate,
+    aggregate_parts,
+    cispo_policy_loss,
+    entropy_from_logits,
+    gmpo_policy_loss,
+    gspo_policy_loss,
+    kl_penalty,
+    ppo_policy_loss,
+    reinforce_policy_loss,
+    rollout_correction_weights,
+    sapo_policy_loss,
+    value_loss,
+  )
+  from jaxrl_llm.masked import (
+    explained_variance,
+    masked_count,
+    masked_mean,
+    masked_std,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+  )
+  from jaxrl_llm.train import (
+    TrainConfig,
+    TrainState,
+    init_train_state,
+    make_grpo_train_step,
+    make_ppo_train_step,
+    make_train_step,
+    policy_forward,
+  )
 
 __version__ = "0.1.0"
 

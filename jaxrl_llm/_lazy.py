@@ -9,7 +9,8 @@ before the heavy imports. ``jaxrl_llm.gae`` works as before: the first access im
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 
 def lazy_namespace(package: str, exports: Mapping[str, Sequence[str]],

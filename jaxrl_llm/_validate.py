@@ -8,15 +8,20 @@ import without it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeGuard
+
+if TYPE_CHECKING:   # JAX is imported inside the checks (see the module's docstring)
+  import jax
+  from jax.typing import DTypeLike
 
 
-def shape_of(x) -> tuple[int, ...]:
+def shape_of(x: Any) -> tuple[int, ...]:
   import jax.numpy as jnp
   return tuple(jnp.shape(x))
 
 
-def check_rank(name: str, x, rank: int) -> None:
+def check_rank(name: str, x: Any, rank: int) -> None:
   import jax.numpy as jnp
   if jnp.ndim(x) != rank:
     raise ValueError(
@@ -35,7 +40,7 @@ def check_same_shape(names: Sequence[str], arrays: Sequence) -> None:
       )
 
 
-def check_float(name: str, x) -> None:
+def check_float(name: str, x: Any) -> None:
   import jax.numpy as jnp
   if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
     raise ValueError(
@@ -44,23 +49,23 @@ def check_float(name: str, x) -> None:
     )
 
 
-def check_choice(name: str, value, choices: Sequence) -> None:
+def check_choice(name: str, value: Any, choices: Sequence) -> None:
   if value not in choices:
     raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
 
 
-def check_batch_vector(name: str, x, batch: int) -> None:
+def check_batch_vector(name: str, x: Any, batch: int) -> None:
   """Checks a per-sequence array of shape [B]."""
   if shape_of(x) != (batch,):
     raise ValueError(f"`{name}` must have shape ({batch},), got {shape_of(x)}.")
 
 
-def as_f32(x):
+def as_f32(x: Any) -> jax.Array:
   import jax.numpy as jnp
   return jnp.asarray(x, dtype=jnp.float32)
 
 
-def out_dtype(*xs):
+def out_dtype(*xs: Any) -> DTypeLike:
   """The float dtype results are cast back to: that of the first float input."""
   import jax.numpy as jnp
   for x in xs:
@@ -69,7 +74,7 @@ def out_dtype(*xs):
   return jnp.float32
 
 
-def is_concrete_number(x) -> bool:
+def is_concrete_number(x: Any) -> TypeGuard[float]:
   """True for a Python or NumPy real scalar (not bool): a value we can check now.
 
   Traced values (and JAX arrays) are not checked: data cannot raise under ``jax.jit``.
@@ -78,8 +83,8 @@ def is_concrete_number(x) -> bool:
   return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def check_range(name: str, value, *, low=None, high=None, low_open: bool = False,
-                high_open: bool = False) -> None:
+def check_range(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                low_open: bool = False, high_open: bool = False) -> None:
   """Checks that a concrete number lies in its documented range.
 
   Only Python (and NumPy scalar) numbers are checked: arrays and traced values cannot be

@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxrl_llm import _validate as v
 from jaxrl_llm._names import GAE_METHODS
@@ -175,7 +176,8 @@ def _solve(c, d, init, method, *, shifted=False, unroll=1):
   return _solve_scan(c, d, init, unroll, shifted)
 
 
-def reverse_linear_recurrence(coeffs, inputs, init, *, method=None, unroll=8):
+def reverse_linear_recurrence(coeffs: ArrayLike, inputs: ArrayLike, init: ArrayLike, *,
+                              method: str | None = None, unroll: int = 8) -> jax.Array:
   r"""Solves :math:`x_t = d_t + c_t\,x_{t+1}` backwards in time, :math:`x_T = \text{init}`.
 
   Every estimator of this module reduces to this recurrence (rlax's
@@ -262,8 +264,9 @@ def _gae_setup(rewards, values, mask, gamma, bootstrap_value, method, lams):
   return valid, r, val, gamma, lams, _bootstrap(bootstrap_value, r.shape[0])
 
 
-def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, bootstrap_value=None,
-        method=None, transparent_mask=True):
+def gae(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *, gamma: ArrayLike = 1.0,
+        lam: ArrayLike = 1.0, bootstrap_value: ArrayLike | None = None, method: str | None = None,
+        transparent_mask: bool = True) -> tuple[jax.Array, jax.Array]:
   r"""Generalized advantage estimation over the valid steps of each row.
 
   With :math:`s_0 < s_1 < \dots` the valid positions of a row and
@@ -335,8 +338,10 @@ def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, bootstrap_value=None,
   return adv.astype(dtype), jnp.where(valid, ret, 0.0).astype(dtype)
 
 
-def decoupled_gae(rewards, values, mask, *, gamma=1.0, lam_policy, lam_value,
-                  bootstrap_value=None, method=None):
+def decoupled_gae(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *, gamma: ArrayLike = 1.0,
+                  lam_policy: ArrayLike, lam_value: ArrayLike,
+                  bootstrap_value: ArrayLike | None = None,
+                  method: str | None = None) -> tuple[jax.Array, jax.Array]:
   r"""GAE with separate :math:`\lambda` for the policy and the critic (VC-PPO, VAPO).
 
   .. math::
@@ -382,7 +387,7 @@ def decoupled_gae(rewards, values, mask, *, gamma=1.0, lam_policy, lam_value,
   return adv.astype(dtype), jnp.where(valid, ret_value, 0.0).astype(dtype)
 
 
-def length_adaptive_lambda(mask, *, alpha=0.05):
+def length_adaptive_lambda(mask: ArrayLike, *, alpha: ArrayLike = 0.05) -> jax.Array:
   r"""VAPO's length-adaptive policy :math:`\lambda`, one per row.
 
   .. math:: \lambda_i = \mathrm{clip}\Big(1 - \frac{1}{\max(\alpha\,l_i,\ 1)},\ 0,\ 1\Big)
@@ -413,8 +418,10 @@ def length_adaptive_lambda(mask, *, alpha=0.05):
   return jnp.clip(lam, 0.0, 1.0)
 
 
-def lambda_returns(rewards, values, mask, *, gamma=1.0, lam=1.0, bootstrap_value=None,
-                   method=None):
+def lambda_returns(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *,
+                   gamma: ArrayLike = 1.0, lam: ArrayLike = 1.0,
+                   bootstrap_value: ArrayLike | None = None,
+                   method: str | None = None) -> jax.Array:
   r""":math:`\lambda`-returns :math:`G^\lambda_t = A^{\text{GAE}}_t + V_t` over valid steps.
 
   Equivalently :math:`G^\lambda_t = r_t + \gamma[(1-\lambda)V_{\text{next}} +
@@ -432,7 +439,9 @@ def lambda_returns(rewards, values, mask, *, gamma=1.0, lam=1.0, bootstrap_value
              bootstrap_value=bootstrap_value, method=method)[1]
 
 
-def discounted_returns(rewards, mask, *, gamma=1.0, bootstrap_value=None, method=None):
+def discounted_returns(rewards: ArrayLike, mask: ArrayLike, *, gamma: ArrayLike = 1.0,
+                       bootstrap_value: ArrayLike | None = None,
+                       method: str | None = None) -> jax.Array:
   r"""Reward-to-go over valid steps: :math:`G_{s_j} = r_{s_j} + \gamma G_{s_{j+1}}`.
 
   The return is carried unchanged across masked positions (current verl REINFORCE++,
@@ -463,7 +472,8 @@ def _next_valid_index(valid):
       [first_from[:, 1:], jnp.full((valid.shape[0], 1), time, first_from.dtype)], axis=1)
 
 
-def nstep_returns(rewards, values, mask, *, n, gamma=1.0, bootstrap_value=None):
+def nstep_returns(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *, n: int,
+                  gamma: ArrayLike = 1.0, bootstrap_value: ArrayLike | None = None) -> jax.Array:
   r"""n-step bootstrapped returns over valid steps.
 
   .. math::
@@ -511,8 +521,10 @@ def nstep_returns(rewards, values, mask, *, n, gamma=1.0, bootstrap_value=None):
   return jnp.where(valid, total, 0.0).astype(v.out_dtype(rewards))
 
 
-def hybrid_advantages(rewards, values, mask, *, n, gamma=1.0, lam=0.95, mix=0.5,
-                      bootstrap_value=None, method=None):
+def hybrid_advantages(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *, n: int,
+                      gamma: ArrayLike = 1.0, lam: ArrayLike = 0.95, mix: ArrayLike = 0.5,
+                      bootstrap_value: ArrayLike | None = None,
+                      method: str | None = None) -> tuple[jax.Array, jax.Array]:
   r"""Blend of GAE and n-step advantages ("combined n-step returns with GAE").
 
   .. math::
@@ -550,7 +562,7 @@ def hybrid_advantages(rewards, values, mask, *, n, gamma=1.0, lam=0.95, mix=0.5,
 # Sequence-level (outcome) estimators: one scalar per row.
 
 
-def broadcast_to_tokens(seq_values, mask):
+def broadcast_to_tokens(seq_values: ArrayLike, mask: ArrayLike) -> jax.Array:
   """Broadcasts a per-sequence ``[B]`` value over the ``[B, T]`` response mask.
 
   Masked positions are exactly 0 (selected, so a NaN score of a row without valid
@@ -568,7 +580,7 @@ def broadcast_to_tokens(seq_values, mask):
   return out.astype(v.out_dtype(seq_values))
 
 
-def self_critical_advantages(scores, greedy_scores):
+def self_critical_advantages(scores: ArrayLike, greedy_scores: ArrayLike) -> jax.Array:
   r"""Self-critical baseline (Rennie et al., 2017): :math:`A_i = s_i - s^{\text{greedy}}_i`.
 
   ``greedy_scores[i]`` is the reward of the greedy decode of row i's prompt.
@@ -603,9 +615,11 @@ def _group_ids(batch, group_size, group_ids, num_groups):
   return jnp.arange(batch) // group_size, batch // group_size
 
 
-def group_advantages(scores, *, group_size=None, group_ids=None, num_groups=None,
-                     baseline="mean", scale="group", eps=1e-6, ddof=1, singleton="raw",
-                     valid=None):
+def group_advantages(scores: ArrayLike, *, group_size: int | None = None,
+                     group_ids: ArrayLike | None = None, num_groups: int | None = None,
+                     baseline: str = "mean", scale: str = "group", eps: ArrayLike = 1e-6,
+                     ddof: int = 1, singleton: str = "raw",
+                     valid: ArrayLike | None = None) -> jax.Array:
   r"""Group-relative advantages for G samples per prompt.
 
   For row i in group g with :math:`n_g` (valid) members:
@@ -706,8 +720,10 @@ def group_advantages(scores, *, group_size=None, group_ids=None, num_groups=None
   return jnp.where(w > 0, adv, 0.0).astype(v.out_dtype(scores))
 
 
-def grpo_advantages(scores, *, group_size=None, group_ids=None, num_groups=None,
-                    eps=1e-6, ddof=1, singleton="raw", valid=None):
+def grpo_advantages(scores: ArrayLike, *, group_size: int | None = None,
+                    group_ids: ArrayLike | None = None, num_groups: int | None = None,
+                    eps: ArrayLike = 1e-6, ddof: int = 1, singleton: str = "raw",
+                    valid: ArrayLike | None = None) -> jax.Array:
   r"""GRPO: :math:`(s_i - \mu_g)/(\sigma_g + \epsilon)` (verl ``grpo`` defaults).
 
   Examples:
@@ -721,8 +737,9 @@ def grpo_advantages(scores, *, group_size=None, group_ids=None, num_groups=None,
                           ddof=ddof, singleton=singleton, valid=valid)
 
 
-def dr_grpo_advantages(scores, *, group_size=None, group_ids=None, num_groups=None,
-                       singleton="raw", valid=None):
+def dr_grpo_advantages(scores: ArrayLike, *, group_size: int | None = None,
+                       group_ids: ArrayLike | None = None, num_groups: int | None = None,
+                       singleton: str = "raw", valid: ArrayLike | None = None) -> jax.Array:
   r"""Dr.GRPO: :math:`s_i - \mu_g`, no std division (pair with the
   ``seq-mean-token-sum-norm`` aggregation).
 
@@ -736,8 +753,9 @@ def dr_grpo_advantages(scores, *, group_size=None, group_ids=None, num_groups=No
                           singleton=singleton, valid=valid)
 
 
-def rloo_advantages(scores, *, group_size=None, group_ids=None, num_groups=None,
-                    singleton="raw", valid=None):
+def rloo_advantages(scores: ArrayLike, *, group_size: int | None = None,
+                    group_ids: ArrayLike | None = None, num_groups: int | None = None,
+                    singleton: str = "raw", valid: ArrayLike | None = None) -> jax.Array:
   r"""RLOO: :math:`s_i - \frac{1}{n-1}\sum_{j\ne i} s_j = \frac{n}{n-1}(s_i - \mu_g)`.
 
   Examples:
@@ -750,8 +768,9 @@ def rloo_advantages(scores, *, group_size=None, group_ids=None, num_groups=None,
                           singleton=singleton, valid=valid)
 
 
-def reinforce_pp_advantages(rewards, mask, *, gamma=1.0, group_size=None, group_ids=None,
-                            num_groups=None, eps=1e-8):
+def reinforce_pp_advantages(rewards: ArrayLike, mask: ArrayLike, *, gamma: ArrayLike = 1.0,
+                            group_size: int | None = None, group_ids: ArrayLike | None = None,
+                            num_groups: int | None = None, eps: float = 1e-8) -> jax.Array:
   r"""REINFORCE++ advantages, whitened over all valid tokens of the batch.
 
   Without groups: :math:`A = \mathrm{whiten}(G)` with :math:`G` the discounted
@@ -785,7 +804,7 @@ def reinforce_pp_advantages(rewards, mask, *, gamma=1.0, group_size=None, group_
   return masked_whiten(v.as_f32(g), mask, eps=eps).astype(v.out_dtype(rewards))
 
 
-def remax_advantages(rewards, mask, greedy_scores):
+def remax_advantages(rewards: ArrayLike, mask: ArrayLike, greedy_scores: ArrayLike) -> jax.Array:
   r"""ReMax: :math:`A_t = \sum_{t' \ge t} m_{t'} r_{t'} - b` with ``b`` the greedy
   rollout's score (``greedy_scores`` ``[B]``); no whitening (verl ``remax``).
 

@@ -49,6 +49,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from jaxrl_llm import _validate as v
 
@@ -175,6 +176,23 @@ def _xla_with_lse(query, key, value, key_mask, is_causal, offset):
 # valid [B, Sp] bool, all float32, Tp/Sp padded to multiples of the block sizes.
 
 
+def _online_softmax_block(carry, scores, allowed, values, pv_spec: str):
+  r"""Folds one block of keys into the running softmax ``(m, l, acc)``.
+
+  With :math:`m' = \max(m, \max_j s_j)` over the allowed scores :math:`s`:
+  :math:`l' = l e^{m - m'} + \sum_j e^{s_j - m'}` and
+  :math:`acc' = acc\, e^{m - m'} + \sum_j e^{s_j - m'} v_j` (``pv_spec`` is the
+  einsum of probabilities and ``values``); disallowed keys add exactly 0.
+  """
+  m, l, acc = carry
+  scores = jnp.where(allowed, scores, _NEG)
+  m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+  p = jnp.where(allowed, jnp.exp(scores - m_new[..., None]), 0.0)
+  alpha = jnp.exp(m - m_new)
+  return (m_new, l * alpha + jnp.sum(p, axis=-1),
+          acc * alpha[..., None] + jnp.einsum(pv_spec, p, values))
+
+
 def _block_allowed(valid_j, q_start, k_start, bq, bk, is_causal, offset):
   """``[B, 1, 1, bq, bk]`` visibility of one (query block, key block) pair."""
   allowed = valid_j[:, None, None, None, :]
@@ -205,19 +223,12 @@ def _flash_forward(q, k, v_, valid, offset, is_causal, bq, bk):
     qi = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
 
     def body(j, carry):
-      m, l, acc = carry
       kj = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
       vj = lax.dynamic_slice_in_dim(v_, j * bk, bk, axis=2)
       valid_j = lax.dynamic_slice_in_dim(valid, j * bk, bk, axis=1)
       allowed = _block_allowed(valid_j, i * bq, j * bk, bq, bk, is_causal, offset)
       s = jnp.einsum("bkgqh,bksh->bkgqs", qi, kj)
-      s = jnp.where(allowed, s, _NEG)
-      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-      p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
-      alpha = jnp.exp(m - m_new)
-      l = l * alpha + jnp.sum(p, axis=-1)
-      acc = acc * alpha[..., None] + jnp.einsum("bkgqs,bksh->bkgqh", p, vj)
-      return m_new, l, acc
+      return _online_softmax_block(carry, s, allowed, vj, "bkgqs,bksh->bkgqh")
 
     init = (jnp.full((b, kh, g, bq), _NEG, jnp.float32),
             jnp.zeros((b, kh, g, bq), jnp.float32),
@@ -407,8 +418,10 @@ def _sequence_axis_size() -> int:
   return int(mesh.shape["sequence"])
 
 
-def select_implementation(query, key, *, key_mask=None, is_causal=True,
-                          query_offset=None) -> str:
+def select_implementation(query: jax.Array | jax.ShapeDtypeStruct,
+                          key: jax.Array | jax.ShapeDtypeStruct, *,
+                          key_mask: ArrayLike | None = None, is_causal: bool = True,
+                          query_offset: ArrayLike | None = None) -> str:
   """The implementation ``implementation=None`` uses for these inputs.
 
   In order: ``"ring"`` if registered, ``query_offset`` is ``None`` and the ambient mesh
@@ -438,10 +451,11 @@ def _offset(query, key, query_offset):
 # ----------------------------------------------------------------------------------
 
 
-def dot_product_attention(query, key, value, *, key_mask=None, is_causal: bool = True,
+def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                          key_mask: ArrayLike | None = None, is_causal: bool = True,
                           implementation: str | None = None,
                           block_size: int | tuple[int, int] | None = None,
-                          query_offset=None) -> jax.Array:
+                          query_offset: ArrayLike | None = None) -> jax.Array:
   r"""Masked, causal, grouped-query softmax attention with O(T) memory available.
 
   .. math::
@@ -499,10 +513,11 @@ def dot_product_attention(query, key, value, *, key_mask=None, is_causal: bool =
   return out.astype(query.dtype)
 
 
-def attention_with_lse(query, key, value, *, key_mask=None, is_causal: bool = True,
+def attention_with_lse(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                       key_mask: ArrayLike | None = None, is_causal: bool = True,
                        implementation: str = "blockwise",
                        block_size: int | tuple[int, int] | None = None,
-                       query_offset=None) -> tuple[jax.Array, jax.Array]:
+                       query_offset: ArrayLike | None = None) -> tuple[jax.Array, jax.Array]:
   r"""Attention output and the log-sum-exp of the scores, both float32.
 
   ``lse_i = log sum_{j in A(i)} exp(q_i . k_j / sqrt(H))`` per query and head. Two
@@ -552,8 +567,8 @@ def attention_with_lse(query, key, value, *, key_mask=None, is_causal: bool = Tr
 PAGED_CHUNK_TOKENS = 128
 
 
-def paged_attention(query, k_pages, v_pages, page_table, positions, *,
-                    chunk_pages: int | None = None) -> jax.Array:
+def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: ArrayLike,
+                    positions: ArrayLike, *, chunk_pages: int | None = None) -> jax.Array:
   r"""Causal grouped-query attention of queries over their row's pages of a KV pool.
 
   The keys of row ``b`` live in a shared pool of pages: key position ``j`` of the row is
@@ -634,21 +649,14 @@ def paged_attention(query, k_pages, v_pages, page_table, positions, *,
   q = query.astype(jnp.float32).reshape(b, t, k, g, h) * (1.0 / math.sqrt(h))
   n_chunks = jnp.minimum((jnp.max(positions) + chunk) // chunk, width // chunk_pages)
 
-  def body(c, carry):
-    m, l, acc = carry                                            # [B,K,G,T](,H)
+  def body(c, carry):                                  # carry: m, l [B,K,G,T], acc (,H)
     ids = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages, axis=1)
     keys = k_pages[ids].reshape(b, chunk, k, h).astype(jnp.float32)
     vals = v_pages[ids].reshape(b, chunk, k, h).astype(jnp.float32)
     scores = jnp.einsum("btkgh,bskh->bkgts", q, keys)
     key_pos = c * chunk + jnp.arange(chunk)
     allowed = (key_pos[None, None, :] <= positions[:, :, None])[:, None, None]
-    scores = jnp.where(allowed, scores, _NEG)
-    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-    p = jnp.where(allowed, jnp.exp(scores - m_new[..., None]), 0.0)
-    corr = jnp.exp(m - m_new)
-    l = l * corr + jnp.sum(p, axis=-1)
-    acc = acc * corr[..., None] + jnp.einsum("bkgts,bskh->bkgth", p, vals)
-    return m_new, l, acc
+    return _online_softmax_block(carry, scores, allowed, vals, "bkgts,bskh->bkgth")
 
   init = (jnp.full((b, k, g, t), _NEG, jnp.float32), jnp.zeros((b, k, g, t), jnp.float32),
           jnp.zeros((b, k, g, t, h), jnp.float32))

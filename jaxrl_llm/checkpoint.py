@@ -51,7 +51,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -143,7 +143,7 @@ def fingerprint(state: Any) -> dict:
           "nonfinite": [p for p, f in zip(paths, finite) if not f]}
 
 
-def verify_against(record: dict, state: Any, template: Any = None) -> Optional[str]:
+def verify_against(record: dict, state: Any, template: Any = None) -> str | None:
   """Why ``state`` does not match ``record`` (and ``template``), or ``None`` if it does.
 
   Checks, in order: tree paths, shapes and dtypes against the template and against the
@@ -230,16 +230,16 @@ class Checkpointer:
     >>> ckpt.close()
   """
 
-  def __init__(self, directory: str, *, max_to_keep: Optional[int] = 3,
+  def __init__(self, directory: str, *, max_to_keep: int | None = 3,
                save_interval_steps: int = 1, async_save: bool = False,
-               log: Optional[Callable[[str], None]] = None):
+               log: Callable[[str], None] | None = None) -> None:
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"`max_to_keep` must be >= 1 or None, got {max_to_keep}.")
     self.directory = os.path.abspath(directory)
     self.max_to_keep = max_to_keep
     self.log = log or _stderr
     self.bad_steps: dict[int, str] = {}
-    self.restored_step: Optional[int] = None
+    self.restored_step: int | None = None
     self._records: dict[int, dict] = {}
     self._steps_since_restore = 0        # note_step calls since the restore ...
     self._learned_since_restore = False  # ... and whether one of them applied an update
@@ -255,7 +255,7 @@ class Checkpointer:
 
   # ------------------------------------------------------------------------- save
 
-  def save(self, step: int, state: Any, *, extra: Optional[dict] = None,
+  def save(self, step: int, state: Any, *, extra: dict | None = None,
            force: bool = False) -> bool:
     """Saves ``state`` (and JSON ``extra``) as ``step``; returns whether it saved.
 
@@ -300,7 +300,7 @@ class Checkpointer:
     self._steps_since_restore += 1
     self._learned_since_restore = self._learned_since_restore or not skipped
 
-  def _save(self, step: int, state: Any, extra: Optional[dict], force: bool) -> bool:
+  def _save(self, step: int, state: Any, extra: dict | None, force: bool) -> bool:
     for s in self.all_steps():
       if s >= step and s in self.bad_steps:      # replaced by the run that went on
         self.log(f"removing unusable checkpoint {self._step_dir(s)} "
@@ -333,10 +333,8 @@ class Checkpointer:
   def _discard_partial(self, step: int) -> None:
     """Removes what a failed save of ``step`` left: its temporary folder (the space a
     full disk needs back), once orbax's background writes have stopped."""
-    try:
+    with contextlib.suppress(Exception):  # noqa: BLE001 - the failure is being reported already
       self._manager.wait_until_finished()
-    except Exception:  # noqa: BLE001 - the failure is being reported already
-      pass
     pattern = glob.escape(self._step_dir(step)) + _TMP_SUFFIX + "*"
     # Orbax gives up at the first failed write while the others are still in flight,
     # and those can finish, re-creating files, after the folder is removed: look again
@@ -349,7 +347,7 @@ class Checkpointer:
   def _step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
-  def _record(self, step: int) -> Optional[dict]:
+  def _record(self, step: int) -> dict | None:
     """The verification record saved with ``step`` (``None`` if absent or unreadable)."""
     if step not in self._records:
       if not os.path.isdir(os.path.join(self._step_dir(step), VERIFY_ITEM)):
@@ -385,13 +383,13 @@ class Checkpointer:
 
   # ---------------------------------------------------------------------- restore
 
-  def latest_step(self) -> Optional[int]:
+  def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def restore(self, template: Any, step: Optional[int] = None, *,
+  def restore(self, template: Any, step: int | None = None, *,
               fallback: bool = True) -> tuple[Any, dict]:
     """Restores ``(state, extra)`` from ``step`` (default: the newest that verifies).
 
@@ -440,7 +438,7 @@ class Checkpointer:
                           + "; ".join(failures))
 
   def _restore_verified(self, template: Any, step: int
-                        ) -> tuple[Any, Optional[str]]:
+                        ) -> tuple[Any, str | None]:
     if step not in self.all_steps():
       return None, "no such step"
     record = self._record(step)
@@ -475,14 +473,14 @@ _OS_CODE = re.compile(r"os_error_code='?(\d+)|\[Errno (\d+)\]")
 def _chain(exc: BaseException) -> list[BaseException]:
   """``exc`` and its causes / contexts, outermost first."""
   out: list[BaseException] = []
-  cur: Optional[BaseException] = exc
+  cur: BaseException | None = exc
   while cur is not None and all(cur is not e for e in out):
     out.append(cur)
     cur = cur.__cause__ or cur.__context__
   return out
 
 
-def _os_cause(exc: BaseException) -> Optional[OSError]:
+def _os_cause(exc: BaseException) -> OSError | None:
   """The operating-system error behind ``exc``: an ``OSError`` in its chain, or the
   errno that tensorstore writes into its message (``[os_error_code='28']``)."""
   for e in reversed(_chain(exc)):

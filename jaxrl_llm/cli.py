@@ -18,7 +18,8 @@ import re
 import sys
 import types
 import typing
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from jaxrl_llm.loop.config import flag
 
@@ -28,7 +29,8 @@ PLOT_KEYS = (("reward", "train reward"), ("eval_accuracy", "eval accuracy (greed
 
 
 # Other flag names of a field (the mesh axes' short names).
-ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("--tensor",)}
+ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("--tensor",),
+           "async_rollouts": ("--async",)}
 # The subcommands (build_parser adds each; train is the default).
 COMMANDS = ("train", "eval", "plot", "export")
 TRAIN_PREFIX = "train__"
@@ -84,7 +86,7 @@ def _add_field(group, f, hints, *, dest, default, shown):
                        metavar=(f.name.upper() if choices is None else None))
 
 
-def selected_estimator(name: str) -> Optional[str]:
+def selected_estimator(name: str) -> str | None:
   """The in-step advantage estimator that a flag for TrainConfig field ``name``
   selects when given alone: the one registered estimator whose static fields include
   it (``hybrid_n``: ``hybrid``); None for any other field.
@@ -253,15 +255,27 @@ def cmd_train(args: argparse.Namespace) -> int:
   from jaxrl_llm import run_folder as rf
   argv = getattr(args, "argv", [])
   try:   # every flag is checked before JAX is imported (only the device count needs it)
-    if args.resume and not args.overwrite and os.path.exists(
-        os.path.join(args.out, rf.CONFIG_FILE)):
+    args.resume = args.resume or args.resume_or_start
+    saved = os.path.exists(os.path.join(args.out, rf.CONFIG_FILE))
+    if args.resume and not args.overwrite and saved:
       run = _resume_config(args, argv)
     else:
+      if args.resume and not args.resume_or_start:
+        raise ValueError(f"--resume: {args.out} holds no run (no {rf.CONFIG_FILE}); "
+                         "check --out, or pass --resume-or-start to start a new run there")
+      if "max_new_tokens" in _explicit_train_dests(argv) and args.dataset is None:
+        raise ValueError(f"--max-new-tokens applies to --dataset runs: the built-in "
+                         f"task {args.task!r} has its own response budget (its longest "
+                         "answer and eos)")
       run = run_config_from_args(args)
       if args.resume:
         print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
     from jaxrl_llm.loop.resolve import resolve
     resolve(run)      # the run's own checks and the recipe's (before the task is built)
+    if run.dataset is not None:    # every record parses (FILE:LINE errors), before JAX
+      from jaxrl_llm.tasks.jsonl import load_jsonl
+      load_jsonl(run.dataset)
+    _early_note(run)
     import jax
     run.check_devices(jax.device_count())
   except (ValueError, OSError) as e:
@@ -351,16 +365,45 @@ def load_history(run_dir: str) -> list[dict]:
   return rows
 
 
-def plot_runs(runs: Sequence[str], labels: Optional[Sequence[str]], output: str) -> None:
-  """Draws the learning curves of ``runs`` into ``output`` (needs matplotlib)."""
+# Panels always drawn (a flat line there is news: nothing was learned).
+_HEADLINE_KEYS = ("reward", "eval_accuracy")
+
+
+def informative_keys(histories: Sequence[list]) -> list:
+  """The :data:`PLOT_KEYS` worth a panel for these runs' metrics rows: the headline ones,
+  and every other one that some run records and that is not one constant value in all
+  runs (the clip fraction of single-epoch GRPO is exactly 0: no panel).
+
+  Examples:
+    >>> rows = [{"step": 1, "reward": 0.5, "pg_clipfrac": 0.0, "kl_ref": 0.1},
+    ...         {"step": 2, "reward": 0.7, "pg_clipfrac": 0.0, "kl_ref": 0.2}]
+    >>> [k for k, _ in informative_keys([rows])]
+    ['reward', 'eval_accuracy', 'kl_ref']
+  """
+  keep = []
+  for key, title in PLOT_KEYS:
+    values = {r[key] for rows in histories for r in rows if r.get(key) is not None}
+    if key in _HEADLINE_KEYS or len(values) > 1:
+      keep.append((key, title))
+  return keep
+
+
+def plot_runs(runs: Sequence[str], labels: Sequence[str] | None, output: str) -> None:
+  """Draws the learning curves of ``runs`` into ``output`` (needs matplotlib): a panel
+  per :func:`informative_keys` metric."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   histories = [load_history(run_dir) for run_dir in runs]
-  fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+  keys = informative_keys(histories)
+  cols = min(3, len(keys))
+  rows_n = -(-len(keys) // cols)
+  fig, axes = plt.subplots(rows_n, cols, figsize=(4.4 * cols, 3.5 * rows_n), squeeze=False)
+  for ax in axes.flat[len(keys):]:
+    ax.set_visible(False)
   for i, (run_dir, rows) in enumerate(zip(runs, histories)):
     label = labels[i] if labels else os.path.basename(os.path.normpath(run_dir))
-    for ax, (key, title) in zip(axes.flat, PLOT_KEYS):
+    for ax, (key, title) in zip(axes.flat, keys):
       pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
       if pts:
         xs, ys = zip(*pts)
@@ -412,8 +455,16 @@ def _run_default(name: str) -> Any:
   return config_field(RunConfig, name).default
 
 
+class _Parser(argparse.ArgumentParser):
+  """argparse with one-line errors: the message and where the help is (argparse prints
+  the whole usage, 50 lines for ``train``, above it)."""
+
+  def error(self, message: str) -> NoReturn:
+    self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
+  parser = _Parser(
       prog="jaxrl-llm", description="Train, evaluate and plot RL runs on language "
       "models (train is the default command; see 'jaxrl-llm train --help').")
   sub = parser.add_subparsers(dest="command")
@@ -444,28 +495,22 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _early_note(argv: list) -> None:
-  """One line before the slow imports: what is starting and where outputs go (``argv``
-  starts with the command)."""
-  if argv[:1] != ["train"] or any(a in ("-h", "--help", "--no-progress") for a in argv):
+def _early_note(run: Any) -> None:
+  """One line before the slow imports (the flags are checked): what is starting and
+  where its outputs go."""
+  if not run.progress:
     return
-  p = argparse.ArgumentParser(add_help=False)
-  for name in ("out", "algo", "task"):
-    p.add_argument(flag(name), default=_run_default(name))
-  p.add_argument("--resume", action="store_true")
-  known = p.parse_known_args(argv[1:])[0]
-  what = "resuming" if known.resume else f"{known.algo} on {known.task}"
-  print(f"jaxrl-llm train: {what}, writing to {known.out}; importing JAX and building "
+  what = "resuming" if run.resume else f"{run.algo} on {run.dataset or run.task}"
+  print(f"jaxrl-llm train: {what}, writing to {run.out}; importing JAX and building "
         "the model (the first step then compiles) ...", file=sys.stderr, flush=True)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
   words = list(sys.argv[1:] if argv is None else argv)
   # train is the default command: ``jaxrl-llm --steps 5`` is ``jaxrl-llm train --steps 5``
   # (``jaxrl-llm --help`` alone is the top-level help).
   if not words or words[0] not in COMMANDS + ("-h", "--help"):
     words = ["train"] + words
-  _early_note(words)
   args = build_parser().parse_args(words)
   args.argv = words[1:]
   return args.func(args)

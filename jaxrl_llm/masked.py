@@ -16,9 +16,15 @@ inf there changes no result and no gradient. ``ddof`` is an int ``>= 0`` and ``e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxrl_llm import _validate as v
+
+Axis = int | Sequence[int] | None  # the axes reduced over (None: all)
 
 
 def _prepare(x, mask, x_name="x"):
@@ -36,7 +42,8 @@ def _check_ddof(ddof):
   v.check_range("ddof", ddof, low=0)
 
 
-def masked_sum(x, mask=None, axis=None, keepdims=False):
+def masked_sum(x: ArrayLike, mask: ArrayLike | None = None, axis: Axis = None,
+               keepdims: bool = False) -> jax.Array:
   r"""Sum of the valid elements: :math:`\sum_i m_i x_i` (float32).
 
   Examples:
@@ -48,7 +55,7 @@ def masked_sum(x, mask=None, axis=None, keepdims=False):
   return jnp.sum(x * mask, axis=axis, keepdims=keepdims)
 
 
-def masked_count(mask, axis=None, keepdims=False):
+def masked_count(mask: ArrayLike, axis: Axis = None, keepdims: bool = False) -> jax.Array:
   """Number of valid elements (float32).
 
   Examples:
@@ -59,7 +66,8 @@ def masked_count(mask, axis=None, keepdims=False):
   return jnp.sum(v.as_f32(mask), axis=axis, keepdims=keepdims)
 
 
-def masked_mean(x, mask=None, axis=None, keepdims=False):
+def masked_mean(x: ArrayLike, mask: ArrayLike | None = None, axis: Axis = None,
+                keepdims: bool = False) -> jax.Array:
   r"""Mean over valid elements: :math:`\sum_i m_i x_i / \max(\sum_i m_i, 1)`.
 
   An all-masked input gives 0 (verl adds 1e-8 to the count instead; the result is the
@@ -76,7 +84,8 @@ def masked_mean(x, mask=None, axis=None, keepdims=False):
   return total / jnp.maximum(count, 1.0)
 
 
-def masked_var(x, mask=None, axis=None, keepdims=False, *, ddof=1):
+def masked_var(x: ArrayLike, mask: ArrayLike | None = None, axis: Axis = None,
+               keepdims: bool = False, *, ddof: int = 1) -> jax.Array:
   r"""Variance over valid elements, two-pass for accuracy.
 
   .. math:: \mathrm{var} = \frac{\sum_i m_i (x_i - \mu)^2}{\max(N - \mathrm{ddof}, 0)}
@@ -100,7 +109,8 @@ def masked_var(x, mask=None, axis=None, keepdims=False, *, ddof=1):
   return jnp.where(dof > 0, sq / jnp.where(dof > 0, dof, 1.0), 0.0)
 
 
-def masked_std(x, mask=None, axis=None, keepdims=False, *, ddof=1):
+def masked_std(x: ArrayLike, mask: ArrayLike | None = None, axis: Axis = None,
+               keepdims: bool = False, *, ddof: int = 1) -> jax.Array:
   """Square root of :func:`masked_var` (0 when ``N <= ddof``).
 
   Examples:
@@ -111,7 +121,8 @@ def masked_std(x, mask=None, axis=None, keepdims=False, *, ddof=1):
   return jnp.sqrt(masked_var(x, mask, axis, keepdims, ddof=ddof))
 
 
-def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, ddof=1):
+def masked_whiten(x: ArrayLike, mask: ArrayLike | None = None, *, shift_mean: bool = True,
+                  eps: float = 1e-8, ddof: int = 1) -> jax.Array:
   r"""Whiten valid elements with statistics over all of them.
 
   .. math::
@@ -141,7 +152,8 @@ def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, ddof=1):
   return jnp.where(mf > 0, out, 0.0).astype(dtype)
 
 
-def explained_variance(y_pred, y_true, mask=None):
+def explained_variance(y_pred: ArrayLike, y_true: ArrayLike,
+                       mask: ArrayLike | None = None) -> jax.Array:
   r"""Fraction of the variance of ``y_true`` explained by ``y_pred`` on valid elements.
 
   .. math:: 1 - \mathrm{var}(y - \hat y) / \mathrm{var}(y)

@@ -39,6 +39,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -49,7 +50,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -70,8 +71,8 @@ class RunFolderIOError(OSError):
   instead of the raw error so a command-line tool prints one line.
   """
 
-  def __init__(self, message: str, *, path: Optional[str] = None,
-               err: Optional[int] = None):
+  def __init__(self, message: str, *, path: str | None = None,
+               err: int | None = None) -> None:
     super().__init__(message)
     self.message = message
     self.filename = path
@@ -176,10 +177,8 @@ def atomic_write_text(path: str, text: str) -> None:
       os.fsync(f.fileno())
     os.replace(tmp, path)
   except OSError as e:
-    try:
+    with contextlib.suppress(OSError):
       os.unlink(tmp)
-    except OSError:
-      pass
     raise io_error("writing", path, e) from None
   _fsync_dir(os.path.dirname(path))
 
@@ -197,7 +196,7 @@ def write_json(path: str, obj: Any) -> None:
   atomic_write_text(path, dumps(obj, indent=2) + "\n")
 
 
-def restorable_problem(run_dir: str) -> Optional[str]:
+def restorable_problem(run_dir: str) -> str | None:
   """Why ``run_dir`` holds no run to restore, or None when it holds one: its
   ``config.json`` is missing, or ``checkpoints/`` has no numbered step yet. Reads only
   directory listings (no JAX, nothing created).
@@ -244,7 +243,7 @@ def read_json(path: str) -> Any:
 
 
 def read_metrics(path: str, *, missing_ok: bool = False
-                 ) -> tuple[list[dict], Optional[str]]:
+                 ) -> tuple[list[dict], str | None]:
   """The rows of a ``metrics.jsonl`` and a note about a torn last line (or ``None``).
 
   A last line that does not parse (or does not end in a newline and does not parse)
@@ -307,8 +306,8 @@ def rewrite_jsonl(path: str, rows: Iterable[dict]) -> None:
   atomic_write_text(path, "".join(dumps(r) + "\n" for r in rows))
 
 
-def prepare_metrics(path: str, keep_upto: Optional[int]
-                    ) -> tuple[list[dict], Optional[str]]:
+def prepare_metrics(path: str, keep_upto: int | None
+                    ) -> tuple[list[dict], str | None]:
   """Readies ``metrics.jsonl`` for appending when a run (re)starts.
 
   Keeps the rows with ``step <= keep_upto`` (all rows when ``None``; none and no file
@@ -375,14 +374,14 @@ class MetricsWriter:
     ([{'step': 0, 'acc': 0.5}], None)
   """
 
-  def __init__(self, path: str, *, fsync: bool = True):
+  def __init__(self, path: str, *, fsync: bool = True) -> None:
     self.path = path
     self._fsync = fsync
-    self.note: Optional[str] = None
+    self.note: str | None = None
     if not _ends_with_newline(path):           # a torn tail: drop it atomically first
       self.note = prepare_metrics(path, None)[1]
     try:
-      self._file = open(path, "ab")
+      self._file = open(path, "ab")  # noqa: SIM115 - held open until close()
       if not _ends_with_newline(path):         # a complete last row missing its newline
         self._write(b"\n")
     except OSError as e:
@@ -483,7 +482,7 @@ class RunInterrupted(KeyboardInterrupt):
   A ``KeyboardInterrupt`` subclass, so code that handles Ctrl-C handles it too.
   """
 
-  def __init__(self, signum: int, message: str = ""):
+  def __init__(self, signum: int, message: str = "") -> None:
     super().__init__(message)
     self.signum = signum
     self.exit_code = 128 + int(signum)
@@ -510,10 +509,10 @@ class GracefulStop:
   """
 
   def __init__(self, signals: tuple = (signal.SIGTERM, signal.SIGINT), *,
-               announce: bool = True):
+               announce: bool = True) -> None:
     self.signals = signals
     self.announce = announce
-    self.signum: Optional[int] = None
+    self.signum: int | None = None
     self._previous: dict = {}
 
   @property

@@ -24,18 +24,22 @@ os.environ["XLA_FLAGS"] = " ".join(
      if not f.startswith("--xla_force_host_platform_device_count")] +
     ["--xla_force_host_platform_device_count=2"])
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 # Compile fast (this is a 2-core CI box); the optimization level changes float
 # rounding only, and the comparison tolerance (1e-5) is far above it.
 jax.config.update("jax_disable_most_optimizations", True)
 
-from jaxrl_llm.parallel import (gather_to_host, host_local_batch,  # noqa: E402
-                                initialize_multihost, make_mesh, shard_batch)
+from jaxrl_llm.parallel import (  # noqa: E402
+  gather_to_host,
+  host_local_batch,
+  initialize_multihost,
+  make_mesh,
+  shard_batch,
+)
 from jaxrl_llm.parallel.multihost import shutdown_multihost  # noqa: E402
-from jaxrl_llm.train import (init_train_state, make_train_step,  # noqa: E402
-                             shard_apply_fn, shard_train_step)
+from jaxrl_llm.train import init_train_state, make_train_step, shard_apply_fn, shard_train_step  # noqa: E402
 from tests import parallel_setup as S  # noqa: E402
 
 LAYOUTS = {"data4": dict(data=4), "data2_fsdp2": dict(data=2, fsdp=2)}

@@ -24,7 +24,7 @@ def model_config():
                                 d_ff=64, max_seq_len=32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build():
   """``(apply_fn, params, optimizer, train_config, batch)``, built once per process.
 

@@ -16,15 +16,15 @@ os.environ["XLA_FLAGS"] = " ".join(
      if not f.startswith("--xla_force_host_platform_device_count")] +
     ["--xla_force_host_platform_device_count=8"])
 
-import json  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
+import json
+import sys
+import tempfile
+import time
+import traceback
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 # Compile fast (this is a 2-core CI box): sharding propagation and SPMD partitioning
 # still run; the optimization level changes float rounding only, far below the 1e-5
@@ -34,12 +34,23 @@ jax.config.update("jax_disable_most_optimizations", True)
 from jaxrl_llm.advantages import gae  # noqa: E402
 from jaxrl_llm.logprobs import token_logprobs_from_hidden  # noqa: E402
 from jaxrl_llm.parallel import (  # noqa: E402
-    gather_to_host, make_mesh, replicate, sequence_parallel_gae,
-    sequence_parallel_token_logprobs, shard_batch, sharding_summary, split_batch,
-    state_shardings)
+  gather_to_host,
+  make_mesh,
+  replicate,
+  sequence_parallel_gae,
+  sequence_parallel_token_logprobs,
+  shard_batch,
+  sharding_summary,
+  split_batch,
+  state_shardings,
+)
 from jaxrl_llm.train import (  # noqa: E402
-    init_train_state, make_pmap_train_step, make_train_step, shard_apply_fn,
-    shard_train_step)
+  init_train_state,
+  make_pmap_train_step,
+  make_train_step,
+  shard_apply_fn,
+  shard_train_step,
+)
 from tests import parallel_setup as S  # noqa: E402
 from tests.utils import random_mask  # noqa: E402
 
@@ -187,7 +198,7 @@ def case_sequence_logprobs(results):
 
 
 def case_nondividing(results):
-  apply_fn, params, optimizer, config, batch = S.build()
+  apply_fn, params, optimizer, config, _batch = S.build()
   state = init_train_state(params, optimizer, config)
   try:
     shard_train_step(make_train_step(apply_fn, optimizer, config), state,

@@ -97,7 +97,7 @@ def make_batch(seed=0):
               rewards=rewards)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build():
   """``(apply_fn, params, optimizer, train_config, batch)`` with host-array params."""
   import jax

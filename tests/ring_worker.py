@@ -14,24 +14,27 @@ os.environ["XLA_FLAGS"] = " ".join(
      if not f.startswith("--xla_force_host_platform_device_count")] +
     ["--xla_force_host_platform_device_count=8"])
 
-import json  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
+import json
+import sys
+import time
+import traceback
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 # Compile fast on a 2-core box: changes float rounding only (tolerances are 1e-5).
 jax.config.update("jax_disable_most_optimizations", True)
 
-from jaxrl_llm.attention import (attention_with_lse, dot_product_attention,  # noqa: E402
-                                 register_attention)
-from jaxrl_llm.parallel import (gather_to_host, make_mesh, ring_attention,  # noqa: E402
-                                ring_dot_product_attention, shard_batch)
-from jaxrl_llm.train import (init_train_state, make_train_step,  # noqa: E402
-                             shard_apply_fn, shard_train_step)
+from jaxrl_llm.attention import attention_with_lse, dot_product_attention, register_attention  # noqa: E402
+from jaxrl_llm.parallel import (  # noqa: E402
+  gather_to_host,
+  make_mesh,
+  ring_attention,
+  ring_dot_product_attention,
+  shard_batch,
+)
+from jaxrl_llm.train import init_train_state, make_train_step, shard_apply_fn, shard_train_step  # noqa: E402
 from tests import ring_setup as R  # noqa: E402
 
 

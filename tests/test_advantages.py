@@ -288,7 +288,7 @@ def test_gae_bad_inputs():
     gae(r, v[:, :-1], m)
   with pytest.raises(ValueError, match="mask"):
     gae(r, v, m[:-1])
-  with pytest.raises(ValueError, match="rewards.*dtype|dtype.*rewards|floating"):
+  with pytest.raises(ValueError, match=r"rewards.*dtype|dtype.*rewards|floating"):
     gae(r.astype(np.int32), v, m)
   with pytest.raises(ValueError, match="method"):
     gae(r, v, m, method="fft")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -14,8 +15,13 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl_llm.checkpoint import (Checkpointer, CheckpointError, abstract_like,
-                                  fingerprint, verify_against)
+from jaxrl_llm.checkpoint import (
+  Checkpointer,
+  CheckpointError,
+  abstract_like,
+  fingerprint,
+  verify_against,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,7 +100,7 @@ def test_flipped_bytes_in_the_latest_data_file_fall_back_to_the_previous_step(tm
   ckpt, states, messages = _saved(tmp_path)
   ckpt.close()
   big = _data_files(ckpt, 3)[-1]                   # the largest chunk: the weights
-  data = bytearray(open(big, "rb").read())
+  data = bytearray(pathlib.Path(big).read_bytes())
   mid = len(data) // 2
   data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
   with open(big, "wb") as f:
@@ -108,7 +114,7 @@ def test_a_single_flipped_bit_is_caught(tmp_path):
   # Data chunks are uncompressed here, so a low mantissa bit of one float flips
   # silently inside orbax: only the checksum can see it.
   for path in _data_files(ckpt, 3)[::-1]:
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(pathlib.Path(path).read_bytes())
     data[len(data) // 2] ^= 0x01
     with open(path, "wb") as f:
       f.write(data)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import functools
 
 import jax
@@ -12,8 +11,13 @@ import pytest
 from flax import nnx
 
 from jaxrl_llm.attention import dot_product_attention, paged_attention
-from jaxrl_llm.models import (Transformer, TransformerConfig, make_apply_fn,
-                              make_paged_decode_fns, split_model)
+from jaxrl_llm.models import (
+  Transformer,
+  TransformerConfig,
+  make_apply_fn,
+  make_paged_decode_fns,
+  split_model,
+)
 
 V = 32
 GRAPHDEF, PARAMS = split_model(Transformer(TransformerConfig.tiny(V), rngs=nnx.Rngs(0)))
@@ -106,8 +110,8 @@ def test_paged_forward_chunks_and_steps_match_the_full_forward():
 # The engine
 # ----------------------------------------------------------------------------------
 
-from jaxrl_llm.rollout import Request, RolloutEngine, filter_logits, sample  # noqa: E402
 from jaxrl_llm.models import make_decode_fns  # noqa: E402
+from jaxrl_llm.rollout import Request, RolloutEngine, filter_logits, sample  # noqa: E402
 
 _ENGINE_KW = {"max_len": 48, "page_size": 4, "prefill_chunk": 8, "steps_per_call": 4}
 ENGINE = RolloutEngine(PAGED, max_slots=8, **_ENGINE_KW)

@@ -165,7 +165,7 @@ def test_generation_config_eos_and_default_pad(tmp_path):
 
 
 def test_tokenizer_errors(tmp_path):
-  with pytest.raises(ValueError, match="has no tokenizer.json"):
+  with pytest.raises(ValueError, match=r"has no tokenizer.json"):
     HFTokenizer.from_pretrained(tmp_path)
   path = make_tokenizer_dir(tmp_path / "tok", template=None)
   tok = HFTokenizer.from_pretrained(path)
@@ -427,7 +427,7 @@ def test_value_head_file_beside_a_plain_policy_folder(tmp_path):
   np.testing.assert_allclose(np.asarray(again(tokens)[1]), np.asarray(model(tokens)[1]),
                              rtol=1e-6, atol=1e-6)
   assert from_pretrained(folder).config.value_head is False
-  with pytest.raises(ValueError, match="`value_head` file .* does not exist"):
+  with pytest.raises(ValueError, match=r"`value_head` file .* does not exist"):
     from_pretrained(folder, value_head=str(tmp_path / "nope.safetensors"))
   with pytest.raises(ValueError, match="has no value head"):
     save_value_head(from_pretrained(folder), file)
@@ -569,14 +569,14 @@ def test_tensor_errors(ckpt_root, tmp_path):
   partial = {k: val for k, val in tensors.items()
              if k != "model.layers.1.self_attn.k_proj.bias"}
   save_file(partial, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-  with pytest.raises(ValueError, match="tensor 'model.layers.1.self_attn.k_proj.bias' is "
+  with pytest.raises(ValueError, match=r"tensor 'model.layers.1.self_attn.k_proj.bias' is "
                                        "missing"):
     from_pretrained(path)
   # Unexpected tensor (would change the math: an o_proj bias).
   path = _copy_ckpt(src, tmp_path / "extra")
   extra = dict(tensors, **{"model.layers.0.self_attn.o_proj.bias": np.zeros(32, np.float32)})
   save_file(extra, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-  with pytest.raises(ValueError, match="tensor 'model.layers.0.self_attn.o_proj.bias' .* "
+  with pytest.raises(ValueError, match=r"tensor 'model.layers.0.self_attn.o_proj.bias' .* "
                                        "not used"):
     from_pretrained(path)
   # Shape mismatch in a tensor.
@@ -587,11 +587,11 @@ def test_tensor_errors(ckpt_root, tmp_path):
                                        r"expected \[32\]"):
     from_pretrained(path)
   # Folder problems.
-  with pytest.raises(ValueError, match="has no config.json"):
+  with pytest.raises(ValueError, match=r"has no config.json"):
     from_pretrained(tmp_path)
   path = _copy_ckpt(src, tmp_path / "noweights")
   os.remove(os.path.join(path, "model.safetensors"))
-  with pytest.raises(ValueError, match="has neither model.safetensors nor"):
+  with pytest.raises(ValueError, match=r"has neither model.safetensors nor"):
     from_pretrained(path)
 
 
@@ -600,7 +600,7 @@ def test_missing_shard(ckpt_root, tmp_path):
   out = str(tmp_path / "s")
   save_pretrained(model, out, max_shard_size=10_000)
   os.remove(os.path.join(out, "model-00002-of-" + sorted(os.listdir(out))[1][-17:]))
-  with pytest.raises(ValueError, match="names the shard 'model-00002-of-.*missing"):
+  with pytest.raises(ValueError, match=r"names the shard 'model-00002-of-.*missing"):
     from_pretrained(out)
 
 

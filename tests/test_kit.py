@@ -132,7 +132,7 @@ def test_run_value_lr_and_warmup_settings():
   assert isinstance(resolve(RunConfig(algo="ppo")).optimizer.build().init(params), tuple)
   state = resolve(RunConfig(algo="vapo")).optimizer.build().init(params)
   assert state.inner_states["policy"].inner_state.updates == 0   # the freeze counter
-  with pytest.raises(ValueError, match="critic-warmup-steps .* value model"):
+  with pytest.raises(ValueError, match=r"critic-warmup-steps .* value model"):
     resolve(RunConfig(algo="grpo", critic_warmup_steps=3))
 
 
@@ -227,8 +227,9 @@ class _FakePolicy:
     self.n, self.vocab, self.calls = n, vocab, 0
 
   def generate(self, params, tokens, mask, key, *, max_new_tokens, eos_id,
-               temperature=1.0, greedy=False):
+               temperature=1.0, greedy=False, n=1):
     self.calls += 1
+    tokens, mask = np.repeat(tokens, n, axis=0), np.repeat(mask, n, axis=0)
     b = tokens.shape[0]
     r = np.random.default_rng(self.calls)
     completion = r.integers(3, self.vocab, size=(b, max_new_tokens)).astype(np.int32)
@@ -376,8 +377,8 @@ def test_cli_recipe_trains_two_steps_without_nan(recipe, tmp_path):
 
 @pytest.mark.slow
 def test_critic_init_warm_starts_the_value_head_from_a_run_folder(tmp_path, capsys):
-  from jaxrl_llm.loop.setup import make_policy, make_task, warm_start_value_params
   from jaxrl_llm.loop.run import run_training
+  from jaxrl_llm.loop.setup import make_policy, make_task, warm_start_value_params
   small = dict(prompts_per_step=4, group_size=2, eval_every=2, eval_size=8, progress=False)
   src = str(tmp_path / "warm")
   run_training(RunConfig(algo="ppo", steps=2, save_every=2, out=src, seed=1, **small))

@@ -12,10 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl_llm.logprobs import (default_chunk_size, token_logprobs,
-                                token_logprobs_from_hidden)
+from jaxrl_llm.logprobs import default_chunk_size, token_logprobs, token_logprobs_from_hidden
 from tests.utils import assert_close, assert_no_recompile, random_mask
-
 
 # ------------------------------------------------------------------------------ helpers
 

@@ -15,8 +15,15 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
 
 from jaxrl_llm.models.transformer import (
-    KVCache, Transformer, TransformerConfig, get_config, make_apply_fn, make_decode_fns,
-    rope, split_model)
+  KVCache,
+  Transformer,
+  TransformerConfig,
+  get_config,
+  make_apply_fn,
+  make_decode_fns,
+  rope,
+  split_model,
+)
 from tests.utils import assert_close, assert_no_recompile, random_mask
 
 # These tests check values, not speed: skipping XLA's backend optimisation roughly
@@ -460,7 +467,7 @@ def test_cache_decode_matches_full_forward(layout):
   else:
     prompt_mask = (np.arange(p)[None] < lengths[:, None]).astype(np.float32)
   full_mask = np.concatenate([prompt_mask, np.ones((b, n), np.float32)], axis=1)
-  hidden, values, lm_head = APPLY(PARAMS, tokens, None, full_mask)
+  hidden, _values, lm_head = APPLY(PARAMS, tokens, None, full_mask)
   full_logits = np.asarray(hidden @ lm_head)
 
   cache = FNS.init_cache(PARAMS, b, p + n)

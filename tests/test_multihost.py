@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.parallel.multihost import PEER_LOST_EXIT_CODE
-
 from tests import parallel_setup as S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,7 +144,7 @@ def test_timeouts_are_settable_validated_and_checked_against_jax():
       "heartbeat_timeout_seconds"] == 9                  # explicit beats environment
   with pytest.raises(ValueError, match="`heartbeat_timeout_seconds` must be >= 1"):
     resolve_timeouts(heartbeat_timeout_seconds=0)
-  with pytest.raises(ValueError, match="`peer_timeout_seconds` must be 0 .* got 10"):
+  with pytest.raises(ValueError, match=r"`peer_timeout_seconds` must be 0 .* got 10"):
     resolve_timeouts(heartbeat_timeout_seconds=10, peer_timeout_seconds=10)
   with pytest.raises(ValueError, match="JAXRL_HEARTBEAT_TIMEOUT='soon' is not a number"):
     resolve_timeouts(environ={"JAXRL_HEARTBEAT_TIMEOUT": "soon"})

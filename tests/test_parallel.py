@@ -23,17 +23,31 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.advantages import gae
 from jaxrl_llm.logprobs import token_logprobs_from_hidden
 from jaxrl_llm.models.transformer import Transformer, split_model
-from jaxrl_llm.parallel import (DEFAULT_RULES, MESH_AXES, batch_specs, host_local_batch,
-                                initialize_multihost, logical_to_spec, make_mesh,
-                                make_rules, param_specs, replicate,
-                                resolve_multihost_args, sequence_parallel_gae,
-                                sequence_parallel_token_logprobs, shard_batch,
-                                split_batch, state_specs, unreplicate)
+from jaxrl_llm.parallel import (
+  DEFAULT_RULES,
+  MESH_AXES,
+  batch_specs,
+  host_local_batch,
+  initialize_multihost,
+  logical_to_spec,
+  make_mesh,
+  make_rules,
+  param_specs,
+  replicate,
+  resolve_multihost_args,
+  sequence_parallel_gae,
+  sequence_parallel_token_logprobs,
+  shard_batch,
+  split_batch,
+  state_specs,
+  unreplicate,
+)
 from jaxrl_llm.parallel.sequence import _gae_shard
 from jaxrl_llm.train import TrainConfig, init_train_state, shard_apply_fn
 from tests import parallel_setup as S
@@ -44,7 +58,7 @@ def abstract_mesh(data=1, fsdp=1, tensor=1, sequence=1):
   return AbstractMesh((data, fsdp, tensor, sequence), MESH_AXES)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params():
   """Abstract parameters (shapes, dtypes and logical names; no computation)."""
   model = nnx.eval_shape(lambda: Transformer(S.model_config(), rngs=nnx.Rngs(0)))

@@ -40,8 +40,8 @@ def test_engine_samples_carry_the_behaviour_logprobs_of_their_tokens():
   again = engine.generate(engine.init_params, PROMPTS, MASK, jax.random.key(5),
                           max_new_tokens=6, eos_id=EOS, temperature=0.7, n=3)
   np.testing.assert_array_equal(out.tokens, again.tokens)          # keyed by rng
-  cmask = out.completion_mask
-  assert cmask.sum() > 6 and len(set(map(tuple, out.completion[:3]))) > 1
+  cmask = np.asarray(out.completion_mask)
+  assert cmask.sum() > 6 and len(set(map(tuple, np.asarray(out.completion)[:3].tolist()))) > 1
   batch = {"tokens": out.tokens, "attention_mask": out.mask,
            "loss_mask": np.concatenate([np.zeros_like(MASK.repeat(3, 0)), cmask], 1)}
   logp, _, _ = engine.forward(engine.init_params, batch)

@@ -18,8 +18,7 @@ import pytest
 from jax.sharding import AbstractMesh
 
 from jaxrl_llm.attention import ATTENTION_IMPLEMENTATIONS, dot_product_attention
-from jaxrl_llm.parallel import (MESH_AXES, make_mesh, ring_attention,
-                                ring_dot_product_attention)
+from jaxrl_llm.parallel import MESH_AXES, make_mesh, ring_attention, ring_dot_product_attention
 from jaxrl_llm.parallel.ring import _LAYOUTS, LAYOUTS, _case
 from tests import ring_setup as R
 from tests.utils import assert_close, run_worker

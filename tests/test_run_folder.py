@@ -78,7 +78,7 @@ def test_corruption_before_the_last_line_raises_naming_the_line(tmp_path):
     f.write('{"step": 0}\n{"ste\n{"step": 2}\n')
   with pytest.raises(RF.RunFolderIOError, match=r"metrics.jsonl: line 2 is not a JSON"):
     RF.read_metrics(path)
-  with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist"):
+  with pytest.raises(FileNotFoundError, match=r"nope.jsonl does not exist"):
     RF.read_metrics(str(tmp_path / "nope.jsonl"))
   assert RF.read_metrics(str(tmp_path / "nope.jsonl"), missing_ok=True) == ([], None)
 
@@ -186,9 +186,9 @@ def test_write_json_is_atomic_strict_and_readable(tmp_path):
   assert not os.path.exists(path + ".tmp")
   with open(path, "w") as f:
     f.write('{"lr": ')
-  with pytest.raises(RF.RunFolderIOError, match="config.json is not valid JSON"):
+  with pytest.raises(RF.RunFolderIOError, match=r"config.json is not valid JSON"):
     RF.read_json(path)
-  with pytest.raises(FileNotFoundError, match="missing.json does not exist"):
+  with pytest.raises(FileNotFoundError, match=r"missing.json does not exist"):
     RF.read_json(str(tmp_path / "missing.json"))
   with pytest.raises(RF.RunFolderIOError, match=r"cannot write .*sub/config.json"):
     RF.write_json(str(tmp_path / "sub" / "config.json"), {})   # folder missing

@@ -14,7 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl_llm.models.transformer import (
-    DecodeFns, Transformer, TransformerConfig, make_apply_fn, make_decode_fns, split_model)
+  DecodeFns,
+  Transformer,
+  TransformerConfig,
+  make_apply_fn,
+  make_decode_fns,
+  split_model,
+)
 from jaxrl_llm.rollout.sampler import SampleOutput, filter_logits, sample
 from tests.utils import assert_close
 

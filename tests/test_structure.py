@@ -399,6 +399,106 @@ def test_every_module_has_a_floor():
       floor(module)
 
 
+
+# ------------------------------------------------------------------------- annotations
+
+# Public functions allowed to go without a full annotation, as "module.qualname" (none).
+UNANNOTATED_OK: set = set()
+
+
+def _literal_all(tree: ast.Module) -> set:
+  """The names of a module's literal ``__all__`` (empty when it is computed)."""
+  for node in tree.body:
+    if isinstance(node, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+      try:
+        return set(ast.literal_eval(node.value))
+      except ValueError:
+        return set()
+  return set()
+
+
+def public_functions(tree: ast.Module):
+  """``(qualname, node)`` of the public functions of a module: module-level functions
+  named in ``__all__`` or not starting with ``_``, and the methods of public classes not
+  starting with ``_`` or dunder (``__init__``, ``__call__``, ...); also under a
+  module-level ``if`` / ``try``. Nested functions (closures) are not public."""
+  exported = _literal_all(tree)
+
+  def is_public(name: str) -> bool:
+    return name in exported or not name.startswith("_")
+
+  def walk(body, cls=None):
+    for node in body:
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        dunder = node.name.startswith("__") and node.name.endswith("__")
+        if (is_public(node.name) if cls is None
+            else not node.name.startswith("_") or dunder):
+          yield (f"{cls}.{node.name}" if cls else node.name), node
+      elif isinstance(node, ast.ClassDef) and cls is None and is_public(node.name):
+        yield from walk(node.body, node.name)
+      elif isinstance(node, (ast.If, ast.Try)):
+        for part in (node.body, node.orelse, getattr(node, "finalbody", []),
+                     *[h.body for h in getattr(node, "handlers", [])]):
+          yield from walk(part, cls)
+
+  yield from walk(tree.body)
+
+
+def missing_annotations(node: ast.FunctionDef, method: bool) -> list:
+  """The parameters of ``node`` without an annotation (``*args`` / ``**kwargs``
+  included; a method's ``self`` / ``cls`` exempt), and ``"return"`` without one."""
+  a = node.args
+  params = a.posonlyargs + a.args
+  static = any(isinstance(d, ast.Name) and d.id == "staticmethod"
+               for d in node.decorator_list)
+  if method and not static:
+    params = params[1:]
+  out = [p.arg for p in params + a.kwonlyargs if p.annotation is None]
+  out += [f"*{p.arg}" for p in (a.vararg, a.kwarg) if p is not None and p.annotation is None]
+  if node.returns is None:
+    out.append("return")
+  return out
+
+
+def unannotated(path: pathlib.Path, module: str) -> list:
+  tree = ast.parse(path.read_text())
+  return [f"{module}.{name}:{node.lineno} lacks {missing}"
+          for name, node in public_functions(tree)
+          if f"{module}.{name}" not in UNANNOTATED_OK
+          and (missing := missing_annotations(node, "." in name))]
+
+
+def test_every_public_function_is_annotated():
+  """Every public function and method of the package annotates its parameters and its
+  return (``-> None`` included), so mypy checks its callers and its body."""
+  problems = [p for module, path in _modules().items() for p in unannotated(path, module)]
+  assert not problems, "\n".join(problems)
+
+
+def test_the_annotation_check_sees_a_missing_annotation(tmp_path):
+  """The checker itself, on a made-up module."""
+  path = tmp_path / "m.py"
+  path.write_text(
+      "__all__ = ['_exported']\n"
+      "def ok(x: int, *a: int, **k: int) -> int: ...\n"
+      "def no_return(x: int): ...\n"
+      "def _exported(x) -> None: ...\n"
+      "def _private(x): ...\n"
+      "class C:\n"
+      "  def __init__(self, x): ...\n"
+      "  @staticmethod\n"
+      "  def s(y) -> None: ...\n"
+      "  def _helper(self, z): ...\n"
+      "  def m(self, *args) -> None:\n"
+      "    def inner(w): ...\n"
+      "class _Hidden:\n"
+      "  def m(self, x): ...\n")
+  assert unannotated(path, "m") == [
+      "m.no_return:3 lacks ['return']", "m._exported:4 lacks ['x']",
+      "m.C.__init__:7 lacks ['x', 'return']", "m.C.s:9 lacks ['y']",
+      "m.C.m:11 lacks ['*args']"]
+
 if __name__ == "__main__":   # print the graph's layers (a debugging aid)
   for mod, edges in sorted(import_graph().items()):
     print(mod, os.linesep.join(f"  -> {t} ({k})" for t, k in sorted(edges.items())))

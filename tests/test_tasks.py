@@ -11,10 +11,27 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxrl_llm.tasks as tasks_pkg
-from jaxrl_llm.tasks import arithmetic, base, countdown, strings, tokenizer
 from jaxrl_llm.tasks import (
-    DEFAULT_TASK, LONG_TASKS, TASKS, AddTask, CharTokenizer, CountdownTask, Problem, ReverseTask,
-    SortTask, Task, get_task, parse_expression, position_match, random_baseline)
+  DEFAULT_TASK,
+  LONG_TASKS,
+  TASKS,
+  AddTask,
+  CharTokenizer,
+  CountdownTask,
+  Problem,
+  ReverseTask,
+  SortTask,
+  Task,
+  arithmetic,
+  base,
+  countdown,
+  get_task,
+  parse_expression,
+  position_match,
+  random_baseline,
+  strings,
+  tokenizer,
+)
 from jaxrl_llm.tasks.tokenizer import DEFAULT_CHARS, DIGITS, LETTERS, SYMBOLS, UNKNOWN_CHAR
 
 ALL = sorted(TASKS)
@@ -58,7 +75,7 @@ def test_tokenizer_custom_chars():
 
 
 def test_tokenizer_unknown_char():
-  with pytest.raises(ValueError, match="text.*'x'"):
+  with pytest.raises(ValueError, match=r"text.*'x'"):
     CharTokenizer().encode("12x")
 
 

@@ -11,10 +11,16 @@ from flax import nnx
 
 from jaxrl_llm import losses
 from jaxrl_llm.checkpoint import Checkpointer
-from jaxrl_llm.models.transformer import (Transformer, TransformerConfig, make_apply_fn,
-                                          split_model)
-from jaxrl_llm.train import (GRPO_DEFAULTS, TrainConfig, init_train_state, make_grpo_train_step,
-                             make_ppo_train_step, make_train_step, policy_forward)
+from jaxrl_llm.models.transformer import Transformer, TransformerConfig, make_apply_fn, split_model
+from jaxrl_llm.train import (
+  GRPO_DEFAULTS,
+  TrainConfig,
+  init_train_state,
+  make_grpo_train_step,
+  make_ppo_train_step,
+  make_train_step,
+  policy_forward,
+)
 from tests.utils import assert_close
 
 B, L, V = 8, 12, 32
@@ -170,7 +176,7 @@ def test_adaptive_clip_and_kl_controllers_move(setup):
   apply, params, batch = setup
   config = TrainConfig(adaptive_clip=True, adaptive_kl=True, kl_mode="reward",
                        kl_coef=0.05, kl_target=0.01, num_epochs=2)
-  state, hist, _ = _run(apply, params, batch, config, steps=3, lr=3e-3)
+  _state, hist, _ = _run(apply, params, batch, config, steps=3, lr=3e-3)
   assert hist[-1]["clip_eps"] != pytest.approx(hist[0]["clip_eps"])
   assert hist[-1]["kl_coef"] > hist[0]["kl_coef"]      # observed KL 0.05 > target 0.01
 

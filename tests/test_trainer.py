@@ -71,7 +71,7 @@ def test_keyboard_interrupt_checkpoints_the_last_step_and_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_bad_input_is_refused_with_clear_messages(tmp_path):
-  with pytest.raises(ValueError, match="valid tasks: .*reverse"):
+  with pytest.raises(ValueError, match=r"valid tasks: .*reverse"):
     RunConfig(task="chess").validate()
   with pytest.raises(ValueError, match="valid algos: ppo, grpo"):
     RunConfig(algo="dpo").validate()
@@ -80,7 +80,7 @@ def test_bad_input_is_refused_with_clear_messages(tmp_path):
   resolve(RunConfig(algo="self_critical", group_size=1))   # not a group estimator
   out = str(tmp_path / "run")
   run_training(RunConfig(out=out, **dict(SMALL, steps=1)))
-  with pytest.raises(RunFolderError, match="different config.*lr"):
+  with pytest.raises(RunFolderError, match=r"different config.*lr"):
     run_training(RunConfig(out=out, lr=0.5, **dict(SMALL, steps=1)))
   with pytest.raises(RunFolderError, match="--resume"):
     run_training(RunConfig(out=out, **dict(SMALL, steps=1)))
@@ -110,7 +110,7 @@ def test_cli_train_eval_plot_as_subprocess(tmp_path):
   assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr
   assert "Traceback" not in bad.stderr and "grpo" in bad.stderr
   assert os.path.getsize(os.path.join(out, "curves.png")) > 10_000    # the run's own plot
-  from jaxrl_llm.cli import main                  # (in-process: one interpreter less)
+  from jaxrl_llm.cli import main  # (in-process: one interpreter less)
   png = str(tmp_path / "curves.png")
   assert main(["plot", out, out, "--labels", "a", "b", "-o", png]) == 0
   assert os.path.getsize(png) > 10_000
@@ -292,8 +292,7 @@ def test_every_recipe_pushes_the_rewarded_completion_up(algo):
   import optax
 
   from jaxrl_llm.loop.recipes import get_recipe
-  from jaxrl_llm.train import AdvantageInputs, compute_advantages, make_train_step
-  from jaxrl_llm.train import policy_forward
+  from jaxrl_llm.train import AdvantageInputs, compute_advantages, make_train_step, policy_forward
 
   vocab = 5
   params = {"w": jnp.zeros((vocab, vocab), jnp.float32),

@@ -161,11 +161,11 @@ def test_vllm_engine_matches_the_jax_engine(family, tmp_path):
 def test_cli_train_with_vllm_rollouts_saves_and_resumes(tmp_path):
   """``jaxrl-llm train --rollout vllm``: 2 steps, then resumed to 3; every step's
   metrics carry the push time and the train/inference mismatch."""
-  from tests.test_hf import make_tokenizer_dir
   import torch
   import transformers
 
   from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
+  from tests.test_hf import make_tokenizer_dir
   model_dir = make_tokenizer_dir(tmp_path / "model")
   torch.manual_seed(0)
   cfg = transformers.Qwen3Config(

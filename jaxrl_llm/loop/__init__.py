@@ -8,6 +8,8 @@
 * :mod:`~jaxrl_llm.loop.policy`: :class:`Policy`, any model following the forward
   and decode protocols as jitted functions.
 * :mod:`~jaxrl_llm.loop.batch`: one rollout turned into a train batch.
+* :mod:`~jaxrl_llm.loop.partial`: :class:`PartialRollouts`, groups in flight across
+  steps (``--partial-rollouts``).
 * :mod:`~jaxrl_llm.loop.evaluation`: greedy held-out accuracy.
 * :mod:`~jaxrl_llm.loop.progress`: the progress line.
 """
@@ -20,6 +22,7 @@ if TYPE_CHECKING:  # the names as static imports, for type checkers and IDEs
   from jaxrl_llm.loop.batch import build_batch
   from jaxrl_llm.loop.config import RESUMABLE_FIELDS, RunConfig
   from jaxrl_llm.loop.evaluation import decode, evaluate
+  from jaxrl_llm.loop.partial import PartialRollouts
   from jaxrl_llm.loop.policy import Policy
   from jaxrl_llm.loop.progress import report_progress
   from jaxrl_llm.loop.recipes import RECIPES, Recipe, get_recipe, register_recipe
@@ -34,6 +37,7 @@ _EXPORTS = {
     "jaxrl_llm.loop.run": ("run_training", "SkippedUpdatesError"),
     "jaxrl_llm.loop.policy": ("Policy",),
     "jaxrl_llm.loop.batch": ("build_batch",),
+    "jaxrl_llm.loop.partial": ("PartialRollouts",),
     "jaxrl_llm.loop.evaluation": ("evaluate", "decode"),
     "jaxrl_llm.loop.progress": ("report_progress",),
 }

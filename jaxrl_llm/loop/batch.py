@@ -8,7 +8,8 @@ one (PPO's GAE) runs inside the train step, so the batch carries ``rewards`` and
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -57,7 +58,8 @@ def _rollout(sampling: SamplingSettings, task: Task, policy: Policy, params: Any
 
 def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
                 ref_params: Any, rng_np: np.random.Generator, key: jax.Array, *,
-                info: Optional[dict] = None) -> tuple[dict, dict]:
+                info: dict | None = None,
+                drawn: tuple[dict, list] | None = None) -> tuple[dict, dict]:
   """One rollout: ``(batch, stats)`` with ``stats`` reward, accuracy, response length.
 
   ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible
@@ -77,15 +79,23 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   ``rollout_correction``) and the correct-response marks (``positive``, with
   ``pos_nll_coef``). ``reward`` / ``accuracy`` / ``response_length`` in the stats
   are over the first draw (the policy's unfiltered samples).
+  ``drawn``: the first draw's ``(rows, problems)`` when the caller generated them
+  (partial rollouts: :class:`jaxrl_llm.loop.partial.PartialRollouts`); None: drawn
+  here (``generate_s`` in the stats times it).
   """
   config, sampling, estimator = resolved.train, resolved.sampling, resolved.estimator
   tok = task.tokenizer
   group_size = sampling.group_size
-  first, problems = _rollout(sampling, task, policy, params, rng_np, key, config,
-                             sampling.prompts_per_step)
-  stats = {"reward": float(np.mean(first["scores"])),
-           "accuracy": float(np.mean(first["exact"])),
-           "response_length": float(np.mean(first["lengths"]))}
+  stats: dict[str, float] = {}
+  if drawn is None:
+    start = time.perf_counter()
+    drawn = _rollout(sampling, task, policy, params, rng_np, key, config,
+                     sampling.prompts_per_step)
+    stats["generate_s"] = time.perf_counter() - start
+  first, problems = drawn
+  stats.update(reward=float(np.mean(first["scores"])),
+               accuracy=float(np.mean(first["exact"])),
+               response_length=float(np.mean(first["lengths"])))
   rows = first
   if sampling.dynamic_sampling:
     from jaxrl_llm.rollout.dapo import dynamic_sampling

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any
 
 from jaxrl_llm._names import MODEL_PRESETS, ROLLOUT_BACKENDS
 from jaxrl_llm.train.config import TrainConfig, document_fields, setting
 
 # Fields that may differ between a run and its resumption.
-RESUMABLE_FIELDS = ("steps", "out", "resume", "overwrite", "eval_every", "save_every",
-                    "progress", "mesh_data", "mesh_fsdp", "mesh_tensor",
+RESUMABLE_FIELDS = ("steps", "out", "resume", "resume_or_start", "overwrite",
+                    "eval_every", "save_every", "progress", "mesh_data", "mesh_fsdp", "mesh_tensor",
                     "max_consecutive_skips")
 
 
@@ -58,10 +58,13 @@ class RunConfig:
                        min_int=1)
   prompts_per_step: int = setting(32, "prompts sampled per step.", min_int=1)
   group_size: int = setting(8, "completions sampled per prompt.", min_int=1)
-  lr: float = setting(1e-3, "Adam learning rate.")
+  lr: float | None = setting(
+      None, "Adam learning rate of the policy (None: 1e-3 for a built-in model, trained "
+      "from scratch; 1e-6 for a Hugging Face --model, the actor learning rate of verl's "
+      "PPO and TRL's GRPO defaults for pretrained LLMs).", low=0.0)
   seed: int = setting(0, "seed of the model initialisation, the prompts and the "
                       "sampling.")
-  clip_end: Optional[float] = setting(
+  clip_end: float | None = setting(
       None, "anneal the clip epsilon linearly from ``clip_low`` to this value over "
       "the run (None: constant).")
   eval_every: int = setting(25, "steps between greedy evaluations on the held-out "
@@ -75,13 +78,18 @@ class RunConfig:
   mesh_tensor: int = setting(1, "tensor-parallel mesh axis size (heads / mlp / vocab "
                              "sharded).")
   out: str = setting("runs/default", "the run folder.")
-  resume: bool = setting(False, "continue the run in ``out``.")
+  resume: bool = setting(False, "continue the run in ``out`` (an error when ``out`` "
+                         "holds no run: see --resume-or-start).")
+  resume_or_start: bool = setting(
+      False, "continue the run in ``out``, or start a new one there when it holds none "
+      "(--resume alone refuses a folder without a run: a misspelt --out would start a "
+      "new run).")
   overwrite: bool = setting(False, "replace the run in ``out``.")
   progress: bool = setting(True, "print a progress line.")
   max_consecutive_skips: int = setting(
       20, "stop the run (non-zero exit) after this many train steps in a row were "
       "skipped for non-finite values.", min_int=1)
-  dataset: Optional[str] = setting(
+  dataset: str | None = setting(
       None, "a JSONL file of {\"prompt\": ..., \"answer\": ...} lines to train on "
       "instead of the built-in --task.")
   reward: str = setting(
@@ -89,30 +97,31 @@ class RunConfig:
       "math, boxed, exact).")
   max_new_tokens: int = setting(64, "tokens sampled per completion on --dataset.",
                                 min_int=1)
-  critic: Optional[str] = setting(
+  critic: str | None = setting(
       None, "a separate critic (its own parameters and Adam optimizer) for recipes with "
       "a value model: a Hugging Face model folder it is initialised from, or \"policy\" "
       "(a copy of the policy's initial weights); None: the policy's value head.")
-  critic_init: Optional[str] = setting(
+  critic_init: str | None = setting(
       None, "a run folder of this trainer whose newest checkpoint's value parameters "
       "(the separate critic, or the value head) initialise this run's: a critic warmed "
       "up once serves many runs (the model layout must match).")
-  value_lr: Optional[float] = setting(
+  value_lr: float | None = setting(
       None, "learning rate of the value parameters (the separate critic with --critic, "
       "else the value head; the trunk trains at --lr). None: --lr times the recipe's "
-      "value_lr_scale (vapo: 2, else 1).", low=0.0)
-  critic_warmup_steps: Optional[int] = setting(
+      "value_lr_scale (vapo: 2, else 1), and times 10 for a Hugging Face --model "
+      "(verl's critic 1e-5 beside its actor 1e-6).", low=0.0)
+  critic_warmup_steps: int | None = setting(
       None, "first steps that train only the value function on rollouts of the frozen "
       "policy (generation, scoring and evaluation still run; with a shared trunk only "
       "the value head trains). None: the recipe's (vapo: 10, else 0).", min_int=0)
-  dynamic_sampling: Optional[bool] = setting(
+  dynamic_sampling: bool | None = setting(
       None, "DAPO dynamic sampling: drop groups whose rewards are all equal and draw "
       "more to refill the batch (at most --max-sampling-draws rollouts). None: the "
       "recipe's (dapo: on).")
   max_sampling_draws: int = setting(
       4, "bound on the rollouts one step of dynamic sampling draws (the first "
       "included); too few groups with signal are repeated cyclically.", min_int=1)
-  overlong_buffer: Optional[int] = setting(
+  overlong_buffer: int | None = setting(
       None, "DAPO's soft overlong penalty: responses in the last this many tokens of "
       "the budget get a reward penalty growing linearly to --overlong-penalty (0: off; "
       "None: the recipe's; dapo: a quarter of a --dataset's budget, 0 on a built-in "
@@ -127,16 +136,39 @@ class RunConfig:
       "policy's weights pushed after every step; --model must be a Hugging Face "
       "folder; rollout correction on unless set; pip install 'jaxrl_llm[vllm]').",
       choices=ROLLOUT_BACKENDS)
-  rollout_slots: Optional[int] = setting(
+  rollout_slots: int | None = setting(
       None, "the engine's slots, the completions decoded together (None: all "
       "completions of a step, at most 256).", min_int=1)
+  partial_rollouts: bool = setting(
+      False, "partial rollouts (:mod:`jaxrl_llm.loop.partial`): a step generates until "
+      "--prompts-per-step groups finished and trains on them; the samples still "
+      "decoding stay in the engine and continue next step under the new weights "
+      "(rollout correction on by default; needs --rollout engine).")
+  token_budget: int | None = setting(
+      None, "with --partial-rollouts: tokens per engine call (a step makes calls until "
+      "it has its groups). None: one device call at full slots (slots x 16).",
+      min_int=1)
+  partial_kv: str = setting(
+      "recompute", "with --partial-rollouts, the in-flight samples' KV cache when the "
+      "weights change: \"recompute\" (prefill prompt + generated tokens again under the "
+      "new weights, as AReaL and slime: each token's behaviour log-prob is its "
+      "version's) or \"keep\" (the stale cache: cheaper, tokens drawn from a mixed-"
+      "version model).", choices=("recompute", "keep"))
+  async_rollouts: bool = setting(
+      False, "asynchronous RL (--async; :mod:`jaxrl_llm.loop.async_rollout`): a rollout "
+      "thread generates the next batches under the newest weights while the trainer "
+      "steps, at most --max-staleness versions behind (rollout correction on by "
+      "default).")
+  max_staleness: int = setting(
+      1, "with --async: the most policy versions a trained batch may lag (0: the "
+      "synchronous loop, bit for bit).", min_int=0)
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
       factory=dict)
 
   @classmethod
-  def from_dict(cls, fields: dict) -> "RunConfig":
+  def from_dict(cls, fields: dict) -> RunConfig:
     """A RunConfig from ``config.json``: its fields, ``train`` a dict of TrainConfig
     fields.
 
@@ -197,6 +229,23 @@ class RunConfig:
       raise ValueError("only one of --data, --fsdp, --tensor may be -1")
     if self.resume and self.overwrite:
       raise ValueError("--resume and --overwrite are exclusive")
+    if self.partial_rollouts and self.rollout != "engine":
+      raise ValueError(f"--partial-rollouts needs --rollout engine (got --rollout "
+                       f"{self.rollout}): in-flight samples live in the engine's slots")
+    if not self.partial_rollouts and (self.partial_kv != "recompute"):
+      raise ValueError(f"--partial-kv {self.partial_kv} is a setting of "
+                       "--partial-rollouts; add --partial-rollouts")
+    if self.async_rollouts and self.rollout == "vllm":
+      raise ValueError("--async generates on a JAX engine of its own; with --rollout vllm "
+                       "the vLLM engine lives in the trainer's process (use --rollout engine)")
+    if self.async_rollouts and self.partial_rollouts:
+      raise ValueError("--async and --partial-rollouts are exclusive (choose one)")
+    if self.max_staleness != 1 and not self.async_rollouts:
+      raise ValueError(f"--max-staleness {self.max_staleness} is a setting of --async; "
+                       "add --async")
+    if self.token_budget is not None and not self.partial_rollouts:
+      raise ValueError("--token-budget is the budget of --partial-rollouts; add "
+                       "--partial-rollouts")
 
   def check_devices(self, device_count: int) -> None:
     """Raises ``ValueError`` unless the mesh flags fit ``device_count`` devices and the

@@ -51,8 +51,7 @@ def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
   from flax import nnx
 
   from jaxrl_llm.loop.resolve import resolve
-  from jaxrl_llm.loop.setup import (is_checkpoint, load_models, make_task, read_run,
-                                    restore_state)
+  from jaxrl_llm.loop.setup import is_checkpoint, load_models, make_task, read_run, restore_state
   from jaxrl_llm.models.critic import CRITIC, POLICY
 
   run = read_run(run_dir)

@@ -12,7 +12,8 @@ continuous-batching :class:`~jaxrl_llm.rollout.RolloutEngine`
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +21,22 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_llm.loop.config import RunConfig
-from jaxrl_llm.rollout import (Completion, DecodeFns, PagedDecodeFns, Request,
-                               RolloutEngine, SampleOutput, sample)
+from jaxrl_llm.rollout import (
+  Completion,
+  DecodeFns,
+  PagedDecodeFns,
+  Request,
+  RolloutEngine,
+  SampleOutput,
+  sample,
+)
 from jaxrl_llm.train import TrainConfig, policy_forward
 
 # The defaults of the run's settings (declared once, in the configs).
 _TEMPERATURE: float = TrainConfig.temperature
 _SEED: int = RunConfig.seed
+# The engine's longest prefill chunk (tokens per prefill call).
+_MAX_PREFILL_CHUNK = 128
 
 
 class Policy:
@@ -48,13 +58,13 @@ class Policy:
 
   def __init__(self, apply_fn: Callable[..., Any], decode_fns: DecodeFns,
                init_params: Any, *, pad_id: int, temperature: float = _TEMPERATURE,
-               ref_apply_fn: Optional[Callable[..., Any]] = None,
-               ref_part: Optional[Callable[[Any], Any]] = None,
-               paged_decode_fns: Optional[PagedDecodeFns] = None):
+               ref_apply_fn: Callable[..., Any] | None = None,
+               ref_part: Callable[[Any], Any] | None = None,
+               paged_decode_fns: PagedDecodeFns | None = None) -> None:
     self.apply = apply_fn
     self.decode_fns = decode_fns
     self.paged_decode_fns = paged_decode_fns
-    self.engine: Optional[Any] = None      # a RolloutEngine or a VllmEngine
+    self.engine: Any = None      # a RolloutEngine or a VllmEngine
     self._engine_takes_policy_part = False
     self.init_params = init_params
     self.pad_id = pad_id
@@ -70,7 +80,7 @@ class Policy:
 
   @classmethod
   def reference(cls, model: str, vocab_size: int, max_len: int, pad_id: int, *,
-                value_head: bool, seed: int = _SEED, temperature: float = _TEMPERATURE) -> "Policy":
+                value_head: bool, seed: int = _SEED, temperature: float = _TEMPERATURE) -> Policy:
     """The reference transformer preset ``model`` (``tiny`` / ``small``)."""
     from jaxrl_llm.models.transformer import Transformer, get_config, split_model
     cfg = get_config(model, vocab_size, value_head=value_head,
@@ -80,12 +90,11 @@ class Policy:
 
   @classmethod
   def of_transformer(cls, graphdef: Any, params: Any, *, pad_id: int,
-                     temperature: float = _TEMPERATURE) -> "Policy":
+                     temperature: float = _TEMPERATURE) -> Policy:
     """A :class:`~jaxrl_llm.models.Transformer` (``split_model`` output) as a policy;
     its KL reference is the same model without the value head."""
     from jaxrl_llm.models.critic import drop_value_head
-    from jaxrl_llm.models.transformer import (make_apply_fn, make_decode_fns,
-                                              make_paged_decode_fns)
+    from jaxrl_llm.models.transformer import make_apply_fn, make_decode_fns, make_paged_decode_fns
     ref_graphdef, _ = drop_value_head(graphdef, params)
     paged = make_paged_decode_fns(graphdef)
     if ref_graphdef is graphdef:        # no value head: the reference is the model
@@ -102,10 +111,13 @@ class Policy:
     with ``params`` (copy them before a train step donates ``params``)."""
     return params if self._ref_part is None else self._ref_part(params)
 
-  def use_engine(self, *, max_slots: int, max_len: int, page_size: int = 16) -> None:
+  def use_engine(self, *, max_slots: int, max_len: int, page_size: int = 16,
+                 max_prompt_len: int | None = None) -> None:
     """Generates through a :class:`~jaxrl_llm.rollout.RolloutEngine` of ``max_slots``
     slots from now on (continuous batching, paged KV cache, a group's prompt prefilled
-    once); ``max_len`` bounds prompt + completion.
+    once); ``max_len`` bounds prompt + completion. ``max_prompt_len`` (when known)
+    sizes the prefill chunk: the smallest power of two that holds it, at most 128, so
+    short prompts are not prefilled in 128-token chunks.
 
     Raises:
       ValueError: the model provides no paged protocol (``paged_decode_fns``).
@@ -113,8 +125,11 @@ class Policy:
     if self.paged_decode_fns is None:
       raise ValueError("this policy's model has no paged decode protocol "
                        "(`paged_decode_fns`): generate with sample (--rollout simple).")
+    chunk = _MAX_PREFILL_CHUNK
+    if max_prompt_len is not None:
+      chunk = min(chunk, 1 << max(max_prompt_len - 1, 0).bit_length())
     self.engine = RolloutEngine(self.paged_decode_fns, max_slots=max_slots,
-                                max_len=max_len, page_size=page_size)
+                                max_len=max_len, page_size=page_size, prefill_chunk=chunk)
 
   def use_vllm(self, engine: Any) -> None:
     """Generates through ``engine`` (a :class:`~jaxrl_llm.rollout.vllm.VllmEngine`)
@@ -132,8 +147,8 @@ class Policy:
     take = getattr(self.engine, "take_stats", None)
     return {} if take is None else take()
 
-  def generate(self, params: Any, tokens: Any, mask: Any, rng: Optional[jax.Array], *,
-               max_new_tokens: int, eos_id: Optional[int | Sequence[int]],
+  def generate(self, params: Any, tokens: Any, mask: Any, rng: jax.Array | None, *,
+               max_new_tokens: int, eos_id: int | Sequence[int] | None,
                temperature: float = _TEMPERATURE, greedy: bool = False,
                n: int = 1) -> SampleOutput:
     """``n`` completions of each prompt row of ``tokens`` ``[B, P]`` (left-padded,
@@ -156,8 +171,8 @@ class Policy:
                         greedy=greedy, eos_id=eos_id, pad_id=self.pad_id)
 
   def _generate_with_engine(self, params: Any, tokens: Any, mask: Any,
-                            rng: Optional[jax.Array], *, n: int, max_new_tokens: int,
-                            eos_id: Optional[int | Sequence[int]], temperature: float,
+                            rng: jax.Array | None, *, n: int, max_new_tokens: int,
+                            eos_id: int | Sequence[int] | None, temperature: float,
                             greedy: bool) -> SampleOutput:
     assert self.engine is not None
     tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, np.float32)

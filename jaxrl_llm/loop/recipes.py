@@ -49,11 +49,15 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 from jaxrl_llm.train.config import GRPO_DEFAULTS
-from jaxrl_llm.train.registry import (DEFAULT_CLIP_LOW, AdvantageEstimatorSpec,
-                                      get_advantage_estimator)
+from jaxrl_llm.train.registry import (
+  DEFAULT_CLIP_LOW,
+  AdvantageEstimatorSpec,
+  get_advantage_estimator,
+)
 
 
 class Budget(NamedTuple):

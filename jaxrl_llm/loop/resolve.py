@@ -22,13 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
+from jaxrl_llm._names import MODEL_PRESETS
 from jaxrl_llm.loop.config import RunConfig, flag
 from jaxrl_llm.loop.recipes import Budget, Recipe, get_recipe, value_of
 from jaxrl_llm.train.config import TrainConfig
-from jaxrl_llm.train.registry import (ADVANTAGE_ESTIMATOR_REGISTRY, AdvantageEstimatorSpec,
-                                      get_advantage_estimator)
+from jaxrl_llm.train.registry import (
+  ADVANTAGE_ESTIMATOR_REGISTRY,
+  AdvantageEstimatorSpec,
+  get_advantage_estimator,
+)
 
 if TYPE_CHECKING:   # optax (and JAX) are imported where used: the CLI checks flags first
   import optax
@@ -117,7 +121,7 @@ class Resolved:
     return self.run.critic is not None and self.train.use_value
 
 
-def response_budget(run: RunConfig, task: Optional[Task] = None) -> Budget:
+def response_budget(run: RunConfig, task: Task | None = None) -> Budget:
   """The run's :class:`~jaxrl_llm.loop.recipes.Budget`: ``task.max_new_tokens``, or
   without a task ``max_new_tokens`` on ``--dataset`` and the built-in task's own."""
   if task is not None:
@@ -130,34 +134,56 @@ def response_budget(run: RunConfig, task: Optional[Task] = None) -> Budget:
   return Budget(tokens, dataset=run.dataset is not None)
 
 
-def effective(run: RunConfig, name: str, budget: Optional[Budget] = None) -> Any:
-  """The RunConfig field ``name`` as the run uses it: ``value_lr`` (``--lr`` times
-  the recipe's scale when None), ``critic_warmup_steps``, ``dynamic_sampling`` and
-  ``overlong_buffer`` (in tokens; the recipe's when None); any other field as set.
+# Learning rates by model kind (``effective``): a built-in model trains from scratch; a
+# pretrained Hugging Face checkpoint takes verl's PPO defaults (actor 1e-6, critic 1e-5;
+# TRL's GRPO learning_rate is 1e-6 too).
+SCRATCH_LR = 1e-3
+PRETRAINED_LR = 1e-6
+PRETRAINED_VALUE_LR_RATIO = 10.0
+
+
+def is_pretrained(run: RunConfig) -> bool:
+  """Whether ``run.model`` is a Hugging Face checkpoint (not a built-in preset)."""
+  return run.model not in MODEL_PRESETS
+
+
+def effective(run: RunConfig, name: str, budget: Budget | None = None) -> Any:
+  """The RunConfig field ``name`` as the run uses it: ``lr`` (by model kind when None:
+  :data:`SCRATCH_LR` for a built-in model, :data:`PRETRAINED_LR` for a checkpoint),
+  ``value_lr`` (the ``lr`` times the recipe's scale, and times
+  :data:`PRETRAINED_VALUE_LR_RATIO` for a checkpoint, when None),
+  ``critic_warmup_steps``, ``dynamic_sampling`` and ``overlong_buffer`` (in tokens;
+  the recipe's when None); any other field as set.
 
   Examples:
     >>> effective(RunConfig(algo="dapo"), "dynamic_sampling")
     True
     >>> effective(RunConfig(algo="dapo", dynamic_sampling=False), "dynamic_sampling")
     False
+    >>> effective(RunConfig(), "lr"), effective(RunConfig(algo="vapo"), "value_lr")
+    (0.001, 0.002)
   """
   val = getattr(run, name)
   if val is not None or name not in _RECIPE_DEFAULTED:
     return val
+  if name == "lr":
+    return PRETRAINED_LR if is_pretrained(run) else SCRATCH_LR
   recipe = get_recipe(run.algo)
   if name == "value_lr":
-    return run.lr * recipe.value_lr_scale
+    ratio = PRETRAINED_VALUE_LR_RATIO if is_pretrained(run) else 1.0
+    return effective(run, "lr") * recipe.value_lr_scale * ratio
   if name == "overlong_buffer":
     return int(value_of(recipe.sampling.overlong_buffer, budget or response_budget(run)))
   return recipe.run_settings()[name]
 
 
-# RunConfig fields whose None is the recipe's value (``effective``).
-_RECIPE_DEFAULTED = ("value_lr", "critic_warmup_steps", "dynamic_sampling",
+# RunConfig fields whose None is resolved by ``effective`` (the model kind's, the
+# recipe's).
+_RECIPE_DEFAULTED = ("lr", "value_lr", "critic_warmup_steps", "dynamic_sampling",
                      "overlong_buffer")
 
 
-def resolve(run: RunConfig, task: Optional[Task] = None) -> Resolved:
+def resolve(run: RunConfig, task: Task | None = None) -> Resolved:
   """The run with its recipe applied, checked: the one reader of recipes.
 
   Args:
@@ -189,6 +215,11 @@ def resolve(run: RunConfig, task: Optional[Task] = None) -> Resolved:
     raise ValueError(f"--overlong-buffer {buffer} is longer than the task's response "
                      f"budget of {budget.max_new_tokens} tokens")
   dynamic = effective(run, "dynamic_sampling", budget)
+  if dynamic and (run.partial_rollouts or run.async_rollouts):
+    mode = "--partial-rollouts" if run.partial_rollouts else "--async"
+    raise ValueError(f"{mode} generates the batches outside the step; dynamic sampling "
+                     "(--algo dapo) draws extra rollouts in the step: pass "
+                     f"--no-dynamic-sampling or drop {mode}")
   if dynamic and run.group_size < 2:
     raise ValueError("--dynamic-sampling drops groups whose rewards are all equal and "
                      f"needs --group-size >= 2 (got {run.group_size})")
@@ -203,13 +234,13 @@ def resolve(run: RunConfig, task: Optional[Task] = None) -> Resolved:
         f"--num-minibatches {config.num_minibatches} x --num-microbatches "
         f"{config.num_microbatches} = {chunks} equal parts; choose sizes whose "
         "product divides it")
-  value_lr = effective(run, "value_lr", budget)
+  lr, value_lr = effective(run, "lr"), effective(run, "value_lr", budget)
   warmup_updates = warmup * config.num_epochs * config.num_minibatches
   split = run.critic is not None or (
-      config.use_value and (value_lr != run.lr or bool(warmup_updates)))
+      config.use_value and (value_lr != lr or bool(warmup_updates)))
   return Resolved(
       run=run, recipe=recipe, budget=budget, train=config,
-      optimizer=OptimizerSettings(lr=run.lr, value_lr=value_lr,
+      optimizer=OptimizerSettings(lr=lr, value_lr=value_lr,
                                   warmup_updates=warmup_updates, split=split),
       sampling=SamplingSettings(
           prompts_per_step=run.prompts_per_step, group_size=run.group_size,
@@ -222,9 +253,10 @@ def _train_config(run: RunConfig, recipe: Recipe, budget: Budget) -> TrainConfig
   """The :class:`TrainConfig` of the run: the recipe's fields, then ``run.train``, then
   the clip schedule of ``clip_end``."""
   fields = {**recipe.train_fields(budget), **run.train}
-  if run.rollout == "vllm" and "rollout_correction" not in run.train:
-    # Another engine's log-probs differ from the trainer's (kernels, precision): every
-    # peer that trained on them uncorrected saw collapses. Token TIS, as verl.
+  if ((run.partial_rollouts or run.async_rollouts or run.rollout == "vllm")
+      and "rollout_correction" not in run.train):
+    # Off-policy tokens (decoupled PPO, as AReaL), or another engine's log-probs, which
+    # differ from the trainer's (kernels, precision): token TIS, as verl.
     fields["rollout_correction"] = "token"
   if run.clip_end is not None:
     import optax

@@ -32,7 +32,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -106,8 +106,8 @@ def _write_run_folder(run: RunConfig) -> None:
 # ----------------------------------------------------------------------------- loop
 
 
-def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
-                 on_step: Optional[Callable[[dict], None]] = None) -> dict:
+def run_training(run: RunConfig, *, policy: Policy | None = None,
+                 on_step: Callable[[dict], None] | None = None) -> dict:
   """Runs (or resumes) a training run; returns a summary dict.
 
   ``policy``: any :class:`~jaxrl_llm.loop.Policy` (default: the reference transformer
@@ -146,9 +146,23 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
     metrics.append(history[-1])
 
   if run.progress:
-    _say(f"{run.algo} on {run.task} ({run.model} model): steps {start + 1}-{run.steps}, "
-         f"writing to {run.out} (the first step compiles; it takes longest)")
+    opt = resolved.optimizer
+    rates = f"lr {opt.lr:g}" + (f", value lr {opt.value_lr:g}" if opt.split else "")
+    _say(f"{run.algo} on {run.dataset or run.task} ({run.model} model, {rates}): steps "
+         f"{start + 1}-{run.steps}, writing to {run.out} (the first step compiles; it "
+         "takes longest)")
   base_key = jax.random.PRNGKey(run.seed)
+  partial = None
+  if run.partial_rollouts:     # in-flight samples are not checkpointed (loop.partial)
+    from jaxrl_llm.loop.partial import PartialRollouts
+    partial = PartialRollouts(policy, task, resolved.sampling, config, run.token_budget,
+                              run.partial_kv)
+  asynchronous = None
+  if run.async_rollouts:       # a rollout thread at most K versions ahead (loop.async_rollout)
+    from jaxrl_llm.loop.async_rollout import AsyncRollouts
+    asynchronous = AsyncRollouts(resolved, task, policy, max_staleness=run.max_staleness,
+                                 first_step=start + 1, last_step=run.steps, seed=run.seed)
+    asynchronous.publish(state.params, start)
   t0, step = time.time(), start
   t_warm, warm_step = t0, start
   skips = applied = 0
@@ -158,9 +172,22 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
         rng_np = np.random.default_rng([run.seed, step])
         key = jax.random.fold_in(base_key, step)
         t_step = time.time()
+        drawn: tuple[dict, list] | None = None
+        extra: dict[str, float] = {}
+        if partial is not None:     # version: the train steps applied to state.params
+          rows, problems, extra = partial.rollout(state.params, step - 1, rng_np, key)
+          drawn = (rows, problems)
+        elif asynchronous is not None:
+          rows, problems, extra = asynchronous.take(step)
+          drawn = (rows, problems)
         batch, stats = build_batch(resolved, task, policy, state.params, ref_params,
-                                   rng_np, key)
+                                   rng_np, key, drawn=drawn)
+        if drawn is not None:
+          from jaxrl_llm.loop.partial import behaviour_kl
+          stats.update(extra, behaviour_kl=behaviour_kl(batch))
         state, m = step_fn(state, place(batch))
+        if asynchronous is not None:
+          asynchronous.publish(state.params, step)
         row = {"step": step, **stats, **policy.rollout_stats(),
                **{k: float(val) for k, val in m.items()},
                "time_s": time.time() - t_step}
@@ -202,6 +229,9 @@ def run_training(run: RunConfig, *, policy: Optional[Policy] = None,
       metrics.close()
       ckpt.close()
       raise
+    finally:
+      if asynchronous is not None:
+        asynchronous.close()
   metrics.close()
   kept = ckpt.all_steps()
   ckpt.close()

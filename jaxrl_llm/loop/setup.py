@@ -14,12 +14,15 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxrl_llm.loop.config import RunConfig
 from jaxrl_llm.loop.policy import Policy
 from jaxrl_llm.loop.resolve import Resolved, resolve
 from jaxrl_llm.tasks.base import Task
+
+if TYPE_CHECKING:
+  from jaxrl_llm.rollout.vllm import VllmEngine
 
 
 def is_checkpoint(model: str) -> bool:
@@ -48,8 +51,9 @@ def make_task(run: RunConfig) -> Task:
 
 def _load(run: RunConfig, task: Task, *, value_head: bool, path: str | None = None):
   """``(graphdef, params)`` of ``path`` (default ``run.model``): a folder or a preset."""
-  from jaxrl_llm.models import Transformer, from_pretrained, get_config, split_model
   from flax import nnx
+
+  from jaxrl_llm.models import Transformer, from_pretrained, get_config, split_model
   tok = task.tokenizer
   path = run.model if path is None else path
   if not is_checkpoint(path):
@@ -101,13 +105,14 @@ def make_policy(resolved: Resolved, task: Task) -> Policy:
   if run.rollout == "engine":
     rows = resolved.sampling.prompts_per_step * resolved.sampling.group_size
     policy.use_engine(max_slots=run.rollout_slots or min(rows, _MAX_DEFAULT_SLOTS),
-                      max_len=task.max_prompt_len + task.max_new_tokens)
+                      max_len=task.max_prompt_len + task.max_new_tokens,
+                      max_prompt_len=task.max_prompt_len)
   elif run.rollout == "vllm":
     policy.use_vllm(make_vllm_engine(run.model, task.max_prompt_len + task.max_new_tokens))
   return policy
 
 
-def make_vllm_engine(model_dir: str, max_model_len: int):
+def make_vllm_engine(model_dir: str, max_model_len: int) -> VllmEngine:
   """A :class:`~jaxrl_llm.rollout.vllm.VllmEngine` on ``model_dir`` in the checkpoint's
   dtype, with the ``vllm.LLM`` arguments of ``$JAXRL_LLM_VLLM_ARGS`` (a JSON object)."""
   import json

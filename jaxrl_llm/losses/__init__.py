@@ -42,10 +42,16 @@ so a schedule or a sweep does not recompile ("dynamic clipping": epsilon anneale
 from jaxrl_llm.losses.aggregation import AGGREGATION_MODES, aggregate, aggregate_parts
 from jaxrl_llm.losses.correction import rollout_correction_weights
 from jaxrl_llm.losses.divergence import KL_KINDS, entropy_from_logits, kl_penalty
-from jaxrl_llm.losses.policy import (cispo_policy_loss, cispo_trl_policy_loss,
-                                     cispo_verl_policy_loss, gmpo_policy_loss,
-                                     gspo_policy_loss, ppo_policy_loss,
-                                     reinforce_policy_loss, sapo_policy_loss)
+from jaxrl_llm.losses.policy import (
+    cispo_policy_loss,
+    cispo_trl_policy_loss,
+    cispo_verl_policy_loss,
+    gmpo_policy_loss,
+    gspo_policy_loss,
+    ppo_policy_loss,
+    reinforce_policy_loss,
+    sapo_policy_loss,
+)
 from jaxrl_llm.losses.value import value_loss
 
 __all__ = [

@@ -7,8 +7,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm import _validate as v
 from jaxrl_llm._names import ROLLOUT_LEVELS
-from jaxrl_llm.losses._common import (ArrayLike, Coef, LossAndMetrics, check_positive,
-                                      masked_f32)
+from jaxrl_llm.losses._common import ArrayLike, Coef, LossAndMetrics, check_positive, masked_f32
 from jaxrl_llm.masked import masked_mean
 
 _IS_LOG_BOUND = 20.0  # verl's SAFETY_BOUND on log importance ratios

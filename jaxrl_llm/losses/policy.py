@@ -58,10 +58,16 @@ import jax.numpy as jnp
 
 from jaxrl_llm import _validate as v
 from jaxrl_llm.losses._common import (
-    ArrayLike, Coef, LossAndMetrics, check_nonnegative, check_positive,
-    check_token_inputs, finish, masked_f32)
+  ArrayLike,
+  Coef,
+  LossAndMetrics,
+  check_nonnegative,
+  check_positive,
+  check_token_inputs,
+  finish,
+  masked_f32,
+)
 from jaxrl_llm.masked import masked_mean
-
 
 # ----------------------------------------------------------------------------- helpers
 

@@ -6,8 +6,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import _validate as v
-from jaxrl_llm.losses._common import (ArrayLike, Coef, LossAndMetrics, check_nonnegative,
-                                      finish, masked_f32)
+from jaxrl_llm.losses._common import (
+  ArrayLike,
+  Coef,
+  LossAndMetrics,
+  check_nonnegative,
+  finish,
+  masked_f32,
+)
 from jaxrl_llm.masked import masked_mean
 
 
@@ -61,6 +67,7 @@ def value_loss(values: ArrayLike, old_values: ArrayLike | None, returns: ArrayLi
   if clip is None:
     loss, clipfrac = loss1, jnp.zeros((), jnp.float32)
   else:
+    assert old_values is not None   # checked above
     old = masked_f32(old_values, valid)
     pred_clipped = jnp.clip(pred, old - clip, old + clip)
     loss2 = jnp.square(pred_clipped - target)

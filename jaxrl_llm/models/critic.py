@@ -39,10 +39,9 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
-
-import dataclasses
 
 import jax
 from flax import nnx
@@ -59,7 +58,7 @@ def actor_critic_params(policy_params: Any, critic_params: Any) -> dict:
   return {POLICY: policy_params, CRITIC: critic_params}
 
 
-def actor_critic_apply(policy_graphdef, critic_graphdef) -> Callable:
+def actor_critic_apply(policy_graphdef: nnx.GraphDef, critic_graphdef: nnx.GraphDef) -> Callable:
   """An ``apply_fn`` over :func:`actor_critic_params`: policy hidden states and LM head,
   critic values.
 
@@ -89,7 +88,7 @@ def actor_critic_apply(policy_graphdef, critic_graphdef) -> Callable:
   return apply
 
 
-def drop_value_head(graphdef, params) -> tuple[Any, Any]:
+def drop_value_head(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[Any, Any]:
   """``(graphdef, params)`` of the same :class:`~jaxrl_llm.models.Transformer` without
   its value head: what the policy's log-probs (e.g. a frozen KL reference) need.
 

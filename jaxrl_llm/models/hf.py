@@ -60,12 +60,15 @@ import functools
 import json
 import math
 import os
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from jaxrl_llm.models.transformer import (
   RopeScaling,
@@ -73,6 +76,9 @@ from jaxrl_llm.models.transformer import (
   TransformerConfig,
   split_model,
 )
+
+if TYPE_CHECKING:
+  from jaxrl_llm.parallel.sharding import Rules
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3"}
@@ -155,7 +161,7 @@ def _rope_scaling(scaling: Mapping[str, Any] | None, max_pos: int):
           scaling.get("original_max_position_embeddings", max_pos)))
 
 
-def config_from_hf(hf: Mapping[str, Any], *, dtype=None,
+def config_from_hf(hf: Mapping[str, Any], *, dtype: DTypeLike | None = None,
                    value_head: bool = False) -> TransformerConfig:
   """The :class:`TransformerConfig` of a Hugging Face ``config.json`` dict.
 
@@ -504,8 +510,9 @@ def _place(shape, dtype, sharding, read: Callable[[Any], np.ndarray]):
       shape, sharding, lambda index: np.ascontiguousarray(read(index).astype(dtype)))
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh=None, rules=None,
-                    value_head: bool | str | os.PathLike = False) -> Transformer:
+def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike | None = None,
+                    mesh: Mesh | None = None, rules: Rules | None = None,
+                    value_head: bool | str | os.PathLike | None = False) -> Transformer:
   """Loads a local Hugging Face Llama / Qwen2 / Qwen3 folder into a :class:`Transformer`.
 
   Args:
@@ -520,7 +527,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
       :func:`jaxrl_llm.parallel.make_rules`).
     value_head: add the scalar value head: ``True`` reads it from
       ``value_head.safetensors`` when the folder has one, else zeros; a file path
-      reads it from that file (written by :func:`save_value_head`; it must exist).
+      reads it from that file (written by :func:`save_value_head`; it must exist);
+      ``False`` or ``None``: no value head.
 
   Returns:
     The model; ``model(tokens)`` -> ``(hidden, values)``, ``model.logits(hidden)``,
@@ -544,7 +552,12 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, mesh=None, rules=Non
   _require_safetensors()
   path = os.fspath(path)
   value_file = os.path.join(path, VALUE_HEAD_FILE)
+  if value_head is None:
+    value_head = False
   if not isinstance(value_head, bool):
+    if not isinstance(value_head, (str, os.PathLike)):
+      raise ValueError(f"`value_head` must be a bool, None or a file path, got "
+                       f"{value_head!r}.")
     value_file = os.fspath(value_head)
     if not os.path.isfile(value_file):
       raise ValueError(f"`value_head` file {value_file!r} does not exist.")
@@ -644,7 +657,7 @@ def _host(x) -> np.ndarray:
 
 
 def hf_tensors(config: TransformerConfig, params: Any, *,
-               dtype=None) -> Iterator[tuple[str, np.ndarray]]:
+               dtype: DTypeLike | None = None) -> Iterator[tuple[str, np.ndarray]]:
   """``(Hugging Face name, NumPy tensor)`` of each policy parameter of ``params``, one
   at a time, in Hugging Face layout (the table of the module docstring,
   :func:`hf_layout`): what :func:`save_pretrained` writes and what a running inference
@@ -724,9 +737,8 @@ def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
 
 
 def save_pretrained(model: Transformer, path: str | os.PathLike, *,
-                    max_shard_size: int | str = "5GB", dtype=None,
-                    extra_config: Mapping[str, Any] | None = None,
-                    tokenizer=None) -> None:
+                    max_shard_size: int | str = "5GB", dtype: DTypeLike | None = None,
+                    extra_config: Mapping[str, Any] | None = None, tokenizer: Any = None) -> None:
   """Writes ``model`` as a Hugging Face folder (``config.json`` + safetensors).
 
   Tensors are written in Hugging Face names and layouts (see the module docstring),
@@ -805,7 +817,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
     _save_tokenizer(tokenizer, path)
 
 
-def save_value_head(model: Transformer, file: str | os.PathLike, *, dtype=None) -> None:
+def save_value_head(model: Transformer, file: str | os.PathLike, *,
+                    dtype: DTypeLike | None = None) -> None:
   """Writes the value head of ``model`` alone to the safetensors ``file``.
 
   Tensors ``value_head.weight`` ``[1, D]`` (an ``nn.Linear`` layout) and

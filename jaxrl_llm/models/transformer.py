@@ -53,12 +53,19 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 from jaxrl_llm import _validate as v
 from jaxrl_llm._names import MODEL_PRESETS as PRESETS
-from jaxrl_llm.attention import (ATTENTION_IMPLEMENTATIONS, dot_product_attention,
-                                 paged_attention, select_implementation)
+from jaxrl_llm.attention import (
+  ATTENTION_IMPLEMENTATIONS,
+  dot_product_attention,
+  paged_attention,
+  select_implementation,
+)
 from jaxrl_llm.rollout.protocol import DecodeFns, PagedDecodeFns  # live with the sampler
+
+KVPair = tuple[jax.Array, jax.Array]   # one layer's (keys, values)
 
 #: ``TransformerConfig.remat_policy`` names -> ``jax.checkpoint`` policies.
 REMAT_POLICIES: dict[str, Any] = {
@@ -92,7 +99,7 @@ class RopeScaling:
   high_freq_factor: float
   original_max_position_embeddings: int
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not self.factor > 0 or not self.high_freq_factor > self.low_freq_factor > 0:
       raise ValueError(f"RopeScaling needs factor > 0 and high_freq_factor > "
                        f"low_freq_factor > 0, got {self!r}.")
@@ -175,7 +182,7 @@ class TransformerConfig:
   qk_norm: bool = False
   rope_scaling: RopeScaling | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
                  "max_seq_len"):
       value = getattr(self, name)
@@ -216,21 +223,21 @@ class TransformerConfig:
     return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
   @classmethod
-  def tiny(cls, vocab_size: int, **overrides) -> TransformerConfig:
+  def tiny(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
     """64 wide, 2 layers, 4 query / 2 KV heads: a CPU fwd+bwd in milliseconds."""
     base = {"vocab_size": vocab_size, "d_model": 64, "n_layers": 2, "n_heads": 4,
             "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 128}
     return cls(**{**base, **overrides})
 
   @classmethod
-  def small(cls, vocab_size: int, **overrides) -> TransformerConfig:
+  def small(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
     """256 wide, 4 layers, 8 query / 4 KV heads, d_ff 1024, 512 tokens (~3M + 256 V)."""
     base = {"vocab_size": vocab_size, "d_model": 256, "n_layers": 4, "n_heads": 8,
             "n_kv_heads": 4, "d_ff": 1024, "max_seq_len": 512}
     return cls(**{**base, **overrides})
 
 
-def get_config(name: str, vocab_size: int, **overrides) -> TransformerConfig:
+def get_config(name: str, vocab_size: int, **overrides: Any) -> TransformerConfig:
   """A preset config by name (``"tiny"`` or ``"small"``), with field overrides.
 
   Examples:
@@ -256,7 +263,7 @@ def _normal(stddev):
   return nnx.initializers.normal(stddev=stddev)
 
 
-def rope_frequencies(d: int, theta, scaling: RopeScaling | None = None) -> jax.Array:
+def rope_frequencies(d: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
   r"""The ``d/2`` RoPE frequencies :math:`\omega_i = \theta^{-2i/d}` (float32),
   scaled by ``scaling`` (:class:`RopeScaling`) when given."""
   freqs = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
@@ -272,7 +279,8 @@ def rope_frequencies(d: int, theta, scaling: RopeScaling | None = None) -> jax.A
   return jnp.where(medium, smoothed, scaled)
 
 
-def rope(x, positions, theta, scaling: RopeScaling | None = None):
+def rope(x: jax.Array, positions: jax.Array, theta: float,
+         scaling: RopeScaling | None = None) -> jax.Array:
   r"""Rotary position embedding (rotate-half form), computed in float32.
 
   For each head vector split into halves :math:`(a, b)` of width ``d/2`` and frequency
@@ -309,11 +317,12 @@ def rope(x, positions, theta, scaling: RopeScaling | None = None):
 class RMSNorm(nnx.Module):
   r""":math:`y = x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \cdot g` (float32 inside)."""
 
-  def __init__(self, dim: int, eps: float, dtype, *, rngs: nnx.Rngs, names=("embed",)):
+  def __init__(self, dim: int, eps: float, dtype: DTypeLike, *, rngs: nnx.Rngs,
+               names: tuple[str, ...] = ("embed",)) -> None:
     self.eps = eps
     self.scale = _param(rngs, nnx.initializers.ones, (dim,), names, dtype)
 
-  def __call__(self, x):
+  def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
@@ -322,7 +331,7 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
   """Multi-head / grouped-query self-attention with RoPE and an optional KV cache."""
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
     c = config
     d, h, kvh, hd = c.d_model, c.n_heads, c.n_kv_heads, c.dim_per_head
     self.theta = c.rope_theta
@@ -364,7 +373,8 @@ class Attention(nnx.Module):
     k = rope(k, positions, self.theta, self.rope_scaling)
     return q, k, val
 
-  def paged(self, x, positions, page_table, pages_kv, chunk_pages=None):
+  def paged(self, x: jax.Array, positions: jax.Array, page_table: jax.Array, pages_kv: KVPair,
+            chunk_pages: int | None = None) -> tuple[jax.Array, KVPair]:
     """Attention of ``x`` ``[B, T, D]`` at ``positions`` ``[B, T]`` (``< 0``: padding)
     over a paged KV pool ``pages_kv = (k, v)`` ``[num_pages, P, K, d]``.
 
@@ -387,7 +397,9 @@ class Attention(nnx.Module):
     out = jnp.einsum("bthk,hkd->btd", out.astype(dtype), self.wo[...].astype(dtype))
     return out, (k_pages, v_pages)
 
-  def __call__(self, x, positions, kv_valid, cache_kv=None, index=None):
+  def __call__(self, x: jax.Array, positions: jax.Array, kv_valid: jax.Array | None,
+               cache_kv: KVPair | None = None,
+               index: ArrayLike | None = None) -> tuple[jax.Array, KVPair]:
     """Attention over ``x`` ``[B, T, D]``; with a cache, over cache + ``x``.
 
     Without ``cache_kv`` the keys are ``x``'s own (``kv_valid`` ``[B, T]``), and query
@@ -401,6 +413,7 @@ class Attention(nnx.Module):
     q, k, val = self._project(x, positions)
     query_offset = None
     if cache_kv is not None:
+      assert index is not None   # a cache comes with its write index
       ck, cv = cache_kv
       k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
       val = jax.lax.dynamic_update_slice(cv, val.astype(cv.dtype), (0, index, 0, 0))
@@ -415,7 +428,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   r"""SwiGLU: :math:`W_{down}(\mathrm{silu}(x W_{gate}) \odot x W_{up})`."""
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
     c = config
     std_in = c.d_model ** -0.5
     std_out = c.d_ff ** -0.5 / (2 * c.n_layers) ** 0.5
@@ -426,7 +439,7 @@ class MLP(nnx.Module):
     self.w_down = _param(rngs, _normal(std_out), (c.d_ff, c.d_model), ("mlp", "embed"),
                          c.dtype)
 
-  def __call__(self, x):
+  def __call__(self, x: jax.Array) -> jax.Array:
     dtype = x.dtype
     gate = x @ self.w_gate[...].astype(dtype)
     up = x @ self.w_up[...].astype(dtype)
@@ -436,20 +449,23 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
   """Pre-norm transformer block: attention then SwiGLU, each with a residual."""
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
     c = config
     self.attn_norm = RMSNorm(c.d_model, c.norm_eps, c.dtype, rngs=rngs)
     self.attn = Attention(c, rngs=rngs)
     self.mlp_norm = RMSNorm(c.d_model, c.norm_eps, c.dtype, rngs=rngs)
     self.mlp = MLP(c, rngs=rngs)
 
-  def __call__(self, x, positions, kv_valid, cache_kv=None, index=None):
+  def __call__(self, x: jax.Array, positions: jax.Array, kv_valid: jax.Array | None,
+               cache_kv: KVPair | None = None,
+               index: ArrayLike | None = None) -> tuple[jax.Array, KVPair]:
     attn_out, new_kv = self.attn(self.attn_norm(x), positions, kv_valid, cache_kv, index)
     x = x + attn_out
     x = x + self.mlp(self.mlp_norm(x))
     return x, new_kv
 
-  def paged(self, x, positions, page_table, pages_kv, chunk_pages=None):
+  def paged(self, x: jax.Array, positions: jax.Array, page_table: jax.Array, pages_kv: KVPair,
+            chunk_pages: int | None = None) -> tuple[jax.Array, KVPair]:
     attn_out, new_kv = self.attn.paged(self.attn_norm(x), positions, page_table, pages_kv,
                                        chunk_pages)
     x = x + attn_out
@@ -564,7 +580,7 @@ class Transformer(nnx.Module):
     ((2, 4, 64), (2, 4), (2, 4, 32))
   """
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs | None = None):
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs | None = None) -> None:
     if rngs is None:
       rngs = nnx.Rngs(0)
     c = config
@@ -595,13 +611,13 @@ class Transformer(nnx.Module):
     values = values + self.value_b[...].astype(jnp.float32)[0]
     return values * mask
 
-  def lm_head_weight(self):
+  def lm_head_weight(self) -> jax.Array:
     """The LM head ``[D, V]``: ``embed.T`` when tied, else the ``lm_head`` parameter."""
     if self.config.tie_embeddings:
       return self.embed[...].T
     return self.lm_head[...]
 
-  def logits(self, hidden):
+  def logits(self, hidden: jax.Array) -> jax.Array:
     """Float32 logits ``hidden @ lm_head_weight()`` (``[..., D] -> [..., V]``)."""
     return jnp.einsum("...d,dv->...v", hidden.astype(jnp.float32),
                       self.lm_head_weight().astype(jnp.float32))
@@ -620,7 +636,8 @@ class Transformer(nnx.Module):
     k = jax.ShapeDtypeStruct((batch, length, c.n_kv_heads, c.dim_per_head), c.dtype)
     return select_implementation(q, k) == "cudnn"
 
-  def __call__(self, tokens, positions=None, attention_mask=None):
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               attention_mask: ArrayLike | None = None) -> tuple[jax.Array, jax.Array | None]:
     """Full causal forward.
 
     Args:
@@ -642,7 +659,7 @@ class Transformer(nnx.Module):
       mask = v.as_f32(attention_mask)
     if positions is None:
       positions = _positions_from_mask(mask)
-    kv_valid = mask > 0
+    kv_valid: jax.Array | None = mask > 0
     c = self.config
     x = self._embed(tokens)
     packed = attention_mask is not None and self.packs_padding(b, t)
@@ -662,7 +679,8 @@ class Transformer(nnx.Module):
 
   # -- cached decoding -------------------------------------------------------------
 
-  def init_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
+  def init_cache(self, batch: int, max_len: int | None = None,
+                 dtype: DTypeLike | None = None) -> KVCache:
     """An empty :class:`KVCache` for ``batch`` rows and ``max_len`` slots.
 
     ``max_len`` defaults to ``config.max_seq_len``; it must cover prompt + generated
@@ -678,7 +696,8 @@ class Transformer(nnx.Module):
                    index=jnp.zeros((), jnp.int32),
                    positions=jnp.zeros((batch,), jnp.int32))
 
-  def extend(self, tokens, cache: KVCache, attention_mask=None):
+  def extend(self, tokens: jax.Array, cache: KVCache, attention_mask: ArrayLike | None = None
+             ) -> tuple[jax.Array, jax.Array | None, KVCache]:
     """Appends ``tokens`` ``[B, T]`` at slot ``cache.index`` and runs them.
 
     New real tokens get positions ``cache.positions + (cumsum(mask) - 1)``; they attend
@@ -714,14 +733,16 @@ class Transformer(nnx.Module):
                         positions=cache.positions + jnp.sum(mask, axis=1).astype(jnp.int32))
     return hidden, self._values(hidden, mask), new_cache
 
-  def prefill(self, tokens, attention_mask, cache: KVCache):
+  def prefill(self, tokens: jax.Array, attention_mask: ArrayLike | None,
+              cache: KVCache) -> tuple[jax.Array, jax.Array | None, KVCache]:
     """Runs a prompt ``[B, P]`` (any padding layout) into an empty ``cache``.
 
     Returns ``(hidden [B, P, D], values [B, P] or None, cache)``.
     """
     return self.extend(tokens, cache, attention_mask)
 
-  def decode(self, tokens, cache: KVCache):
+  def decode(self, tokens: jax.Array,
+             cache: KVCache) -> tuple[jax.Array, jax.Array | None, KVCache]:
     """One new real token per row, ``tokens`` ``[B]``.
 
     Returns ``(hidden [B, D], values [B] or None, cache)``.
@@ -732,7 +753,7 @@ class Transformer(nnx.Module):
 
   # -- paged decoding (the rollout engine) -----------------------------------------
 
-  def init_pages(self, num_pages: int, page_size: int, dtype=None) -> tuple:
+  def init_pages(self, num_pages: int, page_size: int, dtype: DTypeLike | None = None) -> tuple:
     """An all-zero paged KV pool: ``n_layers`` pairs ``(k, v)`` of
     ``[num_pages, page_size, K, head_dim]`` arrays (``config.dtype`` by default)."""
     c = self.config
@@ -744,8 +765,9 @@ class Transformer(nnx.Module):
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
                  for _ in range(c.n_layers))
 
-  def paged_forward(self, tokens, positions, page_table, pages: tuple,
-                    chunk_pages: int | None = None):
+  def paged_forward(self, tokens: jax.Array, positions: jax.Array, page_table: jax.Array,
+                    pages: tuple,
+                    chunk_pages: int | None = None) -> tuple[jax.Array, jax.Array | None, tuple]:
     """Runs ``tokens`` ``[B, T]`` at ``positions`` ``[B, T]`` against a paged KV pool.
 
     Each real token (``positions >= 0``) writes its keys/values into its row's pages
@@ -779,7 +801,7 @@ class Transformer(nnx.Module):
 # ----------------------------------------------------------------------------------
 
 
-def split_model(model: Transformer):
+def split_model(model: Transformer) -> tuple[nnx.GraphDef, nnx.State]:
   """``(graphdef, params)``: the static structure and the ``nnx.Param`` state pytree.
 
   ``params`` is an ``nnx.State`` (a pytree of arrays) to hand to optax, ``jax.grad``,
@@ -788,7 +810,7 @@ def split_model(model: Transformer):
   return nnx.split(model, nnx.Param)
 
 
-def make_apply_fn(graphdef) -> Callable:
+def make_apply_fn(graphdef: nnx.GraphDef) -> Callable:
   """A pure forward ``apply(params, tokens, positions=None, attention_mask=None)``.
 
   The returned function rebuilds the model from ``params`` (``nnx.merge``) and returns
@@ -822,7 +844,7 @@ def _last_real_index(mask):
   return jnp.max(jnp.where(mask > 0, jnp.arange(t)[None, :], 0), axis=1)
 
 
-def make_decode_fns(graphdef) -> DecodeFns:
+def make_decode_fns(graphdef: nnx.GraphDef) -> DecodeFns:
   """:class:`DecodeFns` of the reference :class:`Transformer` (pure in ``params``).
 
   ``prefill`` takes the logits at each row's last real prompt token, so left-padded,
@@ -848,7 +870,8 @@ def make_decode_fns(graphdef) -> DecodeFns:
   return DecodeFns(init_cache=init_cache, prefill=prefill, decode=decode)
 
 
-def make_paged_decode_fns(graphdef, *, chunk_pages: int | None = None) -> PagedDecodeFns:
+def make_paged_decode_fns(graphdef: nnx.GraphDef, *,
+                          chunk_pages: int | None = None) -> PagedDecodeFns:
   """:class:`~jaxrl_llm.rollout.protocol.PagedDecodeFns` of the reference
   :class:`Transformer` (and so of every Hugging Face model loaded into it).
 

@@ -15,18 +15,33 @@ step sets it), so the whole train step is split over the tokens.
 """
 
 from jaxrl_llm.parallel.mesh import MESH_AXES, make_mesh, mesh_axis_sizes
-from jaxrl_llm.parallel.multihost import (gather_to_host, initialize_multihost,
-                                          resolve_multihost_args)
-from jaxrl_llm.parallel.multihost import resolve_timeouts, shutdown_multihost
+from jaxrl_llm.parallel.multihost import (
+    gather_to_host,
+    initialize_multihost,
+    resolve_multihost_args,
+    resolve_timeouts,
+    shutdown_multihost,
+)
 from jaxrl_llm.parallel.pmap import replicate, split_batch, unreplicate
 from jaxrl_llm.parallel.ring import ring_attention, ring_dot_product_attention
-from jaxrl_llm.parallel.sequence import (sequence_parallel_gae,
-                                         sequence_parallel_token_logprobs)
-from jaxrl_llm.parallel.sharding import (DEFAULT_RULES, ambient_mesh, batch_shardings,
-                                         batch_spec, batch_specs, host_local_batch,
-                                         logical_to_spec, make_rules, param_shardings,
-                                         param_specs, put_sharded, shard_batch,
-                                         sharding_summary, state_shardings, state_specs)
+from jaxrl_llm.parallel.sequence import sequence_parallel_gae, sequence_parallel_token_logprobs
+from jaxrl_llm.parallel.sharding import (
+    DEFAULT_RULES,
+    ambient_mesh,
+    batch_shardings,
+    batch_spec,
+    batch_specs,
+    host_local_batch,
+    logical_to_spec,
+    make_rules,
+    param_shardings,
+    param_specs,
+    put_sharded,
+    shard_batch,
+    sharding_summary,
+    state_shardings,
+    state_specs,
+)
 
 __all__ = [
     "MESH_AXES", "make_mesh", "mesh_axis_sizes",

@@ -15,11 +15,11 @@ rules (:mod:`jaxrl_llm.parallel.sharding`) never need to know which axes are "on
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 
@@ -49,7 +49,7 @@ def _resolve_sizes(sizes: dict, n_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, sequence: int = 1,
-              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
   r"""A :class:`jax.sharding.Mesh` with axes ``("data", "fsdp", "tensor", "sequence")``.
 
   The sizes must multiply to the number of devices:
@@ -92,6 +92,6 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, sequence: int = 1,
               axis_types=axis_types)
 
 
-def mesh_axis_sizes(mesh) -> dict:
+def mesh_axis_sizes(mesh: Mesh | AbstractMesh) -> dict:
   """``{axis name: size}`` of a :class:`Mesh` or ``AbstractMesh``."""
   return {name: int(size) for name, size in dict(mesh.shape).items()}

@@ -11,13 +11,14 @@ each process feeds its own rows with :func:`jaxrl_llm.parallel.shard_batch`. See
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -59,8 +60,10 @@ def _env_int(names, environ):
         f"environment variable {name}={value!r} is not an integer.") from None
 
 
-def resolve_multihost_args(coordinator_address=None, num_processes=None, process_id=None,
-                           local_device_ids=None, environ=None) -> dict:
+def resolve_multihost_args(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None,
+                           local_device_ids: int | Sequence[int] | None = None,
+                           environ: Mapping[str, str] | None = None) -> dict:
   """The arguments :func:`initialize_multihost` passes on: explicit values first, then
   the environment (``JAXRL_*`` before ``JAX_*``).
 
@@ -84,7 +87,7 @@ def resolve_multihost_args(coordinator_address=None, num_processes=None, process
               process_id=process_id, local_device_ids=local_device_ids)
 
 
-def _env_number(name: str, environ) -> Optional[float]:
+def _env_number(name: str, environ) -> float | None:
   value = environ.get(name)
   if value in (None, ""):
     return None
@@ -94,11 +97,11 @@ def _env_number(name: str, environ) -> Optional[float]:
     raise ValueError(f"environment variable {name}={value!r} is not a number.") from None
 
 
-def resolve_timeouts(initialization_timeout: Optional[float] = None,
-                     heartbeat_timeout_seconds: Optional[float] = None,
-                     shutdown_timeout_seconds: Optional[float] = None,
-                     peer_timeout_seconds: Optional[float] = None,
-                     environ=None) -> dict:
+def resolve_timeouts(initialization_timeout: float | None = None,
+                     heartbeat_timeout_seconds: float | None = None,
+                     shutdown_timeout_seconds: float | None = None,
+                     peer_timeout_seconds: float | None = None,
+                     environ: Mapping[str, str] | None = None) -> dict:
   """The timeouts :func:`initialize_multihost` uses, in seconds, validated.
 
   Explicit values first, then ``JAXRL_INIT_TIMEOUT``, ``JAXRL_HEARTBEAT_TIMEOUT``,
@@ -117,7 +120,7 @@ def resolve_timeouts(initialization_timeout: Optional[float] = None,
     (300, 10, 5.0)
     >>> resolve_timeouts(environ={"JAXRL_HEARTBEAT_TIMEOUT": "30"})["peer_timeout_seconds"]
     15.0
-  """  # noqa: E501 (a doctest output line)
+  """
   environ = os.environ if environ is None else environ
   given = {"initialization_timeout": (initialization_timeout, INIT_TIMEOUT_ENV,
                                       DEFAULT_INIT_TIMEOUT),
@@ -148,10 +151,8 @@ def resolve_timeouts(initialization_timeout: Optional[float] = None,
 
 def _default_on_peer_lost(message: str) -> None:
   """Prints the one-line error and ends the process with :data:`PEER_LOST_EXIT_CODE`."""
-  try:
+  with contextlib.suppress(OSError, ValueError):
     sys.stdout.flush()
-  except (OSError, ValueError):
-    pass
   try:
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
@@ -188,12 +189,10 @@ class _PeerWatchdog:
 
   def mark(self, status: str) -> None:
     """Publishes ``done`` or ``failed`` for this process (best effort)."""
-    try:
+    with contextlib.suppress(Exception):  # noqa: BLE001 - the coordinator may be gone already
       self.client.key_value_set(f"{self.PREFIX}/{self.pid}/status", status, True)
-    except Exception:  # noqa: BLE001 - the coordinator may be gone already
-      pass
 
-  def _get(self, key: str) -> Optional[str]:
+  def _get(self, key: str) -> str | None:
     try:
       return self.client.key_value_try_get(key)
     except Exception:  # noqa: BLE001 - NOT_FOUND until the peer has written it
@@ -202,7 +201,7 @@ class _PeerWatchdog:
   def _run(self) -> None:
     beat = 0
     start = time.monotonic()
-    seen: dict[int, tuple[Optional[str], float]] = {
+    seen: dict[int, tuple[str | None, float]] = {
         p: (None, start) for p in range(self.n) if p != self.pid}
     last_ok = start
     while not self._stop.wait(self.interval):
@@ -245,7 +244,7 @@ class _PeerWatchdog:
                  "--resume) to continue from the last checkpoint.")
 
 
-_WATCHDOG: Optional[_PeerWatchdog] = None
+_WATCHDOG: _PeerWatchdog | None = None
 _UNCAUGHT = {"exception": False}
 
 
@@ -267,10 +266,8 @@ def _at_exit() -> None:
     watchdog.mark("failed")
     watchdog.stop()
     for stream in (sys.stdout, sys.stderr):
-      try:
+      with contextlib.suppress(OSError, ValueError):
         stream.flush()
-      except (OSError, ValueError):
-        pass
     os._exit(1)
   watchdog.mark("done")
   watchdog.stop()
@@ -296,17 +293,17 @@ def _distributed_client():
   return getattr(getattr(_dist, "global_state", None), "client", None)
 
 
-def initialize_multihost(coordinator_address: Optional[str] = None,
-                         num_processes: Optional[int] = None,
-                         process_id: Optional[int] = None,
-                         local_device_ids: Optional[Union[int, Sequence[int]]] = None, *,
-                         cpu_collectives: Optional[str] = None,
+def initialize_multihost(coordinator_address: str | None = None,
+                         num_processes: int | None = None,
+                         process_id: int | None = None,
+                         local_device_ids: int | Sequence[int] | None = None, *,
+                         cpu_collectives: str | None = None,
                          auto_detect: bool = False,
-                         initialization_timeout: Optional[float] = None,
-                         heartbeat_timeout_seconds: Optional[float] = None,
-                         shutdown_timeout_seconds: Optional[float] = None,
-                         peer_timeout_seconds: Optional[float] = None,
-                         on_peer_lost: Optional[Callable[[str], None]] = None,
+                         initialization_timeout: float | None = None,
+                         heartbeat_timeout_seconds: float | None = None,
+                         shutdown_timeout_seconds: float | None = None,
+                         peer_timeout_seconds: float | None = None,
+                         on_peer_lost: Callable[[str], None] | None = None,
                          **kwargs: Any) -> bool:
   """Connects this process to the others (``jax.distributed.initialize``); idempotent.
 
@@ -418,7 +415,7 @@ def initialize_multihost(coordinator_address: Optional[str] = None,
   return True
 
 
-def gather_to_host(tree):
+def gather_to_host(tree: Any) -> Any:
   """Every leaf as a full host ``numpy`` array, on every process.
 
   Arrays spread over several processes are all-gathered

@@ -7,16 +7,16 @@ a leading device axis: :func:`replicate` the state, :func:`split_batch` the batc
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
-
-def replicate(tree, devices: Optional[Sequence[jax.Device]] = None, *,
-              axis_name: str = "data"):
+def replicate(tree: Any, devices: Sequence[jax.Device] | None = None, *,
+              axis_name: str = "data") -> Any:
   """Copies every leaf onto each device: leaves get a leading axis ``len(devices)``.
 
   The replacement of the deprecated ``jax.device_put_replicated``: the stacked copies
@@ -37,12 +37,12 @@ def replicate(tree, devices: Optional[Sequence[jax.Device]] = None, *,
   return jax.tree_util.tree_map(one, tree)
 
 
-def unreplicate(tree):
+def unreplicate(tree: Any) -> Any:
   """The copy on the first device of every leaf (drops the leading device axis)."""
   return jax.tree_util.tree_map(lambda x: x[0], tree)
 
 
-def split_batch(batch, num_devices: Optional[int] = None):
+def split_batch(batch: Any, num_devices: int | None = None) -> Any:
   """Reshapes every ``[B, ...]`` array to ``[n, B / n, ...]`` for a pmapped step.
 
   Device ``i`` gets rows ``i * B/n .. (i+1) * B/n - 1``.

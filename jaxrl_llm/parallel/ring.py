@@ -70,12 +70,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.typing import ArrayLike
 
 from jaxrl_llm import _validate as v
 from jaxrl_llm.attention import attention_with_lse, register_attention
@@ -325,13 +326,12 @@ def _spec_part(axes):
   return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def ring_attention(query, key, value, *, mesh, axis: str = "sequence", key_mask=None,
-                   is_causal: bool = True,
-                   batch_axes: str | Sequence[str] | None = None,
-                   head_axis: str | None = None,
-                   implementation: str = "blockwise",
+def ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, mesh: Mesh | AbstractMesh,
+                   axis: str = "sequence", key_mask: ArrayLike | None = None,
+                   is_causal: bool = True, batch_axes: str | Sequence[str] | None = None,
+                   head_axis: str | None = None, implementation: str = "blockwise",
                    block_size: int | tuple[int, int] | None = None,
-                   layout: str = "zigzag"):
+                   layout: str = "zigzag") -> jax.Array:
   r"""Self-attention with the sequence split over mesh axis ``axis`` (a ring).
 
   Same result as :func:`jaxrl_llm.dot_product_attention` on the whole sequence (up to
@@ -439,9 +439,11 @@ def ring_attention(query, key, value, *, mesh, axis: str = "sequence", key_mask=
   return fn(query, key, value, mask).astype(query.dtype)
 
 
-def ring_dot_product_attention(query, key, value, *, key_mask=None,
-                               is_causal: bool = True, query_offset=None,
-                               block_size=None, **unused):
+def ring_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                               key_mask: ArrayLike | None = None, is_causal: bool = True,
+                               query_offset: ArrayLike | None = None,
+                               block_size: int | tuple[int, int] | None = None,
+                               **unused: Any) -> jax.Array:
   """``dot_product_attention``'s signature over the ambient mesh's ``sequence`` axis.
 
   Registered as the ``"ring"`` implementation of

@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.typing import ArrayLike
 
 from jaxrl_llm import _validate as v
 from jaxrl_llm.advantages import GAE_METHODS, reverse_linear_recurrence
@@ -132,9 +134,11 @@ def _check_layout(mesh, axis, batch_axes, shape, name):
   return batch_axes or None
 
 
-def sequence_parallel_gae(rewards, values, mask, *, mesh, axis="sequence", gamma=1.0,
-                          lam=1.0, bootstrap_value=None, batch_axes=None,
-                          method=None):
+def sequence_parallel_gae(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *,
+                          mesh: Mesh | AbstractMesh, axis: str = "sequence", gamma: ArrayLike = 1.0,
+                          lam: ArrayLike = 1.0, bootstrap_value: ArrayLike | None = None,
+                          batch_axes: str | Sequence[str] | None = None,
+                          method: str | None = None) -> tuple[jax.Array, jax.Array]:
   r""":func:`jaxrl_llm.gae` with the sequence split over mesh axis ``axis``.
 
   Same semantics as ``gae(..., transparent_mask=True)`` (verl: masked positions are
@@ -211,9 +215,13 @@ def sequence_parallel_gae(rewards, values, mask, *, mesh, axis="sequence", gamma
   return adv.astype(dtype), ret.astype(dtype)
 
 
-def sequence_parallel_token_logprobs(hidden, lm_head, targets, *, mesh, mask=None,
-                                     axis="sequence", batch_axes=None, chunk_size=None,
-                                     return_entropy=False, temperature=1.0):
+def sequence_parallel_token_logprobs(hidden: ArrayLike, lm_head: ArrayLike, targets: ArrayLike, *,
+                                     mesh: Mesh | AbstractMesh, mask: ArrayLike | None = None,
+                                     axis: str = "sequence",
+                                     batch_axes: str | Sequence[str] | None = None,
+                                     chunk_size: int | None = None, return_entropy: bool = False,
+                                     temperature: ArrayLike = 1.0
+                                     ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r""":func:`jaxrl_llm.token_logprobs_from_hidden` with the sequence split over ``axis``.
 
   .. math::

@@ -35,16 +35,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Mapping, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.parallel.mesh import MESH_AXES, mesh_axis_sizes
 
-AxisRule = Union[None, str, Sequence[str]]
+AxisRule = None | str | Sequence[str]
+# Rule overrides: a dict, or ``(logical name, axes)`` pairs (see make_rules).
+Rules = Mapping[str, AxisRule] | Sequence[tuple[str, AxisRule]]
+MeshLike = Mesh | AbstractMesh
 
 DEFAULT_RULES: Mapping[str, AxisRule] = {
     "batch": ("data", "fsdp"),
@@ -61,7 +65,7 @@ DEFAULT_RULES: Mapping[str, AxisRule] = {
 # ------------------------------------------------------------------------------ rules
 
 
-def make_rules(rules=None) -> dict:
+def make_rules(rules: Rules | None = None) -> dict:
   """:data:`DEFAULT_RULES` updated with ``rules`` (a dict or ``(name, axes)`` pairs).
 
   Each value is ``None`` (replicate), a mesh axis name, or a tuple of mesh axis names
@@ -103,7 +107,8 @@ def _mesh_axes(name, rule_axes, sizes, where):
   return tuple(axes)
 
 
-def logical_to_spec(names, shape, mesh, rules=None, *, where="array") -> PartitionSpec:
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: MeshLike,
+                    rules: Rules | None = None, *, where: str = "array") -> PartitionSpec:
   r"""The mesh :class:`PartitionSpec` of an array with logical axis ``names``.
 
   Dimension ``i`` with logical name ``n_i`` is split over the mesh axes
@@ -178,7 +183,8 @@ def _logical_names(params, logical_specs):
   return [() if s is None else tuple(s) for s in leaves]
 
 
-def param_specs(params, mesh, rules=None, *, logical_specs=None):
+def param_specs(params: Any, mesh: MeshLike, rules: Rules | None = None, *,
+                logical_specs: Any = None) -> Any:
   """Mesh ``PartitionSpec`` of every parameter, from its logical axis names.
 
   Args:
@@ -218,7 +224,8 @@ def _named(mesh, specs):
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def param_shardings(params, mesh, rules=None, *, logical_specs=None):
+def param_shardings(params: Any, mesh: MeshLike, rules: Rules | None = None, *,
+                    logical_specs: Any = None) -> Any:
   """:class:`NamedSharding` of every parameter (:func:`param_specs` on ``mesh``).
 
   Examples:
@@ -256,7 +263,8 @@ def _spec_like_params(tree, params, specs):
   return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def state_specs(state, mesh, rules=None, *, params=None, logical_specs=None):
+def state_specs(state: Any, mesh: MeshLike, rules: Rules | None = None, *, params: Any = None,
+                logical_specs: Any = None) -> Any:
   """``PartitionSpec`` of every leaf of a train state (any pytree holding params).
 
   ``state.params`` (or ``params``) get :func:`param_specs`; every other leaf whose key
@@ -271,7 +279,8 @@ def state_specs(state, mesh, rules=None, *, params=None, logical_specs=None):
   return _spec_like_params(state, params, specs)
 
 
-def state_shardings(state, mesh, rules=None, *, params=None, logical_specs=None):
+def state_shardings(state: Any, mesh: MeshLike, rules: Rules | None = None, *, params: Any = None,
+                    logical_specs: Any = None) -> Any:
   """:class:`NamedSharding` of every leaf of a train state (see :func:`state_specs`).
 
   Examples:
@@ -292,7 +301,8 @@ def state_shardings(state, mesh, rules=None, *, params=None, logical_specs=None)
 # ----------------------------------------------------------------------------- batches
 
 
-def batch_spec(shape, mesh, rules=None, *, where="batch array") -> PartitionSpec:
+def batch_spec(shape: Sequence[int], mesh: MeshLike, rules: Rules | None = None, *,
+               where: str = "batch array") -> PartitionSpec:
   """Spec of a batch array: dimension 0 is ``batch``, dimension 1 ``sequence``.
 
   Further dimensions are replicated. ``shape`` is the *global* shape.
@@ -301,7 +311,7 @@ def batch_spec(shape, mesh, rules=None, *, where="batch array") -> PartitionSpec
   return logical_to_spec(names, shape, mesh, rules, where=where)
 
 
-def batch_specs(batch, mesh, rules=None):
+def batch_specs(batch: Any, mesh: MeshLike, rules: Rules | None = None) -> Any:
   """``PartitionSpec`` of every array of a (global) batch dict: rows over
   ``rules["batch"]``, tokens over ``rules["sequence"]``.
 
@@ -314,7 +324,7 @@ def batch_specs(batch, mesh, rules=None):
                                  where=f"batch{_keystr(path)}"), batch)
 
 
-def batch_shardings(batch, mesh, rules=None):
+def batch_shardings(batch: Any, mesh: MeshLike, rules: Rules | None = None) -> Any:
   """:class:`NamedSharding` of every array of a (global) batch (:func:`batch_specs`)."""
   return _named(mesh, batch_specs(batch, mesh, rules))
 
@@ -343,7 +353,7 @@ def _process_shard_counts(mesh, spec, ndim):
   return counts
 
 
-def shard_batch(batch, mesh, rules=None):
+def shard_batch(batch: Any, mesh: MeshLike, rules: Rules | None = None) -> Any:
   """Places a host batch on ``mesh`` as global ``jax.Array`` s, multi-host ready.
 
   Each process passes *its own rows* (its slice of the global batch, e.g. from
@@ -393,7 +403,7 @@ def shard_batch(batch, mesh, rules=None):
   return jax.tree_util.tree_map_with_path(one, batch)
 
 
-def host_local_batch(batch, mesh, rules=None):
+def host_local_batch(batch: Any, mesh: MeshLike, rules: Rules | None = None) -> Any:
   """The part of a *global* host batch that this process feeds to :func:`shard_batch`.
 
   For every array, the bounding box of the index ranges of this process's devices
@@ -407,8 +417,11 @@ def host_local_batch(batch, mesh, rules=None):
     index_map = NamedSharding(mesh, spec).addressable_devices_indices_map(x.shape)
     box = []
     for dim in range(x.ndim):
-      starts = [idx[dim].indices(x.shape[dim])[0] for idx in index_map.values()]
-      stops = [idx[dim].indices(x.shape[dim])[1] for idx in index_map.values()]
+      # A NamedSharding indexes every addressable device (typed Optional for others).
+      starts = [idx[dim].indices(x.shape[dim])[0]  # type: ignore[index]
+                for idx in index_map.values()]
+      stops = [idx[dim].indices(x.shape[dim])[1]  # type: ignore[index]
+               for idx in index_map.values()]
       box.append(slice(min(starts), max(stops)))
     return x[tuple(box)]
 
@@ -418,7 +431,7 @@ def host_local_batch(batch, mesh, rules=None):
 # ------------------------------------------------------------------------ ambient mesh
 
 
-def ambient_mesh(mesh, *arrays):
+def ambient_mesh(mesh: MeshLike, *arrays: Any) -> contextlib.AbstractContextManager:
   """A context making ``mesh`` the ambient mesh when it has a ``sequence`` axis > 1.
 
   Under it ``jax.sharding.get_abstract_mesh()`` is ``mesh`` and
@@ -438,14 +451,16 @@ def ambient_mesh(mesh, *arrays):
   tracing = any(isinstance(x, jax.core.Tracer)
                 for x in jax.tree_util.tree_leaves(arrays))
   if tracing or not isinstance(mesh, Mesh):
-    return jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh))
+    # A Mesh gives its abstract_mesh, an AbstractMesh itself (getattr is typed loosely).
+    return jax.sharding.use_abstract_mesh(
+        getattr(mesh, "abstract_mesh", mesh))  # type: ignore[arg-type]
   return jax.set_mesh(mesh)
 
 
 # ------------------------------------------------------------------------- placement
 
 
-def put_sharded(tree, shardings):
+def put_sharded(tree: Any, shardings: Any) -> Any:
   """Places every leaf of ``tree`` with its sharding; works across processes.
 
   In one process this is ``jax.device_put``. With several processes each leaf is
@@ -465,7 +480,7 @@ def put_sharded(tree, shardings):
   return jax.tree_util.tree_map(one, tree, shardings)
 
 
-def sharding_summary(tree) -> dict:
+def sharding_summary(tree: Any) -> dict:
   """``{key path: str(spec)}`` of the ``NamedSharding`` s of a pytree of arrays."""
   out = {}
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:

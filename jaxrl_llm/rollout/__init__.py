@@ -1,14 +1,15 @@
 """Rollout: the rectangular KV-cache sampler (``sample``) and the continuous-batching
 engine (``RolloutEngine``: paged KV cache, shared prompts, batch-invariant draws)."""
 
-from jaxrl_llm.rollout.protocol import DecodeFns
-from jaxrl_llm.rollout.protocol import PagedDecodeFns
-from jaxrl_llm.rollout.engine import Completion, Request, RolloutEngine
-from jaxrl_llm.rollout.sampler import SampleOutput
-from jaxrl_llm.rollout.sampler import filter_logits
-from jaxrl_llm.rollout.sampler import sample
 from jaxrl_llm.rollout.dapo import (
-    DynamicSamplingStats, dynamic_sampling, overlong_penalty, zero_variance_groups)
+    DynamicSamplingStats,
+    dynamic_sampling,
+    overlong_penalty,
+    zero_variance_groups,
+)
+from jaxrl_llm.rollout.engine import Completion, Request, RolloutEngine
+from jaxrl_llm.rollout.protocol import DecodeFns, PagedDecodeFns
+from jaxrl_llm.rollout.sampler import SampleOutput, filter_logits, sample
 
 __all__ = ["Completion", "DecodeFns", "PagedDecodeFns", "Request", "RolloutEngine",
            "SampleOutput", "filter_logits", "sample",

@@ -19,7 +19,8 @@ Shapes stay static: the trainer always gets exactly ``num_groups * group_size`` 
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -27,12 +27,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 _NEG = -1e30
 
 
-def row_keys(key, request, sample, position):
+def row_keys(key: jax.Array, request: ArrayLike, sample: ArrayLike,
+             position: ArrayLike) -> jax.Array:
   """``[S]`` keys ``fold_in(fold_in(fold_in(key, request), sample), position)``.
+
+  ``key`` is one key, or ``[S]`` keys (one per row: rows of several seeds).
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -44,10 +48,13 @@ def row_keys(key, request, sample, position):
   def one(r, j, n):
     return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, r), j), n)
 
-  return jax.vmap(one)(request, sample, position)
+  if jnp.ndim(key) == 0:
+    return jax.vmap(one)(request, sample, position)
+  return jax.vmap(lambda k, r, j, n: jax.random.fold_in(
+      jax.random.fold_in(jax.random.fold_in(k, r), j), n))(key, request, sample, position)
 
 
-def filter_rows(scaled, top_k, top_p):
+def filter_rows(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
   """Per-row top-k then top-p filtering of ``scaled`` ``[S, V]`` logits.
 
   ``top_k`` ``[S]`` int (``<= 0``: off; ties at the k-th value are kept), ``top_p``
@@ -76,7 +83,8 @@ def filter_rows(scaled, top_k, top_p):
   return jnp.where(scaled < threshold, _NEG, scaled)
 
 
-def draw(logits, keys, temperature, top_k, top_p, *, filtered: bool):
+def draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
+         top_p: jax.Array, *, filtered: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
   r"""One token per row and its two log-probs.
 
   Row ``s`` with ``temperature[s] > 0`` draws from

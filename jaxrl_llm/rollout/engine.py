@@ -31,6 +31,31 @@ fixed number of slots (static shapes: nothing recompiles as requests come and go
   1, 2, 4 and 64 slots gave the same tokens with log-probs 1-2 ulp apart (a sampled
   token could then differ where ``u`` falls within such a rounding of a CDF step).
 
+**Partial rollouts** (Kimi k1.5, slime, verl; ``generate(..., token_budget=N,
+version=v)``). A call with a token budget stops once ``N`` tokens were generated and
+returns only the completions that finished; the others stay in flight (their slots,
+pages and draws' keys) and the next call continues them first, then admits its own
+requests. Every token records the ``version`` of the call that sampled it
+(``Completion.versions``), so a completion may span versions; :attr:`in_flight` counts
+the unfinished samples and :meth:`reset` drops them (pages returned, pool freed).
+The keys/values of in-flight tokens were computed under the parameters of an older
+version. With ``on_new_version="recompute"`` (default; what AReaL's interruptible
+generation and slime's partial rollouts do: AReaL discards the stale KV cache and
+recomputes it under the new weights, slime resubmits prompt + partial response to a
+server whose prefix cache the weight update invalidated) a call whose ``version``
+differs from the cache's prefills each in-flight group's prompt once and each sample's
+own tokens again under the new ``params`` (``stats["recomputed_tokens"]``). So a token
+tagged ``v`` is drawn from the model ``v`` given the whole prefix, and its recorded
+log-prob is that model's (teacher-forced) log-prob, up to float rounding (the
+prefill is another computation order than the decode steps). With ``"keep"`` the stale
+keys/values are kept (no recompute): a token tagged ``v`` is then drawn from model
+``v``'s layers over a cache partly written by older versions, and its recorded
+log-prob is exactly that of the distribution it was drawn from, which no single
+version reproduces teacher-forced. With the same ``version`` (or ``"keep"`` and
+unchanged ``params``) a rollout cut into budgeted calls gives bitwise the tokens and
+log-probs of one unbounded call (at the same ``max_slots``: the draws are keyed and
+rows never mix). The draws of a continued sample keep their first call's seed.
+
 Log-prob conventions are those of :func:`jaxrl_llm.rollout.sample`:
 ``Completion.logprobs[n]`` :math:`= \log\mathrm{softmax}(z_n/\tau)[y_n]` (the full,
 temperature-scaled distribution, what a train-side ``token_logprobs`` of the same
@@ -42,7 +67,8 @@ from (0 under greedy decoding). ``temperature=0`` means greedy decoding (argmax;
 Compilations per engine (for a given model, ``params`` structure and request mix): one
 prefill forward ``[1, prefill_chunk]``, one admission (page copy + logits row), one
 decode loop per (any top-k/top-p in the batch, number of stop ids rounded up to a
-power of two) combination: 3 for a homogeneous workload.
+power of two) combination: 3 for a homogeneous workload; partial rollouts that
+recompute a new version's cache add one ``[max_slots, prefill_chunk]`` prefill.
 """
 
 from __future__ import annotations
@@ -63,6 +89,7 @@ from jaxrl_llm.rollout.paged_cache import PagePool
 from jaxrl_llm.rollout.protocol import PagedDecodeFns
 
 POLICIES = ("longest_first", "fifo")
+ON_NEW_VERSION = ("recompute", "keep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +104,8 @@ class Request:
     top_k: keep the k most likely tokens when sampling (``None``: all).
     top_p: nucleus mass in ``(0, 1]`` when sampling (``None``: 1).
     eos_ids: ids that end a sample (kept as its last token), or ``None``.
+    tag: any value, copied to the request's completions (``Completion.tag``): a
+      caller's key for completions that finish in a later call of a partial rollout.
 
   Examples:
     >>> Request([1, 2, 3], n=4, max_new_tokens=8, temperature=0.7, eos_ids=(2,)).n
@@ -95,8 +124,9 @@ class Request:
   top_k: int | None = None
   top_p: float | None = None
   eos_ids: Sequence[int] | None = None
+  tag: Any = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     prompt = np.asarray(self.prompt)
     if prompt.ndim != 1 or prompt.size == 0 or not (
         np.issubdtype(prompt.dtype, np.integer)):
@@ -124,13 +154,18 @@ class Completion:
   """One generated sample.
 
   Attributes:
-    request: index of its :class:`Request` in the list given to ``generate``.
+    request: index of its :class:`Request` in the list given to the ``generate`` call
+      that submitted it.
     sample: its index among the request's ``n`` samples.
     tokens: ``[L]`` int32 generated ids (the stop id included when it ended on one).
     logprobs: ``[L]`` float32 log-probs under the temperature-scaled full distribution.
     filtered_logprobs: ``[L]`` float32 log-probs under the filtered distribution the
       tokens were drawn from (0 when greedy).
     finish_reason: ``"eos"`` (ended on one of ``eos_ids``) or ``"length"``.
+    versions: ``[L]`` int32, the ``version`` of the ``generate`` call that sampled each
+      token (a partial rollout continued over calls spans several); None when built by
+      hand.
+    tag: the :attr:`Request.tag` of its request.
   """
 
   request: int
@@ -139,6 +174,8 @@ class Completion:
   logprobs: np.ndarray
   filtered_logprobs: np.ndarray
   finish_reason: str
+  versions: np.ndarray | None = None
+  tag: Any = None
 
 
 @dataclasses.dataclass
@@ -153,6 +190,7 @@ class _Group:
 
 @dataclasses.dataclass
 class _Slot:
+  call: int                       # the generate call that submitted the request
   request: int
   sample: int
   group: _Group
@@ -163,6 +201,22 @@ class _Slot:
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
   filtered: list = dataclasses.field(default_factory=list)
+  versions: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _State:
+  """What stays in flight between ``generate`` calls of a partial rollout."""
+
+  pool: PagePool
+  pages: Any                      # the device page pool (a pytree)
+  slots: list                     # [S] of _Slot | None
+  queue: collections.deque        # (call, request, sample) not yet admitted
+  groups: dict                    # (call, request, sample or 0) -> _Group
+  requests: dict                  # call -> its list of Request
+  key_data: dict                  # call -> [2] uint32 key data of its seed
+  kv_version: int                 # the version the cache was computed under
+  logits: Any = None              # [S, V] next-token logits per slot (device)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -192,6 +246,10 @@ class RolloutEngine:
       do not form a tail on few slots) or ``"fifo"`` (request order).
     share_prompts: prefill a request's prompt once for its ``n`` samples (default);
       False prefills it per sample (same results: for comparisons).
+    on_new_version: what a ``generate`` call with another ``version`` than the
+      in-flight samples' cache does with that cache (module docstring, "Partial
+      rollouts"): ``"recompute"`` (default) prefills their prompts and generated
+      tokens again under the new ``params``; ``"keep"`` keeps the stale keys/values.
 
   Examples:
     >>> from flax import nnx
@@ -213,7 +271,8 @@ class RolloutEngine:
   def __init__(self, decode_fns: PagedDecodeFns, *, max_slots: int, max_len: int,
                page_size: int = 16, num_pages: int | None = None,
                steps_per_call: int = 16, prefill_chunk: int = 128,
-               policy: str = "longest_first", share_prompts: bool = True):
+               policy: str = "longest_first", share_prompts: bool = True,
+               on_new_version: str = "recompute") -> None:
     for name, value in (("max_slots", max_slots), ("max_len", max_len),
                         ("page_size", page_size), ("steps_per_call", steps_per_call),
                         ("prefill_chunk", prefill_chunk)):
@@ -221,6 +280,9 @@ class RolloutEngine:
         raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
     if policy not in POLICIES:
       raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
+    if on_new_version not in ON_NEW_VERSION:
+      raise ValueError(f"`on_new_version` must be one of {ON_NEW_VERSION}, got "
+                       f"{on_new_version!r}.")
     self.fns = decode_fns
     self.max_slots = max_slots
     self.max_len = max_len
@@ -235,12 +297,36 @@ class RolloutEngine:
     self.prefill_chunk = prefill_chunk
     self.policy = policy
     self.share_prompts = share_prompts
+    self.on_new_version = on_new_version
     self.stats: dict[str, Any] = {}
+    self._state: _State | None = None       # in-flight samples of a partial rollout
+    self._calls = 0
     # Module-level jits with the model's forward as a static argument: engines over
     # the same decode_fns share their compilations.
     self._forward = functools.partial(_prefill_jit, decode_fns.forward)
     self._admit = _admit_jit
     self._decode = functools.partial(_decode_jit, decode_fns.forward)
+
+  def replica(self, **overrides: Any) -> RolloutEngine:
+    """A new engine with this one's settings (``overrides`` replace some), sharing its
+    compilations and none of its state: for a second thread or a second role.
+
+    >>> from flax import nnx
+    >>> from jaxrl_llm.models import (Transformer, TransformerConfig,
+    ...                               make_paged_decode_fns, split_model)
+    >>> graphdef, _ = split_model(Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0)))
+    >>> engine = RolloutEngine(make_paged_decode_fns(graphdef), max_slots=2, max_len=8,
+    ...                        prefill_chunk=4)
+    >>> copy = engine.replica(on_new_version="keep")
+    >>> (copy.prefill_chunk, copy.max_slots, copy.on_new_version)
+    (4, 2, 'keep')
+    """
+    settings = dict(max_slots=self.max_slots, max_len=self.max_len,
+                    page_size=self.page_size, num_pages=self.num_pages,
+                    steps_per_call=self.steps_per_call, prefill_chunk=self.prefill_chunk,
+                    policy=self.policy, share_prompts=self.share_prompts,
+                    on_new_version=self.on_new_version)
+    return RolloutEngine(self.fns, **{**settings, **overrides})
 
   # -- validation ------------------------------------------------------------------
 
@@ -266,76 +352,148 @@ class RolloutEngine:
         raise ValueError(f"`requests[{i}]` needs {need} pages of {self.page_size} tokens, "
                          f"more than the whole pool (`num_pages` = {self.num_pages}).")
 
+  # -- partial rollouts ------------------------------------------------------------
+
+  @property
+  def in_flight(self) -> int:
+    """Samples submitted but not finished (in a slot or waiting for one): a
+    ``generate`` call with a ``token_budget`` leaves them for the next call."""
+    st = self._state
+    if st is None:
+      return 0
+    return sum(slot is not None for slot in st.slots) + len(st.queue)
+
+  @property
+  def pages_in_use(self) -> int:
+    """Pages held by in-flight samples (0 when nothing is in flight)."""
+    return 0 if self._state is None else self._state.pool.in_use
+
+  def reset(self) -> int:
+    """Drops every in-flight sample (returns their pages, frees the device pool);
+    returns how many were dropped. Their tokens are lost: a caller that aborts a
+    partial rollout (a resumed run, a run that ends) submits the requests again."""
+    dropped = self.in_flight
+    self._state = None
+    return dropped
+
   # -- generation ------------------------------------------------------------------
 
-  def generate(self, params, requests: Sequence[Request], seed: int = 0
-               ) -> list[Completion]:
+  def generate(self, params: Any, requests: Sequence[Request], seed: int = 0, *,
+               token_budget: int | None = None, version: int = 0) -> list[Completion]:
     """Completes every request ``n`` times; returns the completions ordered by
-    ``(request, sample)``. ``self.stats`` then holds the run's counters: decode steps
-    and device calls, prefill calls and tokens, ``slot_utilisation`` (useful tokens /
-    (slots x decode steps)), ``peak_pages`` and ``mean_pages_in_use`` (weighted by
-    decode steps), ``page_bytes``, and host wall times ``prefill_s``, ``decode_s``,
-    ``total_s``.
+    ``(call, request, sample)``. ``self.stats`` then holds the call's counters: decode
+    steps and device calls, prefill calls and tokens, ``slot_utilisation`` (tokens
+    generated in the call / (slots x decode steps)), ``useful_tokens`` (those of the
+    returned completions), ``peak_pages`` and ``mean_pages_in_use``
+    (weighted by decode steps), ``page_bytes``, host wall times ``prefill_s``,
+    ``decode_s``, ``total_s``, and for partial rollouts ``generated_tokens``,
+    ``in_flight_after``, ``recomputed_tokens`` and ``recompute_s``.
+
+    Args:
+      params: the model's parameters.
+      requests: the new requests (may be empty when samples are in flight).
+      seed: the draws' seed of these requests (in-flight samples keep theirs).
+      token_budget: None: run until every sample (in flight and new) finished. An int
+        ``N >= 1``: stop once at least ``N`` tokens were generated in this call (the
+        last device call is cut to ``ceil(remaining / live slots)`` steps, so it
+        overshoots by less than the live slots); the completions that finished are
+        returned, the others stay in flight (their slots and pages kept) and the next
+        call continues them first, before new requests are admitted.
+      version: the policy version ``params`` are (an int the caller increments when
+        the weights change); recorded per generated token (``Completion.versions``).
+        When it differs from the in-flight samples' cache, the engine's
+        ``on_new_version`` applies (module docstring).
 
     Raises:
       ValueError: ``requests`` not a sequence of :class:`Request`, or a request whose
         prompt + ``max_new_tokens`` exceeds ``max_len``, or that needs more pages than
-        the whole pool.
+        the whole pool; ``token_budget`` not None or an int >= 1; ``version`` not an
+        int. Any error raised while generating (a ``KeyboardInterrupt`` too) drops the
+        in-flight samples, as :meth:`reset`.
     """
     self._check(requests)
-    s, ps, k_steps = self.max_slots, self.page_size, self.steps_per_call
-    pool = PagePool(self.num_pages)
-    pages = self.fns.init_pages(params, self.num_pages, ps)
-    page_bytes = sum(x.nbytes for x in jax.tree.leaves(pages)) // self.num_pages
-    vocab = None
-    logits_state = None
-    base_key = jax.random.key(seed)
-    filtered = any(r.temperature > 0 and (r.top_k is not None or (
-        r.top_p is not None and r.top_p < 1)) for r in requests)
-    n_eos = max([len(r.eos_ids) for r in requests if r.eos_ids is not None] + [1])
-    n_eos = 1 << (n_eos - 1).bit_length()
+    if token_budget is not None and (not isinstance(token_budget, (int, np.integer))
+                                     or isinstance(token_budget, bool) or token_budget < 1):
+      raise ValueError(f"`token_budget` must be None or an int >= 1, got {token_budget!r}.")
+    if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
+      raise ValueError(f"`version` must be an int, got {version!r}.")
+    try:
+      return self._generate(params, requests, seed, token_budget, int(version))
+    except BaseException:
+      self._state = None       # an interrupted call: its buffers may be donated, gone
+      raise
 
-    order = list(range(len(requests)))
-    if self.policy == "longest_first":
-      order.sort(key=lambda i: -requests[i].max_new_tokens)
-    queue = collections.deque((i, j) for i in order for j in range(requests[i].n))
-    groups: dict[tuple[int, int], _Group] = {}
-    slots: list[_Slot | None] = [None] * s
-    done: list[Completion] = []
+  def _generate(self, params, requests: Sequence[Request], seed: int,
+                token_budget: int | None, version: int) -> list[Completion]:
+    s, ps, k_steps = self.max_slots, self.page_size, self.steps_per_call
     stats: collections.Counter[str] = collections.Counter()
     timers = {"prefill_s": 0.0, "decode_s": 0.0}
     started = time.perf_counter()
     page_steps = 0
+    call = self._calls
+    self._calls += 1
+    st = self._state
+    if st is None:
+      pool = PagePool(self.num_pages)
+      st = _State(pool=pool, pages=self.fns.init_pages(params, self.num_pages, ps),
+                  slots=[None] * s, queue=collections.deque(), groups={}, requests={},
+                  key_data={}, kv_version=int(version))
+    pool, slots, queue, groups = st.pool, st.slots, st.queue, st.groups
+    page_bytes = sum(x.nbytes for x in jax.tree.leaves(st.pages)) // self.num_pages
+    if requests:
+      st.requests[call] = list(requests)
+      st.key_data[call] = np.asarray(jax.random.key_data(jax.random.key(seed)))
+      order = list(range(len(requests)))
+      if self.policy == "longest_first":
+        order.sort(key=lambda i: -requests[i].max_new_tokens)
+      queue.extend((call, i, j) for i in order for j in range(requests[i].n))
+    live_requests = [st.requests[c][i] for c, i, _ in queue] + [
+        st.requests[slot.call][slot.request] for slot in slots if slot is not None]
+    filtered = any(r.temperature > 0 and (r.top_k is not None or (
+        r.top_p is not None and r.top_p < 1)) for r in live_requests)
+    n_eos = max([len(r.eos_ids) for r in live_requests if r.eos_ids is not None] + [1])
+    n_eos = 1 << (n_eos - 1).bit_length()
+    done: list[tuple[int, Completion]] = []
 
-    def group_of(i, j):
-      key = (i, 0) if self.share_prompts else (i, j)
+    def request_of(c, i) -> Request:
+      return st.requests[c][i]
+
+    def group_key(c, i, j):
+      key = (c, i, 0) if self.share_prompts else (c, i, j)
       if key not in groups:
-        groups[key] = _Group(np.asarray(requests[i].prompt, np.int32),
-                             requests[i].n if self.share_prompts else 1)
-      return groups[key]
+        groups[key] = _Group(np.asarray(request_of(c, i).prompt, np.int32),
+                             request_of(c, i).n if self.share_prompts else 1)
+      return key
 
-    def prefill(group):
-      nonlocal pages
-      prompt = group.prompt
+    def prefill(tokens, start, ids):
+      """Writes ``tokens`` at positions ``start ..`` into the pages ``ids``; returns the
+      logits after the last one."""
       table = np.zeros((1, self.pages_per_slot), np.int32)
-      table[0, :len(group.pages)] = group.pages
+      table[0, :len(ids)] = ids
       c = self.prefill_chunk
-      for start in range(0, len(prompt), c):
-        chunk = prompt[start:start + c]
-        tokens = np.zeros((1, c), np.int32)
+      logits = None
+      for first in range(0, len(tokens), c):
+        chunk = tokens[first:first + c]
+        chunk_tokens = np.zeros((1, c), np.int32)
         positions = np.full((1, c), -1, np.int32)
-        tokens[0, :len(chunk)] = chunk
-        positions[0, :len(chunk)] = np.arange(start, start + len(chunk))
-        logits, pages = self._forward(params, tokens, positions, table, pages)
+        chunk_tokens[0, :len(chunk)] = chunk
+        positions[0, :len(chunk)] = np.arange(start + first, start + first + len(chunk))
+        logits, st.pages = self._forward(params, chunk_tokens, positions, table, st.pages)
         stats["prefill_calls"] += 1
-      stats["prefill_tokens"] += len(prompt)
-      group.logits = logits[0].block_until_ready()
+      stats["prefill_tokens"] += len(tokens)
+      assert logits is not None
+      return logits[0].block_until_ready()
+
+    def set_logits(slot_index, row, src=0, dst=0):
+      if st.logits is None:
+        st.logits = jnp.zeros((s, row.shape[-1]), jnp.float32)
+      st.pages, st.logits = self._admit(st.pages, st.logits, slot_index, row, src, dst)
 
     def admit(slot_index) -> bool:
-      nonlocal pages, logits_state, vocab
-      i, j = queue[0]
-      r = requests[i]
-      group = group_of(i, j)
+      c, i, j = queue[0]
+      r = request_of(c, i)
+      key = group_key(c, i, j)
+      group = groups[key]
       p = len(r.prompt)
       full, partial = p // ps, p % ps != 0
       own_need = _ceil_div(p + r.max_new_tokens - 1, ps) - full
@@ -346,11 +504,8 @@ class RolloutEngine:
       if not group.pages:
         group.pages = pool.allocate(prompt_need)
         start = time.perf_counter()
-        prefill(group)
+        group.logits = prefill(group.prompt, 0, group.pages)
         timers["prefill_s"] += time.perf_counter() - start
-      if logits_state is None:
-        vocab = group.logits.shape[-1]
-        logits_state = jnp.zeros((s, vocab), jnp.float32)
       shared = group.pages[:full]
       pool.incref(shared)
       pool.reserve(own_need)
@@ -359,14 +514,14 @@ class RolloutEngine:
       if partial and own_need:
         own.append(pool.take())
         src, dst = group.pages[full], own[0]
-      pages, logits_state = self._admit(pages, logits_state, slot_index, group.logits,
-                                        src, dst)
+      set_logits(slot_index, group.logits, src, dst)
       stats["admit_calls"] += 1
-      slots[slot_index] = _Slot(i, j, group, shared, own, own_need - len(own), p)
+      slots[slot_index] = _Slot(c, i, j, group, shared, own, own_need - len(own), p)
       group.waiting -= 1
       if group.waiting == 0:               # the last sample is in: drop the group's hold
         pool.decref(group.pages)
         group.logits = None
+        del groups[key]                    # groups holds those with samples waiting
       return True
 
     def finish(slot_index, reason):
@@ -374,13 +529,70 @@ class RolloutEngine:
       assert slot is not None
       pool.decref(slot.shared + slot.own)
       pool.unreserve(slot.reserved)
-      done.append(Completion(slot.request, slot.sample,
-                             np.asarray(slot.tokens, np.int32),
-                             np.asarray(slot.logprobs, np.float32),
-                             np.asarray(slot.filtered, np.float32), reason))
+      done.append((slot.call, Completion(
+          slot.request, slot.sample, np.asarray(slot.tokens, np.int32),
+          np.asarray(slot.logprobs, np.float32), np.asarray(slot.filtered, np.float32),
+          reason, np.asarray(slot.versions, np.int32), request_of(slot.call,
+                                                                  slot.request).tag)))
       slots[slot_index] = None
 
-    while queue or any(slots):
+    def recompute():
+      """The in-flight cache under the new ``params``: each group's prompt once, then
+      the live slots' own parts (prompt tail + generated tokens) together, in
+      ``[S, prefill_chunk]`` rounds, and their logits."""
+      start = time.perf_counter()
+      by_group: dict[int, tuple[_Group, list[int]]] = {}
+      for index, slot in enumerate(slots):
+        if slot is not None:
+          by_group.setdefault(id(slot.group), (slot.group, []))[1].append(index)
+      for group in groups.values():          # groups with samples still waiting
+        by_group.setdefault(id(group), (group, []))
+      tails: dict[int, tuple[np.ndarray, int]] = {}
+      for group, members in by_group.values():
+        full = len(group.prompt) // ps
+        if group.waiting > 0:                # it holds all its prompt pages (if any)
+          if group.pages:
+            group.logits = prefill(group.prompt, 0, group.pages)
+        elif full and members:
+          prefill(group.prompt[:full * ps], 0, slots[members[0]].shared)
+        for index in members:
+          slot = slots[index]
+          seq = np.concatenate([group.prompt, np.asarray(slot.tokens, np.int32)])
+          first = min(full * ps, slot.position - 1)
+          tails[index] = (seq[first:slot.position], first)
+      if tails:
+        c = self.prefill_chunk
+        table = np.zeros((s, self.pages_per_slot), np.int32)
+        for index in tails:
+          ids = slots[index].shared + slots[index].own
+          table[index, :len(ids)] = ids
+        rounds = max(_ceil_div(len(t), c) for t, _ in tails.values())
+        for r in range(rounds):
+          chunk_tokens = np.zeros((s, c), np.int32)
+          positions = np.full((s, c), -1, np.int32)
+          ending = []
+          for index, (tail, first) in tails.items():
+            part = tail[r * c:(r + 1) * c]
+            chunk_tokens[index, :len(part)] = part
+            positions[index, :len(part)] = np.arange(first + r * c, first + r * c + len(part))
+            if len(part) and (r + 1) * c >= len(tail):
+              ending.append(index)
+          logits, st.pages = self._forward(params, chunk_tokens, positions, table, st.pages)
+          stats["prefill_calls"] += 1
+          for index in ending:                 # the logits after the slot's last token
+            set_logits(index, logits[index])
+      stats["prefill_tokens"] += sum(len(t) for t, _ in tails.values())
+      stats["recomputed_tokens"] = stats["prefill_tokens"]
+      stats["prefill_tokens"] = 0
+      timers["recompute_s"] = time.perf_counter() - start
+
+    if int(version) != st.kv_version and self.on_new_version == "recompute" and (
+        any(slots) or groups):
+      recompute()
+    st.kv_version = int(version)
+
+    generated = 0
+    while (queue or any(slots)) and (token_budget is None or generated < token_budget):
       for index in range(s):
         if slots[index] is None and queue and not admit(index):
           break
@@ -394,9 +606,10 @@ class RolloutEngine:
           ("request", np.int32), ("sample", np.int32), ("temperature", np.float32),
           ("top_k", np.int32), ("top_p", np.float32))}
       arrays["position"][:] = -1
+      key_data = np.zeros((s, 2), np.uint32)
       eos = np.full((s, n_eos), -1, np.int32)
       for index, slot in live:
-        r = requests[slot.request]
+        r = request_of(slot.call, slot.request)
         last = min(slot.position + k_steps - 1, len(r.prompt) + r.max_new_tokens - 2)
         while len(slot.shared) + len(slot.own) <= last // ps:
           slot.own.append(pool.take())
@@ -411,11 +624,14 @@ class RolloutEngine:
         arrays["temperature"][index] = r.temperature
         arrays["top_k"][index] = r.top_k or 0
         arrays["top_p"][index] = 1.0 if r.top_p is None else r.top_p
+        key_data[index] = st.key_data[slot.call]
         if r.eos_ids is not None:
           eos[index, :len(r.eos_ids)] = r.eos_ids
+      limit = k_steps if token_budget is None else min(
+          k_steps, _ceil_div(token_budget - generated, len(live)))
       start = time.perf_counter()
-      pages, logits_state, out, steps = self._decode(
-          params, pages, logits_state, table, eos, base_key, bool(queue),
+      st.pages, st.logits, out, steps = self._decode(
+          params, st.pages, st.logits, table, eos, key_data, bool(queue), limit,
           steps=k_steps, filtered=filtered, **arrays)
       steps = int(steps)
       timers["decode_s"] += time.perf_counter() - start
@@ -425,30 +641,37 @@ class RolloutEngine:
       page_steps += pool.in_use * steps
       stats["peak_pages"] = max(stats["peak_pages"], pool.in_use)
       for index, slot in live:
-        r = requests[slot.request]
+        r = request_of(slot.call, slot.request)
         got = tokens[index] >= 0
         n_new = int(got.sum())
+        generated += n_new
         slot.tokens.extend(tokens[index, :n_new].tolist())
         slot.logprobs.extend(logps[index, :n_new].tolist())
         slot.filtered.extend(flogps[index, :n_new].tolist())
+        slot.versions.extend([int(version)] * n_new)
         slot.position += n_new
         if n_new and r.eos_ids is not None and slot.tokens[-1] in r.eos_ids:
           finish(index, "eos")
         elif len(slot.tokens) >= r.max_new_tokens:
           finish(index, "length")
 
-    useful = sum(len(c.tokens) for c in done)
+    # Requests with nothing left in flight are forgotten; an empty engine frees its pool.
+    calls_left = {c for c, _, _ in queue} | {slot.call for slot in slots if slot is not None}
+    for c in [c for c in st.requests if c not in calls_left]:
+      del st.requests[c], st.key_data[c]
+    self._state = st if calls_left else None
+    useful = sum(len(c.tokens) for _, c in done)
     steps_total = max(stats["decode_steps"], 1)
     self.stats = {
         **stats, **timers, "total_s": time.perf_counter() - started,
-        "useful_tokens": useful, "slots": s,
-        "slot_utilisation": useful / (s * steps_total),
+        "useful_tokens": useful, "generated_tokens": generated, "slots": s,
+        "slot_utilisation": generated / (s * steps_total),
         "mean_pages_in_use": page_steps / steps_total, "page_bytes": page_bytes,
         "pool_bytes": page_bytes * self.num_pages, "pages_in_use_after": pool.in_use,
-        "pages_reserved_after": pool.reserved,
+        "pages_reserved_after": pool.reserved, "in_flight_after": self.in_flight,
     }
-    done.sort(key=lambda c: (c.request, c.sample))
-    return done
+    done.sort(key=lambda item: (item[0], item[1].request, item[1].sample))
+    return [c for _, c in done]
 
 
 def _admit(pages, logits_state, slot, row, src, dst):
@@ -458,15 +681,16 @@ def _admit(pages, logits_state, slot, row, src, dst):
   return pages, logits_state.at[slot].set(row.astype(jnp.float32))
 
 
-def _decode_loop(forward, params, pages, logits, table, eos, key, may_exit, *, steps,
-                 filtered, position, count, max_new, request, sample, temperature, top_k,
+def _decode_loop(forward, params, pages, logits, table, eos, key_data, may_exit, limit, *,
+                 steps, filtered, position, count, max_new, request, sample, temperature, top_k,
                  top_p):
   """Up to ``steps`` decode steps of all slots (a ``lax.while_loop``).
 
-  Each step draws a token per live slot from its logits (key from ``(request, sample,
-  count)``), records it, marks slots that hit a stop id or ``max_new``, and feeds the
-  still-live slots' tokens through ``forward`` (writing their keys/values at
-  ``position``). Stops after ``steps`` steps, when no slot is live, or (``may_exit``)
+  Each step draws a token per live slot from its logits (key from the slot's seed's
+  ``key_data`` ``[S, 2]`` and ``(request, sample, count)``), records it, marks slots
+  that hit a stop id or ``max_new``, and feeds the still-live slots' tokens through
+  ``forward`` (writing their keys/values at ``position``). Stops after
+  ``min(steps, limit)`` steps (``limit`` traced), when no slot is live, or (``may_exit``)
   as soon as a slot finished. Returns ``(pages, logits, (tokens, logps, flogps)
   [S, steps] with -1 / 0 where nothing was generated, steps run)``.
   """
@@ -475,11 +699,11 @@ def _decode_loop(forward, params, pages, logits, table, eos, key, may_exit, *, s
 
   def cond(carry):
     step, _, _, _, _, live, finished, _ = carry
-    return (step < steps) & jnp.any(live) & ~(may_exit & finished)
+    return (step < jnp.minimum(steps, limit)) & jnp.any(live) & ~(may_exit & finished)
 
   def body(carry):
     step, pages, logits, position, count, live, finished, outs = carry
-    keys = row_keys(key, request, sample, count)
+    keys = row_keys(jax.random.wrap_key_data(key_data), request, sample, count)
     token, logp, flogp = draw(logits, keys, temperature, top_k, top_p, filtered=filtered)
     tok_out, logp_out, flogp_out = outs
     tok_out = tok_out.at[:, step].set(jnp.where(live, token, -1))
@@ -509,4 +733,4 @@ _admit_jit = jax.jit(_admit, donate_argnums=(0, 1))
 _decode_jit = jax.jit(_decode_loop, static_argnames=("forward", "steps", "filtered"),
                       donate_argnums=(2, 3))
 
-__all__ = ["Completion", "POLICIES", "Request", "RolloutEngine"]
+__all__ = ["Completion", "ON_NEW_VERSION", "POLICIES", "Request", "RolloutEngine"]

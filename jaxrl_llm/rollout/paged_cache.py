@@ -27,7 +27,7 @@ import numpy as np
 class PagePool:
   """Free list + reference counts + reservations of ``num_pages`` page ids."""
 
-  def __init__(self, num_pages: int):
+  def __init__(self, num_pages: int) -> None:
     if not isinstance(num_pages, int) or num_pages < 1:
       raise ValueError(f"`num_pages` must be a positive int, got {num_pages!r}.")
     self.num_pages = num_pages

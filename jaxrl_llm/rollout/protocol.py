@@ -16,7 +16,8 @@ Examples:
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 
 class DecodeFns(NamedTuple):

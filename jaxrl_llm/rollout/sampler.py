@@ -36,13 +36,18 @@ distribution is exact.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxrl_llm import _validate as v
 from jaxrl_llm.rollout.protocol import DecodeFns
+
+if TYPE_CHECKING:
+  import numpy as np
 
 _NEG = -1e30
 _MIN_TEMPERATURE = 1e-6
@@ -78,7 +83,8 @@ class SampleOutput(NamedTuple):
   sampling_logprobs: jax.Array
 
 
-def filter_logits(logits, *, top_k=None, top_p=None):
+def filter_logits(logits: ArrayLike, *, top_k: int | None = None,
+                  top_p: ArrayLike | None = None) -> jax.Array:
   r"""Sets logits outside the top-k and the top-p nucleus to a large negative value.
 
   ``top_k`` keeps the k largest logits of each row (ties at the k-th value are all
@@ -159,9 +165,12 @@ def _eos_array(eos_id) -> jax.Array:
   return jnp.atleast_1d(jnp.asarray(eos_id, jnp.int32))
 
 
-def sample(fns: DecodeFns, params, prompt_tokens, prompt_mask, rng, *,
-           max_new_tokens: int, temperature=1.0, top_k: int | None = None, top_p=None,
-           greedy: bool = False, eos_id=None, pad_id=0) -> SampleOutput:
+def sample(fns: DecodeFns, params: Any, prompt_tokens: jax.Array | np.ndarray,
+           prompt_mask: ArrayLike, rng: jax.Array | None, *, max_new_tokens: int,
+           temperature: ArrayLike = 1.0, top_k: int | None = None,
+           top_p: ArrayLike | None = None, greedy: bool = False,
+           eos_id: int | Sequence[int] | ArrayLike | None = None,
+           pad_id: int = 0) -> SampleOutput:
   r"""Autoregressive sampling with a KV cache.
 
   One ``fns.prefill`` over the prompt, then up to ``max_new_tokens - 1``

@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +79,7 @@ class VllmLoadError(ValueError):
   """vLLM cannot load the model folder (the message gives vLLM's reason)."""
 
 
-def import_vllm():
+def import_vllm() -> Any:
   """The ``vllm`` module, or :class:`VllmMissingError` (:data:`INSTALL_HINT`, one line)."""
   try:
     import vllm
@@ -153,10 +153,10 @@ class VllmEngine:
 
   def __init__(self, model_dir: str, *, max_model_len: int, dtype: str = "float32",
                config: Any = None, seed: int = 0,
-               gpu_memory_utilization: Optional[float] = None,
-               kv_cache_gb: Optional[float] = None,
-               to_hf: Optional[Callable[[Any], Iterable[tuple[str, np.ndarray]]]] = None,
-               **llm_kwargs: Any):
+               gpu_memory_utilization: float | None = None,
+               kv_cache_gb: float | None = None,
+               to_hf: Callable[[Any], Iterable[tuple[str, np.ndarray]]] | None = None,
+               **llm_kwargs: Any) -> None:
     if not isinstance(max_model_len, int) or max_model_len < 2:
       raise ValueError(f"`max_model_len` must be an int >= 2, got {max_model_len!r}.")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
@@ -165,7 +165,7 @@ class VllmEngine:
     if config is None and to_hf is None:
       from jaxrl_llm.models.hf import config_from_hf, read_hf_config
       config = config_from_hf(read_hf_config(model_dir))
-    self._shapes_of: Optional[Callable[[Any], dict]] = None
+    self._shapes_of: Callable[[Any], dict] | None = None
     self._expected: dict = {}
     if to_hf is None:
       from jaxrl_llm.models.hf import checkpoint_shapes, hf_shapes, hf_tensors
@@ -173,7 +173,7 @@ class VllmEngine:
       self._shapes_of = lambda params: hf_shapes(config, params)
       self._expected = checkpoint_shapes(model_dir)
     self._to_hf = to_hf
-    self.broken: Optional[str] = None
+    self.broken: str | None = None
     self.model_dir = model_dir
     self.max_model_len = max_model_len
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -194,8 +194,8 @@ class VllmEngine:
     except Exception as e:  # noqa: BLE001 - vLLM raises many types; one line says why
       raise VllmLoadError(f"vLLM cannot load {model_dir!r}: {_one_line(e)}") from e
     self._torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    self._pushed: Optional[list] = None
-    self.last_push_s: Optional[float] = None
+    self._pushed: list | None = None
+    self.last_push_s: float | None = None
     self.pushes = 0
     self._stats = {"vllm_push_s": 0.0, "vllm_pushes": 0.0}
 
@@ -275,7 +275,7 @@ class VllmEngine:
                          f"({r.max_new_tokens}) exceeds the engine's max_model_len "
                          f"{self.max_model_len}.")
 
-  def sampling_params(self, request: Request, seed: int):
+  def sampling_params(self, request: Request, seed: int) -> Any:
     """The ``vllm.SamplingParams`` of one sample of ``request`` (seeded by ``seed``)."""
     greedy = request.temperature == 0
     return self._vllm.SamplingParams(

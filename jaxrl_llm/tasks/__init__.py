@@ -21,14 +21,14 @@ Examples:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 from jaxrl_llm.tasks.arithmetic import AddTask
 from jaxrl_llm.tasks.base import Problem, Task, position_match, random_baseline
 from jaxrl_llm.tasks.countdown import CountdownTask, parse_expression
 from jaxrl_llm.tasks.jsonl import JsonlTask, load_jsonl
-from jaxrl_llm.tasks.strings import (
-    CopyTask, RepeatTask, ReverseTask, SortTask, StringTask)
+from jaxrl_llm.tasks.strings import CopyTask, RepeatTask, ReverseTask, SortTask, StringTask
 from jaxrl_llm.tasks.tokenizer import CharTokenizer
 from jaxrl_llm.tasks.verifiers import REWARDS, get_reward, register_reward
 
@@ -47,7 +47,7 @@ LONG_TASKS = ("repeat",)
 DEFAULT_TASK = "reverse"
 
 
-def get_task(name: str = DEFAULT_TASK, **kwargs) -> Task:
+def get_task(name: str = DEFAULT_TASK, **kwargs: Any) -> Task:
   """The registered task ``name``, built with ``kwargs`` (its dataclass fields).
 
   Raises:

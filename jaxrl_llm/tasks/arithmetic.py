@@ -41,7 +41,7 @@ class AddTask(Task):
   max_value: int = 99
   partial: float = 0.5
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     super().__post_init__()
     if not 0 <= self.min_value <= self.max_value:
       raise ValueError(

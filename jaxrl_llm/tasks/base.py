@@ -20,7 +20,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import zlib
-from typing import Any, ClassVar, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -60,7 +61,7 @@ class Task(abc.ABC):
   holdout: float = 0.1
   eval_seed: int = 1234
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not 0.0 <= self.holdout < 1.0:
       raise ValueError(f"`holdout` must be in [0, 1), got {self.holdout!r}.")
 

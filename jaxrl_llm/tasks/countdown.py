@@ -156,7 +156,7 @@ class CountdownTask(Task):
   partial: float = 0.2
   extra_new_tokens: int = 0
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     super().__post_init__()
     if self.n_numbers < 2:
       raise ValueError(f"`n_numbers` must be >= 2, got {self.n_numbers}.")

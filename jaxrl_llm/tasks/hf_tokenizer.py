@@ -36,12 +36,17 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from jaxrl_llm.tasks.tokenizer import UNKNOWN_CHAR, pad_encoded
+
+if TYPE_CHECKING:   # an optional dependency (the hf extra)
+  import jinja2
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                  "cls_token", "mask_token")
@@ -64,7 +69,7 @@ def _token_str(value) -> str | None:
   return None
 
 
-def compile_chat_template(source: str):
+def compile_chat_template(source: str) -> jinja2.Template:
   """A ``jinja2`` template compiled the way ``transformers`` compiles chat templates.
 
   Raises:
@@ -116,13 +121,13 @@ class HFTokenizer:
     ([0, 2], 'hi there')
   """
 
-  def __init__(self, tokenizer, *, special_tokens: Mapping[str, str] | None = None,
-               chat_template: str | None = None, extra_eos_ids: Sequence[int] = ()):
+  def __init__(self, tokenizer: Any, *, special_tokens: Mapping[str, str] | None = None,
+               chat_template: str | None = None, extra_eos_ids: Sequence[int] = ()) -> None:
     self.tokenizer = tokenizer
     self.special_tokens = {k: v for k, v in dict(special_tokens or {}).items()
                            if isinstance(v, str)}
     self.chat_template = chat_template
-    self._compiled = None
+    self._compiled: jinja2.Template | None = None
     self._vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
     ids = {k: self._id_of(k) for k in ("bos_token", "eos_token", "pad_token")}
     self._bos = ids["bos_token"]
@@ -247,7 +252,7 @@ class HFTokenizer:
     out.append(self.tokenizer.decode(run, skip_special_tokens=True))
     return "".join(out)
 
-  def decode_batch(self, ids, mask=None) -> list[str]:
+  def decode_batch(self, ids: ArrayLike, mask: ArrayLike | None = None) -> list[str]:
     """`decode` of each row of ``ids`` [B, T]; positions where ``mask`` is 0 are skipped."""
     ids = np.asarray(ids)
     if ids.ndim != 2:
@@ -276,7 +281,7 @@ class HFTokenizer:
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                           add_generation_prompt: bool = True, tokenize: bool = False,
-                          **kwargs) -> str | list[int]:
+                          **kwargs: Any) -> str | list[int]:
     """Renders ``messages`` with the chat template (as ``transformers`` does).
 
     Args:

@@ -38,7 +38,8 @@ import dataclasses
 import json
 import os
 import zlib
-from typing import Any, ClassVar, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -196,7 +197,7 @@ class JsonlTask(Task):
   _reward: Any = dataclasses.field(init=False, repr=False, compare=False)
   _max_prompt_len: int = dataclasses.field(init=False, repr=False, compare=False)
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     super().__post_init__()
     if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
       raise ValueError(f"`max_new_tokens` must be a positive int, got "
@@ -211,6 +212,7 @@ class JsonlTask(Task):
       tokenizer = _char_tokenizer(records + (eval_records or []))
     train = [self._problem(r, self.path, tokenizer) for r in records]
     if eval_records is not None:
+      assert self.eval_path is not None   # eval_records were read from it
       evals = [self._problem(r, self.eval_path, tokenizer) for r in eval_records]
     elif self.holdout > 0:
       held = [_split_bucket(p.prompt) < self.holdout for p in train]

@@ -40,7 +40,7 @@ class StringTask(Task):
   chars: str = DIGITS
   partial: float = 0.5
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     super().__post_init__()
     if not 1 <= self.min_len <= self.max_len:
       raise ValueError(
@@ -151,7 +151,7 @@ class RepeatTask(StringTask):
   max_len: int = 4
   answer_len: int = 200
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     super().__post_init__()
     if not isinstance(self.answer_len, int) or self.answer_len < self.max_len:
       raise ValueError(

@@ -11,9 +11,10 @@ need more.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 DIGITS = "0123456789"
@@ -51,7 +52,7 @@ class CharTokenizer:
 
   chars: str = DEFAULT_CHARS
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not isinstance(self.chars, str) or not self.chars:
       raise ValueError(f"`chars` must be a non-empty string, got {self.chars!r}.")
     if len(set(self.chars)) != len(self.chars):
@@ -113,7 +114,7 @@ class CharTokenizer:
       out.append(self.id_to_token(i))
     return "".join(out)
 
-  def decode_batch(self, ids, mask=None) -> list[str]:
+  def decode_batch(self, ids: ArrayLike, mask: ArrayLike | None = None) -> list[str]:
     """`decode` of each row of ``ids`` [B, T]; positions where ``mask`` is 0 are skipped.
 
     Raises:
@@ -161,9 +162,9 @@ class CharTokenizer:
                        left_pad=left_pad, add_bos=add_bos)
 
 
-def pad_encoded(encode, prompts: Sequence[str], length: int, *, pad_id: int,
-                left_pad: bool = True, add_bos: bool = False
-                ) -> tuple[np.ndarray, np.ndarray]:
+def pad_encoded(encode: Callable[..., list[int]], prompts: Sequence[str], length: int, *,
+                pad_id: int, left_pad: bool = True,
+                add_bos: bool = False) -> tuple[np.ndarray, np.ndarray]:
   """Encodes ``prompts`` with ``encode(text, add_bos=...)`` and pads them to ``length``.
 
   The shared body of every tokenizer's ``encode_batch``: ``(tokens, mask)``, both

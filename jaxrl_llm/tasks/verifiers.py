@@ -60,8 +60,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -448,7 +449,8 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 
-def register_reward(name: str, fn: RewardFn | None = None):
+def register_reward(name: str,
+                    fn: RewardFn | None = None) -> RewardFn | Callable[[RewardFn], RewardFn]:
   """Registers a batched reward under ``name`` (usable as a decorator).
 
   Raises:

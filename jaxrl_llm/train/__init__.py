@@ -11,22 +11,39 @@ from typing import TYPE_CHECKING
 from jaxrl_llm._lazy import lazy_namespace, public_names
 
 if TYPE_CHECKING:  # the names as static imports, for type checkers and IDEs
-  from jaxrl_llm.train.registry import (ADVANTAGE_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY,
-                                        AdvantageInputs, compute_advantages,
-                                        get_advantage_estimator, get_policy_loss,
-                                        register_advantage_estimator,
-                                        register_policy_loss)
   from jaxrl_llm.train.config import GRPO_DEFAULTS, TRACED_HPARAMS, TrainConfig
-  from jaxrl_llm.train.train_state import TrainState, init_train_state
-  from jaxrl_llm.train.step import (ModelOutput, TrainStep, as_model_output,
-                                    check_hparams,
-                                    default_positions, make_grpo_train_step,
-                                    make_ppo_train_step, make_train_step, policy_forward,
-                                    prepare_batch, validate_batch)
-  from jaxrl_llm.train.optim import (FrozenState, actor_critic_optimizer, freeze_for,
-                                     policy_value_optimizer)
-  from jaxrl_llm.train.sharded import shard_apply_fn, shard_train_step
+  from jaxrl_llm.train.optim import (
+    FrozenState,
+    actor_critic_optimizer,
+    freeze_for,
+    policy_value_optimizer,
+  )
   from jaxrl_llm.train.pmap import make_pmap_train_step
+  from jaxrl_llm.train.registry import (
+    ADVANTAGE_ESTIMATOR_REGISTRY,
+    POLICY_LOSS_REGISTRY,
+    AdvantageInputs,
+    compute_advantages,
+    get_advantage_estimator,
+    get_policy_loss,
+    register_advantage_estimator,
+    register_policy_loss,
+  )
+  from jaxrl_llm.train.sharded import shard_apply_fn, shard_train_step
+  from jaxrl_llm.train.step import (
+    ModelOutput,
+    TrainStep,
+    as_model_output,
+    check_hparams,
+    default_positions,
+    make_grpo_train_step,
+    make_ppo_train_step,
+    make_train_step,
+    policy_forward,
+    prepare_batch,
+    validate_batch,
+  )
+  from jaxrl_llm.train.train_state import TrainState, init_train_state
 
 # Module -> its public names, imported on first access (see jaxrl_llm._lazy).
 _EXPORTS = {

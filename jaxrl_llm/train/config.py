@@ -11,11 +11,16 @@ command-line flags (:mod:`jaxrl_llm.cli`) are generated from it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from jaxrl_llm._names import AGGREGATION_MODES, GAE_METHODS, ROLLOUT_LEVELS
-from jaxrl_llm.train.registry import (ADVANTAGE_ESTIMATOR_REGISTRY, DEFAULT_CLIP_LOW,
-                                      POLICY_LOSS_REGISTRY, get_policy_loss)
+from jaxrl_llm.train.registry import (
+  ADVANTAGE_ESTIMATOR_REGISTRY,
+  DEFAULT_CLIP_LOW,
+  POLICY_LOSS_REGISTRY,
+  get_policy_loss,
+)
 
 KL_MODES = ("none", "loss", "reward")
 # The KL estimators the train step's ``kl_kind`` / ``reward_kl_kind`` accept: the
@@ -25,9 +30,9 @@ STEP_KL_KINDS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
 
 
 def setting(default: Any, help: str, *, traced: bool | str = False,
-            low: Optional[float] = None, high: Optional[float] = None,
-            low_inclusive: bool = False, choices: Any = None, min_int: Optional[int] = None,
-            flag: bool = True, factory: Optional[Callable[[], Any]] = None) -> Any:
+            low: float | None = None, high: float | None = None,
+            low_inclusive: bool = False, choices: Any = None, min_int: int | None = None,
+            flag: bool = True, factory: Callable[[], Any] | None = None) -> Any:
   """A config field declared with its metadata: the one place of its default.
 
   Args:
@@ -95,13 +100,13 @@ class TrainConfig:
   loss_agg_mode: str = setting(
       "token-mean", "aggregation of per-token losses (see :func:`jaxrl_llm.aggregate`).",
       choices=tuple(AGGREGATION_MODES))
-  norm_length: Optional[int] = setting(
+  norm_length: int | None = setting(
       None, "the constant divisor of ``seq-mean-token-sum-norm`` (Dr. GRPO).", min_int=1)
   use_value: bool = setting(
       True, "train a value head (PPO critic) with a clipped value loss.")
   whiten_advantages: bool = setting(
       True, "whiten advantages over the batch's response tokens.")
-  gae_method: Optional[str] = setting(
+  gae_method: str | None = setting(
       None, "``scan`` or ``associative`` recurrence for in-step advantages; ``None``: "
       "the faster one on this backend (scan on CPU, associative on GPU/TPU; "
       ":func:`jaxrl_llm.advantages.default_gae_method`).",
@@ -126,41 +131,41 @@ class TrainConfig:
       0.1, "target rollout KL of the adaptive KL controller.", low=0.0)
   kl_horizon: float = setting(
       10000.0, "horizon (samples) of the adaptive KL controller.", low=0.0)
-  clip_schedule: Optional[Callable[[Any], Any]] = setting(
+  clip_schedule: Callable[[Any], Any] | None = setting(
       None, "an optax schedule of the clip epsilon (replaces ``clip_low``).", flag=False)
   adaptive_clip: bool = setting(
       False, "adapt the clip epsilon toward ``adaptive_clip_target``.")
-  adaptive_clip_target: Optional[float] = setting(
+  adaptive_clip_target: float | None = setting(
       None, "target of the adaptive clip controller (None: its default).")
   adaptive_clip_metric: str = setting(
       "kl", "what the adaptive clip controller tracks: ``kl`` or ``clipfrac``.",
       choices=("kl", "clipfrac"))
   clip_min: float = setting(0.05, "lower bound of the adaptive clip epsilon.")
   clip_max: float = setting(0.3, "upper bound of the adaptive clip epsilon.")
-  logprob_chunk_size: Optional[int] = setting(
+  logprob_chunk_size: int | None = setting(
       None, "vocabulary-projection chunk for log-probs from hidden states.")
   skip_nonfinite: bool = setting(
       True, "skip updates whose inputs, loss, gradients or results are not finite "
       "(counted in ``metrics[\"skipped\"]``).")
-  rollout_correction: Optional[str] = setting(
+  rollout_correction: str | None = setting(
       None, "correct the rollout/trainer mismatch (None: off; ``token`` or "
       "``sequence``): the per-token policy loss is multiplied by "
       ":func:`jaxrl_llm.rollout_correction_weights` of ``old_logp - rollout_logp`` "
       "(the batch must carry the sampler's ``rollout_logp``).",
       choices=(None,) + ROLLOUT_LEVELS)
   # --- traced hyperparameters (see TRACED_HPARAMS)
-  clip_low: Optional[float] = setting(
+  clip_low: float | None = setting(
       None, "clip epsilon (lower side); None = the policy loss's default (PPO 0.2, "
       "GSPO 3e-4, GMPO 0.4).", traced=True, low=0.0)
-  clip_high: Optional[float] = setting(
+  clip_high: float | None = setting(
       None, "clip epsilon (upper side, DAPO clip-higher); None = symmetric when "
       "``clip_low`` is set, else the policy loss's default.", traced=True, low=0.0)
-  dual_clip: Optional[float] = setting(
+  dual_clip: float | None = setting(
       None, "dual-clip constant c > 1 for negative advantages (losses that take it); "
       "None = off.", traced=True, low=1.0)
   vf_coef: float = setting(0.5, "weight of the value loss.", traced=True, low=0.0,
                            low_inclusive=True)
-  vf_clip: Optional[float] = setting(
+  vf_clip: float | None = setting(
       0.5, "value clip range around the rollout values; None = unclipped.",
       traced=True, low=0.0)
   entropy_coef: float = setting(0.0, "weight of the entropy bonus.", traced=True)
@@ -176,15 +181,15 @@ class TrainConfig:
       low=0.0, high=1.0, low_inclusive=True)
   temperature: float = setting(
       1.0, "sampling temperature the log-probs are computed at.", traced=True, low=0.0)
-  lam_value: Optional[float] = setting(
+  lam_value: float | None = setting(
       None, "the critic's GAE lambda of the ``decoupled_gae`` / ``vapo_gae`` "
       "estimators (None: the estimator's default, 1.0, VC-PPO's Monte-Carlo value "
       "targets).", traced=True, low=0.0, high=1.0, low_inclusive=True)
-  lam_alpha: Optional[float] = setting(
+  lam_alpha: float | None = setting(
       None, "alpha of the ``vapo_gae`` estimator's length-adaptive policy lambda "
       "``1 - 1 / (alpha * length)`` (None: the estimator's default, 0.05, VAPO's).",
       traced=True, low=0.0)
-  pos_nll_coef: Optional[float] = setting(
+  pos_nll_coef: float | None = setting(
       None, "weight mu of VAPO's positive-example NLL, the token-mean negative "
       "log-likelihood of the responses marked ``positive`` (correct) in the batch, "
       "added to the loss (None: off; VAPO uses 0.1).", traced=True, low=0.0,
@@ -192,15 +197,15 @@ class TrainConfig:
   rollout_is_threshold: float = setting(
       2.0, "upper bound of the rollout-correction weights (truncated IS; verl's "
       "``rollout_is_threshold``).", traced="rollout", low=0.0)
-  rollout_is_lower: Optional[float] = setting(
+  rollout_is_lower: float | None = setting(
       None, "with it, weights outside ``[lower, threshold]`` are zeroed instead of "
       "truncated (IcePop); None: truncation.", traced="rollout", low=0.0,
       low_inclusive=True)
-  loss_hparams: Optional[Mapping[str, float]] = setting(
+  loss_hparams: Mapping[str, float] | None = setting(
       None, "overrides of the policy loss's own hyperparameters (e.g. "
       "``{\"tau_pos\": 2.0}`` for SAPO); traced like the fields above.", flag=False)
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     spec = get_policy_loss(self.policy_loss)
     for f in dataclasses.fields(self):
       check_field(f, getattr(self, f.name))
@@ -224,7 +229,7 @@ class TrainConfig:
                        f"policy_loss={self.policy_loss!r} (it takes "
                        f"{sorted(spec.extra_hparams) or 'none'}).")
 
-  def clip_range(self) -> tuple[float, Optional[float]]:
+  def clip_range(self) -> tuple[float, float | None]:
     """``(clip_low, clip_high)`` after the policy loss's defaults are applied.
 
     ``clip_high`` None means symmetric (``clip_high = clip_low``).
@@ -267,7 +272,8 @@ def check_field(f: dataclasses.Field, x: Any) -> None:
   """Checks value ``x`` of the declared field ``f`` against its metadata (choices,
   range, int bound): ``ValueError`` naming the field otherwise."""
   meta, name = f.metadata, f.name
-  if meta.get("min_int") is not None and not (x is None and f.default is None):
+  # Not merged (SIM102): the guard (a bound that applies), then the check.
+  if meta.get("min_int") is not None and not (x is None and f.default is None):  # noqa: SIM102
     if not isinstance(x, int) or isinstance(x, bool) or x < meta["min_int"]:
       none = "None or " if f.default is None else ""
       raise ValueError(f"`{name}` must be {none}an int >= {meta['min_int']}, got {x!r}.")
@@ -291,7 +297,7 @@ def check_field(f: dataclasses.Field, x: Any) -> None:
                      f"got {x!r}.")
 
 
-def field_choices(f: dataclasses.Field | str, cls: type | None = None) -> Optional[tuple]:
+def field_choices(f: dataclasses.Field | str, cls: type | None = None) -> tuple | None:
   """The allowed values of a declared field (a Field, or a :class:`TrainConfig` field
   name); None: any value.
 

@@ -16,7 +16,8 @@ also shards parameters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import optax
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 def make_pmap_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
                          config: TrainConfig, *, axis_name: str = "data",
-                         devices: Optional[Sequence[jax.Device]] = None,
+                         devices: Sequence[jax.Device] | None = None,
                          donate: bool = True) -> Callable:
   """A ``jax.pmap`` ped ``train_step(state, batch) -> (state, metrics)``.
 

@@ -29,10 +29,13 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from typing import Any, Callable, Mapping, NamedTuple, Optional
-
 import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:   # the configs import this module without JAX
+  import jax
 
 CLIP_OPTIONS = ("clip_low", "clip_high", "dual_clip")
 # PPO's clip epsilon: the ``ppo`` and ``cispo`` losses' default, and the clip range's
@@ -56,7 +59,7 @@ class PolicyLossSpec:
   """
   name: str
   target: Callable[..., Any] | str
-  defaults: Mapping[str, Optional[float]]
+  defaults: Mapping[str, float | None]
   static: Mapping[str, Any]
   doc: str
 
@@ -105,8 +108,8 @@ def _loss_function(name: str, target: Callable[..., Any] | str, keywords: tuple,
 
 
 def register_policy_loss(name: str, fn: Callable[..., Any] | str, *, doc: str = "",
-                         static: Optional[Mapping[str, Any]] = None,
-                         **defaults: Optional[float]) -> PolicyLossSpec:
+                         static: Mapping[str, Any] | None = None,
+                         **defaults: float | None) -> PolicyLossSpec:
   """Registers ``fn`` under ``name`` with its traced hyperparameter defaults.
 
   Args:
@@ -177,7 +180,7 @@ class AdvantageInputs(NamedTuple):
   values: Any = None
   scores: Any = None
   greedy_scores: Any = None
-  group_size: Optional[int] = None
+  group_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +226,7 @@ def register_advantage_estimator(name: str, fn: Callable[..., Any], *,
                                  needs_values: bool = False, needs_greedy: bool = False,
                                  group: bool = False, doc: str = "",
                                  hparams: tuple = (),
-                                 defaults: Optional[Mapping[str, float]] = None,
+                                 defaults: Mapping[str, float] | None = None,
                                  static: tuple = ()) -> AdvantageEstimatorSpec:
   """Registers an advantage estimator (see :class:`AdvantageEstimatorSpec`)."""
   defaults = dict(defaults or {})
@@ -331,7 +334,7 @@ register_advantage_estimator("reinforce_pp", _reinforce_pp, hparams=("gamma",),
 
 
 def compute_advantages(name: str, inputs: AdvantageInputs, hparams: Mapping[str, Any],
-                       **static: Any):
+                       **static: Any) -> tuple[jax.Array, jax.Array | None]:
   """Runs the registered estimator ``name``: ``(advantages, returns or None)``.
 
   ``hparams`` must hold the traced hyperparameters the estimator reads (its

@@ -14,20 +14,29 @@ multi-host mesh (:mod:`jaxrl_llm.parallel.multihost`).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm.parallel.mesh import mesh_axis_sizes
-from jaxrl_llm.parallel.sharding import (ambient_mesh, batch_shardings, batch_spec,
-                                         logical_to_spec, make_rules, put_sharded,
-                                         state_shardings)
+from jaxrl_llm.parallel.sharding import (
+  MeshLike,
+  Rules,
+  ambient_mesh,
+  batch_shardings,
+  batch_spec,
+  logical_to_spec,
+  make_rules,
+  put_sharded,
+  state_shardings,
+)
 from jaxrl_llm.train.step import as_model_output
 
 
-def shard_apply_fn(apply_fn: Callable, mesh, rules=None) -> Callable:
+def shard_apply_fn(apply_fn: Callable, mesh: MeshLike, rules: Rules | None = None) -> Callable:
   """Wraps a model forward so its batch inputs and outputs stay batch-sharded.
 
   ``apply(params, tokens, positions, attention_mask)`` gets
@@ -83,8 +92,8 @@ def _under_mesh(fn: Callable, mesh) -> Callable:
   return wrapped
 
 
-def shard_train_step(step_fn: Callable, state, mesh, *, rules=None, batch=None,
-                     donate: bool = True):
+def shard_train_step(step_fn: Callable, state: Any, mesh: MeshLike, *, rules: Rules | None = None,
+                     batch: Any = None, donate: bool = True) -> tuple[Callable, Any]:
   """Jits a global-batch train step with parameter, state and batch shardings.
 
   .. code-block:: python

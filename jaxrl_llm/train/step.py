@@ -56,7 +56,8 @@ values, lm_head)`` are read as the same (:func:`as_model_output`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Optional, Protocol, cast
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +69,12 @@ from jaxrl_llm.control import adaptive_clip_update, adaptive_kl_update
 from jaxrl_llm.logprobs import token_logprobs, token_logprobs_from_hidden
 from jaxrl_llm.masked import explained_variance
 from jaxrl_llm.train.config import GRPO_DEFAULTS, TrainConfig
-from jaxrl_llm.train.registry import (AdvantageInputs, compute_advantages,
-                                      get_advantage_estimator, get_policy_loss)
+from jaxrl_llm.train.registry import (
+  AdvantageInputs,
+  compute_advantages,
+  get_advantage_estimator,
+  get_policy_loss,
+)
 from jaxrl_llm.train.train_state import TrainState, init_train_state
 
 TOKEN_KEYS = ("attention_mask", "loss_mask", "old_logp", "rewards", "old_values",
@@ -187,9 +192,9 @@ def as_model_output(out: Any) -> ModelOutput:
 
 
 def policy_forward(apply_fn: Callable, params: Any, batch: dict, *,
-                   chunk_size: Optional[int] = None,
+                   chunk_size: int | None = None,
                    temperature: Any = TrainConfig.temperature
-                   ) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
+                   ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """Token log-probs, entropies and values of ``batch['tokens']`` under ``params``.
 
   Returns ``(logp, entropy, values)``, each ``[B, L]`` aligned with the tokens (entry t
@@ -274,7 +279,7 @@ def _whiten(x, mask, moments, eps=1e-8):
 
 
 def prepare_batch(batch: dict, state: TrainState, config: TrainConfig,
-                  axis_name=None) -> dict:
+                  axis_name: str | None = None) -> dict:
   """Fills in ``advantages`` / ``returns`` (GAE, KL-in-reward, whitening).
 
   * ``kl_mode="reward"``: ``rewards - kl_coef * kl(old_logp, ref_logp)`` per token
@@ -550,11 +555,11 @@ class TrainStep(Protocol):
 
   def __call__(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]: ...
 
-  def init(self, params: Any, rng: Optional[jax.Array] = None) -> TrainState: ...
+  def init(self, params: Any, rng: jax.Array | None = None) -> TrainState: ...
 
 
 def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
-                    config: TrainConfig, *, axis_name: Optional[str] = None) -> TrainStep:
+                    config: TrainConfig, *, axis_name: str | None = None) -> TrainStep:
   """Returns a pure ``train_step(state, batch) -> (state, metrics)``; jit it yourself.
 
   The step and its state come from one config: ``train_step.init(params, rng=None)``
@@ -693,7 +698,7 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
                                     clip_ctrl=clip_ctrl, rng=rng)
     return new_state, metrics
 
-  def init(params: Any, rng: Optional[jax.Array] = None) -> TrainState:
+  def init(params: Any, rng: jax.Array | None = None) -> TrainState:
     """The :class:`TrainState` of this step (same optimizer and config)."""
     return init_train_state(params, optimizer, config, rng=rng)
 
@@ -703,7 +708,7 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
   return step
 
 
-def _with_overrides(config: Optional[TrainConfig], defaults: dict,
+def _with_overrides(config: TrainConfig | None, defaults: dict,
                     overrides: dict) -> TrainConfig:
   """``config`` (or ``TrainConfig(**defaults)``) with ``overrides`` applied on top."""
   if config is None:
@@ -715,7 +720,7 @@ def _with_overrides(config: Optional[TrainConfig], defaults: dict,
 
 
 def make_ppo_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
-                        config: Optional[TrainConfig] = None,
+                        config: TrainConfig | None = None,
                         **overrides: Any) -> TrainStep:
   """PPO with a value head (GAE from ``rewards``/``old_values`` or given advantages).
 
@@ -727,7 +732,7 @@ def make_ppo_train_step(apply_fn: Callable, optimizer: optax.GradientTransformat
 
 
 def make_grpo_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
-                         config: Optional[TrainConfig] = None,
+                         config: TrainConfig | None = None,
                          **overrides: Any) -> TrainStep:
   """GRPO-family step: no value model, per-sequence advantages from a group estimator,
   KL to the reference in the loss (k3) when ``kl_coef > 0``.

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl_llm.control import (AdaptiveClipState, AdaptiveKLState, adaptive_clip_init,
-                               adaptive_kl_init)
+from jaxrl_llm.control import (
+  AdaptiveClipState,
+  AdaptiveKLState,
+  adaptive_clip_init,
+  adaptive_kl_init,
+)
 from jaxrl_llm.train.config import TrainConfig
 
 
@@ -38,7 +42,7 @@ class TrainState:
 
 
 def init_train_state(params: Any, optimizer: optax.GradientTransformation,
-                     config: TrainConfig, rng: Optional[jax.Array] = None) -> TrainState:
+                     config: TrainConfig, rng: jax.Array | None = None) -> TrainState:
   """Builds the initial :class:`TrainState` for ``params``.
 
   Use the same ``config`` (and optimizer) as the train step; ``step.init(params)`` of a

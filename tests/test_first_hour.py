@@ -1,0 +1,95 @@
+"""What a new user with a real checkpoint hits first (issue: the first hour): one-line
+command errors, defaults by model kind, and a misspelt --out on --resume."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxrl_llm.loop.config import RunConfig
+from jaxrl_llm.loop.resolve import PRETRAINED_LR, SCRATCH_LR, resolve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _command(*args, cwd):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  return subprocess.run([sys.executable, "-m", "jaxrl_llm", *args], env=env, cwd=cwd,
+                        capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, says", [
+    (("train", "--steps", "abc"), "argument --steps: invalid int value: 'abc'"),
+    (("train", "--resume", "--out", "runs/misspelt"), "--resume-or-start"),
+    (("train", "--max-new-tokens", "8"), "--max-new-tokens applies to --dataset runs"),
+])
+def test_command_mistakes_are_one_line_and_write_nothing(tmp_path, args, says):
+  done = _command(*args, cwd=tmp_path)
+  assert done.returncode == 2, done.stderr
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1 and says in lines[0], done.stderr
+  assert "--help" in lines[0] or "error:" in lines[0]
+  assert not os.path.exists(tmp_path / "runs")
+
+
+def _hf_run(tmp_path, **fields):
+  model = tmp_path / "model"
+  model.mkdir()
+  (model / "config.json").write_text("{}")
+  data = tmp_path / "train.jsonl"
+  data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+  return RunConfig(model=str(model), dataset=str(data), **fields)
+
+
+def test_learning_rates_default_by_model_kind(tmp_path):
+  scratch = resolve(RunConfig(algo="ppo")).optimizer
+  assert (scratch.lr, scratch.value_lr, scratch.split) == (SCRATCH_LR, SCRATCH_LR, False)
+  pretrained = resolve(_hf_run(tmp_path, algo="ppo")).optimizer
+  assert (pretrained.lr, pretrained.value_lr, pretrained.split) == (
+      1e-6, pytest.approx(1e-5), True)
+  assert PRETRAINED_LR == 1e-6
+  (tmp_path / "v").mkdir()
+  vapo = resolve(_hf_run(tmp_path / "v", algo="vapo")).optimizer
+  assert vapo.value_lr == pytest.approx(2e-5)            # the recipe's 2x on top
+  (tmp_path / "g").mkdir()
+  given = resolve(_hf_run(tmp_path / "g", algo="ppo", lr=3e-6)).optimizer
+  assert (given.lr, given.value_lr) == (3e-6, pytest.approx(3e-5))   # the user's flag wins
+
+
+def test_early_note_names_the_dataset(capsys):
+  from jaxrl_llm.cli import _early_note
+  _early_note(RunConfig(dataset="data/math.jsonl", algo="ppo"))
+  assert "ppo on data/math.jsonl" in capsys.readouterr().err
+
+
+def test_from_pretrained_value_head_none_means_none(tmp_path):
+  pytest.importorskip("safetensors")
+  from flax import nnx
+
+  from jaxrl_llm.models import Transformer, TransformerConfig, from_pretrained, save_pretrained
+  save_pretrained(Transformer(TransformerConfig.tiny(32, value_head=False),
+                              rngs=nnx.Rngs(0)), str(tmp_path))
+  assert not from_pretrained(str(tmp_path), value_head=None).config.value_head
+  with pytest.raises(ValueError, match="`value_head` must be"):
+    from_pretrained(str(tmp_path), value_head=3)
+
+
+@pytest.mark.parametrize("content, says", [
+    ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n', "train.jsonl:2: missing 'answer'"),
+    ('{"prompt": "1+1=", "answer": "2"}\nnot json\n', "train.jsonl:2: invalid JSON"),
+    ("", "no records"),
+])
+def test_dataset_mistakes_are_one_line_before_anything_heavy(tmp_path, content, says):
+  model = tmp_path / "model"
+  model.mkdir()
+  (model / "config.json").write_text("{}")        # never loaded: the data is read first
+  (tmp_path / "train.jsonl").write_text(content)
+  done = _command("train", "--model", str(model), "--dataset", "train.jsonl",
+                  "--out", "runs/x", cwd=tmp_path)
+  assert done.returncode == 2, done.stderr
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+  assert not os.path.exists(tmp_path / "runs")
