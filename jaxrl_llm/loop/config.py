@@ -159,6 +159,10 @@ class RunConfig:
   max_staleness: int = setting(
       1, "with --async: the most policy versions a trained batch may lag (0: the "
       "synchronous loop, bit for bit).", min_int=0)
+  rollout_devices: int = setting(
+      0, "with --async: the last N devices of this host generate (one engine replica "
+      "each, the weights copied device to device after every step) and the trainer's "
+      "mesh takes the others; 0: both share every device.", min_int=0)
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
@@ -232,6 +236,12 @@ class RunConfig:
     if not self.partial_rollouts and (self.partial_kv != "recompute"):
       raise ValueError(f"--partial-kv {self.partial_kv} is a setting of "
                        "--partial-rollouts; add --partial-rollouts")
+    if self.rollout_devices and not self.async_rollouts:
+      raise ValueError(f"--rollout-devices {self.rollout_devices} is a setting of --async; "
+                       "add --async")
+    if self.rollout_devices and self.rollout != "engine":
+      raise ValueError(f"--rollout-devices needs --rollout engine (got --rollout "
+                       f"{self.rollout})")
     if self.async_rollouts and self.partial_rollouts:
       raise ValueError("--async and --partial-rollouts are exclusive (choose one)")
     if self.max_staleness != 1 and not self.async_rollouts:
@@ -253,6 +263,12 @@ class RunConfig:
       ...   print(str(e)[:58])
       --data 1 x --fsdp 3 x --tensor 1 needs 3 devices; this hos
     """
+    if self.rollout_devices:
+      if self.rollout_devices >= device_count:
+        raise ValueError(f"--rollout-devices {self.rollout_devices} leaves no device to "
+                         f"train on: this host has {device_count} devices (at most "
+                         f"{device_count - 1} may generate)")
+      device_count -= self.rollout_devices        # the trainer's devices
     sizes = {"data": self.mesh_data, "fsdp": self.mesh_fsdp, "tensor": self.mesh_tensor}
     if list(sizes.values()) == [1, 1, 1]:
       return

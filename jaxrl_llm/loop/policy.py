@@ -64,7 +64,7 @@ class Policy:
     self.apply = apply_fn
     self.decode_fns = decode_fns
     self.paged_decode_fns = paged_decode_fns
-    self.engine: RolloutEngine | None = None
+    self.engine: Any = None      # a RolloutEngine or a ReplicatedEngine
     self.init_params = init_params
     self.pad_id = pad_id
     self.temperature = temperature
