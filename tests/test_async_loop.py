@@ -78,6 +78,11 @@ def _train(out, *flags):
     (["--max-staleness", "2"], "error: --max-staleness 2 is a setting of --async"),
     (["--async", "--partial-rollouts"], "error: --async and --partial-rollouts are exclusive"),
     (["--async", "--algo", "dapo"], "error: --async generates the batches outside the step"),
+    (["--async", "--rollout-devices", "1"], "error: --rollout-devices 1 leaves no device to "
+     "train on: this host has 1 devices"),
+    (["--rollout-devices", "1"], "error: --rollout-devices 1 is a setting of --async"),
+    (["--async", "--rollout-devices", "1", "--rollout", "simple"],
+     "error: --rollout-devices needs --rollout engine"),
 ])
 def test_bad_async_flags_are_one_line_errors_before_anything_is_written(tmp_path, flags,
                                                                        message):
@@ -111,3 +116,25 @@ def test_sigkill_during_an_async_run_then_resume_trains_every_step_once(tmp_path
   assert [r["step"] for r in rows] == list(range(STEPS + 1))
   assert all(r["staleness_max"] <= 1 for r in rows[1:])
   assert rows[3]["staleness_max"] == 0          # the first step after the resume
+
+
+@pytest.mark.slow
+def test_rollout_devices_generate_apart_and_change_nothing(tmp_path):
+  """On 4 forced CPU devices (tests/rollout_devices_worker.py): a ReplicatedEngine over
+  3 devices returns the one engine's tokens and log-probs bit for bit (sampled, n = 2,
+  uneven parts), and ``--async --max-staleness 0 --rollout-devices 2`` (the trainer on
+  device 0, its mesh over devices 0-1 when asked; generation on 2-3) gives the
+  synchronous loop's metrics bit for bit."""
+  out = tmp_path / "out.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  done = subprocess.run([sys.executable, "-m", "tests.rollout_devices_worker", str(out),
+                         str(tmp_path)], capture_output=True, text=True, env=env,
+                        timeout=600, cwd=ROOT)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert result["devices"] == 4
+  assert result["replica_devices"] == [[0], [2], [3]]     # one part per rollout device
+  assert result["engine_equal"] and result["completions"] == 7 * 2
+  assert result["generated_on"] == [2, 3]
+  assert result["sync_rows"] == result["async_rows"] and len(result["sync_rows"]) == 5

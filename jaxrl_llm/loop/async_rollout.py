@@ -19,9 +19,14 @@ device: no disk, no host round trip).
 * ``K = 1``: the batch of step ``s + 1`` is generated while step ``s`` trains (one
   version old): generation and training overlap.
 
-Devices: the worker and the trainer share the process's devices (on one device they
-time-share it; on a CPU host they share its cores). Separate ``rollout`` / ``train``
-device sets with their own meshes are not built here.
+Devices: by default the worker and the trainer share the process's devices (on one
+device they time-share it; on a CPU host they share its cores). With
+``--rollout-devices N`` the last ``N`` devices are the rollout set: the worker
+generates on them, one engine replica per device
+(:class:`~jaxrl_llm.rollout.ReplicatedEngine`: the batch's requests cut in contiguous
+parts, the weights copied device to device at each generation, draws keyed as on one
+engine, so the tokens are the same bit for bit), and the trainer's mesh is built over
+the other devices.
 
 Metrics per step: ``staleness_mean`` / ``staleness_max`` (the batch's version lag: one
 version per batch), ``trainer_wait_s`` (the trainer waiting for its batch),
@@ -44,6 +49,7 @@ import copy
 import functools
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -53,6 +59,7 @@ import numpy as np
 from jaxrl_llm.loop.batch import _rollout
 from jaxrl_llm.loop.policy import Policy
 from jaxrl_llm.loop.resolve import Resolved
+from jaxrl_llm.rollout import ReplicatedEngine
 from jaxrl_llm.tasks.base import Task
 
 
@@ -67,16 +74,24 @@ class AsyncRollouts:
     first_step: the first step the worker generates for (``start + 1``).
     last_step: the last step.
     seed: the run's seed (prompts and keys of step ``s`` from ``(seed, s)``).
+    devices: the rollout device set: the worker generates on them through a
+      :class:`~jaxrl_llm.rollout.ReplicatedEngine` (one replica each); None: on the
+      trainer's devices.
   """
 
   def __init__(self, resolved: Resolved, task: Task, policy: Policy, *,
-               max_staleness: int, first_step: int, last_step: int, seed: int) -> None:
+               max_staleness: int, first_step: int, last_step: int, seed: int,
+               devices: Sequence[jax.Device] | None = None) -> None:
     if not isinstance(max_staleness, int) or max_staleness < 0:
       raise ValueError(f"`max_staleness` must be an int >= 0, got {max_staleness!r}.")
     self.resolved, self.task, self.k = resolved, task, max_staleness
     self.policy = copy.copy(policy)
     if policy.engine is not None:           # engines are not shared between threads
       self.policy.engine = policy.engine.replica()
+    if devices is not None:
+      if policy.engine is None:
+        raise ValueError("rollout `devices` need the rollout engine (--rollout engine).")
+      self.policy.engine = ReplicatedEngine(policy.engine, devices)
     self.first_step, self.last_step, self.seed = first_step, last_step, seed
     self._cond = threading.Condition()
     self._params: Any = None

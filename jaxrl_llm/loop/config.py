@@ -162,6 +162,10 @@ class RunConfig:
   max_staleness: int = setting(
       1, "with --async: the most policy versions a trained batch may lag (0: the "
       "synchronous loop, bit for bit).", min_int=0)
+  rollout_devices: int = setting(
+      0, "with --async: the last N devices of this host generate (one engine replica "
+      "each, the weights copied device to device after every step) and the trainer's "
+      "mesh takes the others; 0: both share every device.", min_int=0)
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
@@ -238,6 +242,12 @@ class RunConfig:
     if self.async_rollouts and self.rollout == "vllm":
       raise ValueError("--async generates on a JAX engine of its own; with --rollout vllm "
                        "the vLLM engine lives in the trainer's process (use --rollout engine)")
+    if self.rollout_devices and not self.async_rollouts:
+      raise ValueError(f"--rollout-devices {self.rollout_devices} is a setting of --async; "
+                       "add --async")
+    if self.rollout_devices and self.rollout != "engine":
+      raise ValueError(f"--rollout-devices needs --rollout engine (got --rollout "
+                       f"{self.rollout})")
     if self.async_rollouts and self.partial_rollouts:
       raise ValueError("--async and --partial-rollouts are exclusive (choose one)")
     if self.max_staleness != 1 and not self.async_rollouts:
@@ -259,6 +269,12 @@ class RunConfig:
       ...   print(str(e)[:58])
       --data 1 x --fsdp 3 x --tensor 1 needs 3 devices; this hos
     """
+    if self.rollout_devices:
+      if self.rollout_devices >= device_count:
+        raise ValueError(f"--rollout-devices {self.rollout_devices} leaves no device to "
+                         f"train on: this host has {device_count} devices (at most "
+                         f"{device_count - 1} may generate)")
+      device_count -= self.rollout_devices        # the trainer's devices
     sizes = {"data": self.mesh_data, "fsdp": self.mesh_fsdp, "tensor": self.mesh_tensor}
     if list(sizes.values()) == [1, 1, 1]:
       return

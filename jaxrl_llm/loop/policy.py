@@ -64,7 +64,7 @@ class Policy:
     self.apply = apply_fn
     self.decode_fns = decode_fns
     self.paged_decode_fns = paged_decode_fns
-    self.engine: Any = None      # a RolloutEngine or a VllmEngine
+    self.engine: Any = None      # a RolloutEngine, ReplicatedEngine or VllmEngine
     self._engine_takes_policy_part = False
     self.init_params = init_params
     self.pad_id = pad_id

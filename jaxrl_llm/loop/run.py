@@ -70,9 +70,16 @@ def _compile_step(run: RunConfig, step_fn, state):
     return jax.jit(step_fn, donate_argnums=0), state, lambda batch: batch
   from jaxrl_llm.parallel import make_mesh, shard_batch
   from jaxrl_llm.train.sharded import shard_train_step
-  mesh = make_mesh(data=run.mesh_data, fsdp=run.mesh_fsdp, tensor=run.mesh_tensor)
+  mesh = make_mesh(data=run.mesh_data, fsdp=run.mesh_fsdp, tensor=run.mesh_tensor,
+                   devices=_train_devices(run) if run.rollout_devices else None)
   jitted, state = shard_train_step(step_fn, state, mesh)
   return jitted, state, lambda batch: shard_batch(batch, mesh)
+
+
+def _train_devices(run: RunConfig) -> list[jax.Device]:
+  """The trainer's devices: all but the last ``run.rollout_devices`` (which generate)."""
+  devices = jax.devices()
+  return devices[:len(devices) - run.rollout_devices]
 
 
 def _check_run_folder(run: RunConfig) -> None:
@@ -160,8 +167,10 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
   asynchronous = None
   if run.async_rollouts:       # a rollout thread at most K versions ahead (loop.async_rollout)
     from jaxrl_llm.loop.async_rollout import AsyncRollouts
-    asynchronous = AsyncRollouts(resolved, task, policy, max_staleness=run.max_staleness,
-                                 first_step=start + 1, last_step=run.steps, seed=run.seed)
+    asynchronous = AsyncRollouts(
+        resolved, task, policy, max_staleness=run.max_staleness, first_step=start + 1,
+        last_step=run.steps, seed=run.seed,
+        devices=jax.devices()[len(_train_devices(run)):] if run.rollout_devices else None)
     asynchronous.publish(state.params, start)
   t0, step = time.time(), start
   t_warm, warm_step = t0, start

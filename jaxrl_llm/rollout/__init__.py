@@ -9,9 +9,11 @@ from jaxrl_llm.rollout.dapo import (
 )
 from jaxrl_llm.rollout.engine import Completion, Request, RolloutEngine
 from jaxrl_llm.rollout.protocol import DecodeFns, PagedDecodeFns
+from jaxrl_llm.rollout.replicated import ReplicatedEngine
 from jaxrl_llm.rollout.sampler import SampleOutput, filter_logits, sample
 
-__all__ = ["Completion", "DecodeFns", "PagedDecodeFns", "Request", "RolloutEngine",
+__all__ = ["Completion", "DecodeFns", "PagedDecodeFns", "ReplicatedEngine", "Request",
+           "RolloutEngine",
            "SampleOutput", "filter_logits", "sample",
            "DynamicSamplingStats", "dynamic_sampling", "overlong_penalty",
            "zero_variance_groups"]
