@@ -93,3 +93,52 @@ def test_dataset_mistakes_are_one_line_before_anything_heavy(tmp_path, content, 
   lines = done.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
   assert not os.path.exists(tmp_path / "runs")
+
+
+def test_python_save_writes_token_ids_and_generate_stops(tmp_path):
+  """save_pretrained(..., tokenizer=tok) as the README shows it: config.json and
+  generation_config.json carry the tokenizer's ids (two eos here, as Qwen / Llama-3
+  list them), and transformers' generate stops at eos."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from jaxrl_llm.models import from_pretrained, save_pretrained
+  from jaxrl_llm.models.transformer import split_model
+  from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
+  from tests.test_hf import _tiny_hf_folder
+  model_dir, _ = _tiny_hf_folder(tmp_path)
+  cfg = json.loads((tmp_path / "model" / "config.json").read_text())
+  for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    cfg.pop(key, None)
+  (tmp_path / "model" / "config.json").write_text(json.dumps(cfg))
+  end_of_turn = HFTokenizer.from_pretrained(model_dir).tokenizer.token_to_id("<|im_end|>")
+  (tmp_path / "model" / "generation_config.json").write_text(
+      json.dumps({"eos_token_id": [1, end_of_turn]}))
+  tok = HFTokenizer.from_pretrained(model_dir)
+  assert tok.eos_ids == (1, end_of_turn)
+  model = from_pretrained(model_dir)
+  prompt = tok.encode("what is 3 + 4?")
+  # Make the greedy first token eos: its lm_head column 10x the column of the token the
+  # model would pick (a positive logit), so generate must stop after one token.
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+  with torch.no_grad():
+    first = int(hf_model(torch.tensor([prompt])).logits[0, -1].argmax())
+  graphdef, params = split_model(model)
+  head = np.array(params["lm_head"][...])
+  head[:, 1] = 10 * head[:, first]
+  params["lm_head"][...] = jnp.asarray(head)
+  model = nnx.merge(graphdef, params)
+  out = str(tmp_path / "saved")
+  save_pretrained(model, out, tokenizer=tok)
+  saved_cfg = json.loads((tmp_path / "saved" / "config.json").read_text())
+  assert (saved_cfg["bos_token_id"], saved_cfg["eos_token_id"]) == (0, [1, end_of_turn])
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  assert list(reloaded.generation_config.eos_token_id) == [1, end_of_turn]
+  assert HFTokenizer.from_pretrained(out).eos_ids == (1, end_of_turn)
+  with torch.no_grad():
+    generated = reloaded.generate(torch.tensor([prompt]), max_new_tokens=12,
+                                  do_sample=False, pad_token_id=1)
+  assert generated[0, len(prompt):].tolist() == [1]

@@ -5,8 +5,10 @@ was a local Hugging Face checkpoint and writes, under ``dest`` (default: the run
 folder):
 
 * ``hf/``: the trained **policy** alone, a plain Hugging Face model folder
-  (:func:`~jaxrl_llm.models.save_pretrained`: ``config.json`` with the original
-  ``bos``/``eos``/``pad`` token ids, safetensors) plus the original tokenizer files
+  (:func:`~jaxrl_llm.models.save_pretrained`: ``config.json`` and
+  ``generation_config.json`` with the original ``bos``/``eos``/``pad`` token ids, else
+  the tokenizer's, by :func:`~jaxrl_llm.models.hf.token_id_fields`; safetensors) plus
+  the original tokenizer files
   (``tokenizer.json``, ``tokenizer_config.json`` with its chat template,
   ``generation_config.json``, ...) copied as they were, so
   ``transformers.AutoModelForCausalLM.from_pretrained(dest + "/hf")``,
@@ -34,8 +36,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json", "tokenizer.model", "vocab.json",
                    "merges.txt")
-# config.json fields carried over from the original model (not architecture fields).
-TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
@@ -88,14 +88,25 @@ def export_run(run_dir: str, dest: str | None = None) -> dict:
   from flax import nnx
 
   from jaxrl_llm.models.critic import drop_value_head
-  from jaxrl_llm.models.hf import read_hf_config, save_pretrained, save_value_head
+  from jaxrl_llm.models.hf import (
+    read_hf_config,
+    save_pretrained,
+    save_value_head,
+    token_id_fields,
+  )
   from jaxrl_llm.models.transformer import split_model
 
   run, model, critic, step = restore_run(run_dir)
   dest = run_dir if dest is None else dest
   hf_dir = os.path.join(dest, "hf")
   original = read_hf_config(run.model)
-  extra = {k: original[k] for k in TOKEN_ID_FIELDS if original.get(k) is not None}
+  tokenizer = None
+  if os.path.isfile(os.path.join(run.model, "tokenizer.json")):
+    from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
+    tokenizer = HFTokenizer.from_pretrained(run.model)
+  # The original config's ids, else the tokenizer's (the rule save_pretrained applies);
+  # an original generation_config.json is copied over the written one below.
+  extra = token_id_fields(tokenizer=tokenizer, config=original)
   policy = nnx.merge(*drop_value_head(*split_model(model)))
   save_pretrained(policy, hf_dir, extra_config=extra)
   if jax.process_index() == 0:
