@@ -352,6 +352,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     result = export_run(args.run, args.out)
   except (ValueError, OSError, CheckpointError) as e:
     return _fail("export", str(e))
+  if "policy_weights" in result:
+    print(f"warning: export: the policy's weights are {result['policy_weights']}",
+          file=sys.stderr)
   print(json.dumps(result))
   return 0
 

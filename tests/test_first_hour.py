@@ -3,6 +3,7 @@ command errors, defaults by model kind, and a misspelt --out on --resume."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -142,3 +143,44 @@ def test_python_save_writes_token_ids_and_generate_stops(tmp_path):
     generated = reloaded.generate(torch.tensor([prompt]), max_new_tokens=12,
                                   do_sample=False, pad_token_id=1)
   assert generated[0, len(prompt):].tolist() == [1]
+
+
+@pytest.mark.slow
+def test_run_without_learning_signal_warns_and_export_says_unchanged(tmp_path):
+  """No sample can be right (a 2-token budget for 9-digit answers): the run says so in
+  one warning line and its summary, config.json names the dataset (no built-in task),
+  and export says the weights are bit-identical to the start."""
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  from tests.test_hf import _tiny_hf_folder
+  model_dir, _ = _tiny_hf_folder(tmp_path)
+  (tmp_path / "train.jsonl").write_text("".join(
+      json.dumps({"prompt": f"what is {i} * 111111111?", "answer": str(i * 111111111)})
+      + "\n" for i in range(1, 9)))
+  done = _command("train", "--model", model_dir, "--dataset", "train.jsonl", "--steps", "2",
+                  "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "2",
+                  "--eval-size", "2", "--out", "run", cwd=tmp_path)
+  assert done.returncode == 0, done.stderr
+  warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: no "
+                                                                           "learning signal")]
+  assert len(warnings) == 1 and "steps 1-2 of 2" in warnings[0], done.stderr
+  assert "grpo on train.jsonl" in done.stderr
+  assert re.search(r"warning +no learning signal in steps 1-2", done.stdout), done.stdout
+  assert re.search(r"policy_weights +UNCHANGED: bit-identical", done.stdout), done.stdout
+  config = json.loads((tmp_path / "run" / "config.json").read_text())
+  assert (config["task"], config["dataset"]) == (None, "train.jsonl")
+  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+  assert [r.get("no_learning_signal_steps") for r in rows] == [None, None, 2.0]
+  done = _command("export", "run", "--out", "exported", cwd=tmp_path)
+  assert done.returncode == 0, done.stderr
+  assert "the policy's weights are UNCHANGED: bit-identical" in done.stderr
+
+
+def test_a_dataset_run_has_no_built_in_task(tmp_path):
+  (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+  run = RunConfig(dataset=str(tmp_path / "d.jsonl"))
+  assert run.task is None and RunConfig().task == "reverse"
+  assert RunConfig.from_dict({"task": "reverse", "dataset": run.dataset}).task is None
+  run.validate()
+  with pytest.raises(ValueError, match="--task copy and --dataset are exclusive"):
+    RunConfig(dataset=run.dataset, task="copy").validate()

@@ -24,6 +24,10 @@ RESUMABLE_FIELDS = ("steps", "out", "resume", "resume_or_start", "overwrite",
                     "max_consecutive_skips")
 
 
+# The built-in task of a run without --dataset.
+DEFAULT_TASK = "reverse"
+
+
 def flag(name: str) -> str:
   """The command-line flag of a config field (``value_lr`` -> ``--value-lr``).
 
@@ -47,7 +51,9 @@ def _algo_names() -> list:
 @dataclasses.dataclass
 class RunConfig:
   """Everything that defines a run (written to ``config.json``)."""
-  task: str = setting("reverse", "the built-in task to train on.", choices=_task_names)
+  task: str | None = setting(
+      DEFAULT_TASK, "the built-in task to train on (None on a --dataset run, which has "
+      "its own: a run's config.json names what it trained on).", choices=_task_names)
   algo: str = setting("grpo", "the algorithm recipe (see :mod:`jaxrl_llm.loop.recipes`).",
                       choices=_algo_names)
   model: str = setting(
@@ -167,6 +173,12 @@ class RunConfig:
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
       factory=dict)
 
+  def __post_init__(self) -> None:
+    # A --dataset run has no built-in task: config.json, the banner and the summary name
+    # the dataset (the default task name there would be a false record).
+    if self.dataset is not None and self.task == DEFAULT_TASK:
+      self.task = None
+
   @classmethod
   def from_dict(cls, fields: dict) -> RunConfig:
     """A RunConfig from ``config.json``: its fields, ``train`` a dict of TrainConfig
@@ -190,7 +202,10 @@ class RunConfig:
     """Raises ``ValueError`` with a one-line message for a bad setting of the run's
     own fields (the recipe-dependent checks are :func:`~jaxrl_llm.loop.resolve.resolve`'s)."""
     tasks = _task_names()
-    if self.task not in tasks:
+    if self.dataset is not None and self.task is not None:
+      raise ValueError(f"--task {self.task} and --dataset are exclusive: a --dataset run "
+                       "trains on the dataset")
+    if self.dataset is None and self.task not in tasks:
       raise ValueError(f"unknown task {self.task!r}; valid tasks: {', '.join(tasks)}")
     from jaxrl_llm.loop.recipes import get_recipe
     get_recipe(self.algo)                  # an unknown algo, listing the valid ones
@@ -318,4 +333,4 @@ def _check_run_field(f: dataclasses.Field, x: Any) -> None:
     raise ValueError(f"{flag(f.name)} must be {op} {low:g} (got {x})")
 
 
-__all__ = ["RunConfig", "RESUMABLE_FIELDS", "flag"]
+__all__ = ["DEFAULT_TASK", "RunConfig", "RESUMABLE_FIELDS", "flag"]

@@ -48,11 +48,27 @@ def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
     ValueError: ``run_dir`` is not a run folder, has no checkpoint, or its model is
       not a Hugging Face folder.
   """
+  run, model, critic, step, _ = _restore(run_dir)
+  return run, model, critic, step
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+  """Whether two parameter trees hold bit-identical arrays."""
+  import jax
+  import numpy as np
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  return len(la) == len(lb) and all(
+      np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def _restore(run_dir: str) -> tuple[Any, Any, Any, int, bool]:
+  """:func:`restore_run` and whether the policy's weights are bit-identical to the
+  starting ``--model``'s (no update changed them)."""
   from flax import nnx
 
   from jaxrl_llm.loop.resolve import resolve
   from jaxrl_llm.loop.setup import is_checkpoint, load_models, make_task, read_run, restore_state
-  from jaxrl_llm.models.critic import CRITIC, POLICY
+  from jaxrl_llm.models.critic import CRITIC, POLICY, drop_value_head
 
   run = read_run(run_dir)
   if not is_checkpoint(run.model):
@@ -62,11 +78,14 @@ def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
   resolved = resolve(run, task)
   graphdef, params, critic_graphdef = load_models(resolved, task)
   state, step = restore_state(run_dir, resolved, params)
-  params = state.params
+  start, params = params, state.params
   if critic_graphdef is None:
-    return run, nnx.merge(graphdef, params), None, step
+    unchanged = _same_leaves(drop_value_head(graphdef, start)[1],
+                             drop_value_head(graphdef, params)[1])
+    return run, nnx.merge(graphdef, params), None, step, unchanged
+  unchanged = _same_leaves(start[POLICY], params[POLICY])
   return (run, nnx.merge(graphdef, params[POLICY]),
-          nnx.merge(critic_graphdef, params[CRITIC]), step)
+          nnx.merge(critic_graphdef, params[CRITIC]), step, unchanged)
 
 
 def export_run(run_dir: str, dest: str | None = None) -> dict:
@@ -79,7 +98,9 @@ def export_run(run_dir: str, dest: str | None = None) -> dict:
 
   Returns:
     ``{"hf_model": ..., "value_model": ...}`` (paths; ``value_model`` only when the
-    recipe has one), for the run summary.
+    recipe has one), for the run summary; ``policy_weights`` says ``UNCHANGED`` when
+    the exported policy is bit-identical to the starting ``--model`` (a run without
+    learning signal: :mod:`jaxrl_llm.loop.signals`).
 
   Raises:
     ValueError: as :func:`restore_run`.
@@ -96,7 +117,7 @@ def export_run(run_dir: str, dest: str | None = None) -> dict:
   )
   from jaxrl_llm.models.transformer import split_model
 
-  run, model, critic, step = restore_run(run_dir)
+  run, model, critic, step, unchanged = _restore(run_dir)
   dest = run_dir if dest is None else dest
   hf_dir = os.path.join(dest, "hf")
   original = read_hf_config(run.model)
@@ -115,6 +136,10 @@ def export_run(run_dir: str, dest: str | None = None) -> dict:
       if os.path.isfile(src):
         shutil.copyfile(src, os.path.join(hf_dir, name))
   out = {"hf_model": f"{hf_dir} (step {step})"}
+  if unchanged:
+    out["policy_weights"] = (
+        f"UNCHANGED: bit-identical to {run.model} after {step} steps (every update was "
+        "zero: see 'warning' in the run summary, or the rewards in metrics.jsonl)")
   if critic is not None:
     critic_dir = os.path.join(dest, "critic")
     save_pretrained(critic, critic_dir, extra_config=extra)

@@ -7,6 +7,20 @@ import time
 
 from jaxrl_llm.loop.config import RunConfig
 
+# Whether a progress bar without its newline is on the terminal (a TTY bar rewrites its
+# line with ``\r``): a message must end it first (:func:`end_progress_line`).
+_line_open = False
+
+
+def end_progress_line() -> None:
+  """Ends an open progress bar with a newline, so the next message has a line of its own
+  (an interrupt, a warning, the summary); does nothing otherwise."""
+  global _line_open
+  if _line_open:
+    sys.stderr.write("\n")
+    sys.stderr.flush()
+    _line_open = False
+
 
 def report_progress(run: RunConfig, step: int, row: dict, start_time: float,
                     start_step: int) -> None:
@@ -16,6 +30,7 @@ def report_progress(run: RunConfig, step: int, row: dict, start_time: float,
   the run's first step, so the compilation it includes does not distort them (the
   first line says ``eta after warm-up``). Eval steps add the greedy eval accuracy.
   """
+  global _line_open
   if not run.progress:
     return
   done = step - start_step
@@ -34,8 +49,9 @@ def report_progress(run: RunConfig, step: int, row: dict, start_time: float,
   if stream.isatty():
     stream.write(msg + ("\n" if ev else ""))
     stream.flush()
+    _line_open = not ev
   elif done == 0 or step == run.steps or step % max(run.eval_every, 1) == 0:
     stream.write(msg.lstrip("\r") + "\n")
 
 
-__all__ = ["report_progress"]
+__all__ = ["end_progress_line", "report_progress"]
