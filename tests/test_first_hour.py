@@ -184,3 +184,45 @@ def test_a_dataset_run_has_no_built_in_task(tmp_path):
   run.validate()
   with pytest.raises(ValueError, match="--task copy and --dataset are exclusive"):
     RunConfig(dataset=run.dataset, task="copy").validate()
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_progress_line_and_draws_the_curves(tmp_path):
+  """Ctrl-C on the real command with its progress bar on a terminal (a pty): the
+  checkpoint message starts a line of its own and curves.png is written."""
+  pytest.importorskip("matplotlib")
+  import pty
+  import select
+  import signal
+  import time
+  master, slave = pty.openpty()
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "jaxrl_llm", "train", "--steps", "500", "--prompts-per-step",
+       "2", "--group-size", "2", "--eval-size", "4", "--eval-every", "500",
+       "--save-every", "500", "--out", "run"],
+      env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=slave, text=True)
+  os.close(slave)
+  text, sent, deadline = "", False, time.time() + 240
+  while time.time() < deadline:
+    ready, _, _ = select.select([master], [], [], 1.0)
+    if ready:
+      try:
+        chunk = os.read(master, 4096)
+      except OSError:            # the child closed the terminal
+        break
+      if not chunk:
+        break
+      text += chunk.decode(errors="replace")
+    if not sent and re.search(r"\] [2-9]/500 ", text):
+      proc.send_signal(signal.SIGINT)
+      sent = True
+    if proc.poll() is not None and not ready:
+      break
+  proc.wait(timeout=60)
+  os.close(master)
+  assert sent and proc.returncode == 128 + signal.SIGINT, text
+  assert re.search(r"/500 [^\r\n]*\r?\n\r?SIGINT: checkpoint saved at step \d+", text), text
+  assert (tmp_path / "run" / "curves.png").stat().st_size > 0
+  assert "curves: run/curves.png" in text
