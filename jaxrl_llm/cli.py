@@ -272,13 +272,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
     from jaxrl_llm.loop.resolve import resolve
     resolve(run)      # the run's own checks and the recipe's (before the task is built)
-    if run.dataset is not None:    # every record parses (FILE:LINE errors), before JAX
-      from jaxrl_llm.tasks.jsonl import load_jsonl
-      load_jsonl(run.dataset)
+    if run.dataset is not None:    # FILE:LINE errors, prompt lengths, answers: before JAX
+      from jaxrl_llm.loop.datacheck import check_dataset
+      for warning in check_dataset(run):
+        print(warning, file=sys.stderr)
     _early_note(run)
     import jax
     run.check_devices(jax.device_count())
-  except (ValueError, OSError) as e:
+  except (ValueError, OSError, ImportError) as e:
     print(f"error: {_flags_in_message(str(e))}", file=sys.stderr)
     return 2
   from jaxrl_llm.checkpoint import CheckpointError

@@ -226,3 +226,37 @@ def test_ctrl_c_ends_the_progress_line_and_draws_the_curves(tmp_path):
   assert re.search(r"/500 [^\r\n]*\r?\n\r?SIGINT: checkpoint saved at step \d+", text), text
   assert (tmp_path / "run" / "curves.png").stat().st_size > 0
   assert "curves: run/curves.png" in text
+
+
+def test_prompts_longer_than_the_model_are_one_line(tmp_path):
+  pytest.importorskip("transformers")
+  from tests.test_hf import make_tokenizer_dir
+  model_dir = make_tokenizer_dir(tmp_path / "model")
+  (tmp_path / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 24}))
+  rows = [{"prompt": "what is 3 + 4?", "answer": "7"},
+          {"prompt": "hello world, what is 3 + 4? The answer is 7. " * 3, "answer": "7"}]
+  (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  done = _command("train", "--model", model_dir, "--dataset", "train.jsonl",
+                  "--max-new-tokens", "8", "--out", "runs/x", cwd=tmp_path)
+  assert done.returncode == 2, done.stderr
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1 and re.match(
+      r"error: train.jsonl:2: the prompt is \d+ tokens, which with --max-new-tokens 8 "
+      r"needs \d+ positions; .* has 24 \(max_position_embeddings\)", lines[0]), lines
+  assert not os.path.exists(tmp_path / "runs")
+
+
+def test_answers_the_reward_cannot_parse_warn_with_examples(tmp_path):
+  from jaxrl_llm.loop.datacheck import UNREACHABLE_SHARE, check_dataset
+  answers = ["7", "#### 12", r"\frac{1}{2}"] * 6 + ["x = 3, y = 4", r"(1, \sqrt{2})"]
+  data = tmp_path / "d.jsonl"
+  data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n"
+                          for i, a in enumerate(answers)))
+  assert UNREACHABLE_SHARE == 0.05      # 2 of 20 rows (10%) are more than that
+  (warning,) = check_dataset(RunConfig(dataset=str(data), max_new_tokens=4))
+  assert warning.startswith("warning: --reward math cannot parse the answers of 2 of 20 ")
+  assert "line 19: 'x = 3, y = 4'; line 20: '(1, \\\\sqrt{2})'" in warning
+  assert check_dataset(RunConfig(dataset=str(data), max_new_tokens=4, reward="exact")) == []
+  data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n"
+                          for i, a in enumerate(answers[:18] + ["8"])))
+  assert check_dataset(RunConfig(dataset=str(data), max_new_tokens=4)) == []

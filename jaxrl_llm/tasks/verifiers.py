@@ -449,6 +449,22 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 
+def _parses_as_number(answer: str) -> bool:
+  return parse_number(reference_answer(answer)) is not None
+
+
+# How a registered reward reads a reference answer: ``name -> parses(answer) -> bool``.
+# The command's up-front dataset check (:mod:`jaxrl_llm.loop.datacheck`) warns when a
+# reward parses too few of a dataset's answers ("math" and "boxed" compare other answers
+# as normalised text only, so a completion must write them exactly). A reward without
+# an entry is checked by scoring the answer itself as a completion.
+ANSWER_PARSERS: dict[str, Callable[[str], bool]] = {
+    "math": _parses_as_number,
+    "boxed": _parses_as_number,
+    "exact": lambda answer: True,
+}
+
+
 def register_reward(name: str,
                     fn: RewardFn | None = None) -> RewardFn | Callable[[RewardFn], RewardFn]:
   """Registers a batched reward under ``name`` (usable as a decorator).
@@ -519,7 +535,8 @@ def score(reward: str | RewardFn, prompts: Sequence[str], completions: Sequence[
 
 
 __all__ = [
-    "EXTRACTORS", "REWARDS", "RewardFn", "answers_match", "boxed_reward", "exact_reward",
+    "ANSWER_PARSERS", "EXTRACTORS", "REWARDS", "RewardFn", "answers_match", "boxed_reward",
+    "exact_reward",
     "extract_answer", "extract_boxed", "extract_hash_answer", "extract_last_number",
     "get_reward", "math_reward", "normalize_text", "numbers_close", "parse_number",
     "per_example", "reference_answer", "register_reward", "score",
