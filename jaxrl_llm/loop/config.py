@@ -21,7 +21,7 @@ from jaxrl_llm.train.config import TrainConfig, document_fields, setting
 # Fields that may differ between a run and its resumption.
 RESUMABLE_FIELDS = ("steps", "out", "resume", "resume_or_start", "overwrite",
                     "eval_every", "save_every", "progress", "mesh_data", "mesh_fsdp", "mesh_tensor",
-                    "max_consecutive_skips")
+                    "max_consecutive_skips", "tensorboard", "wandb_project")
 
 
 # The built-in task of a run without --dataset.
@@ -168,6 +168,13 @@ class RunConfig:
   max_staleness: int = setting(
       1, "with --async: the most policy versions a trained batch may lag (0: the "
       "synchronous loop, bit for bit).", min_int=0)
+  tensorboard: bool = setting(
+      False, "also write the metrics as TensorBoard event files in RUN/tensorboard "
+      "(tensorboardX: pip install 'jaxrl_llm[tensorboard]'; off unless given, so a run's "
+      "outputs do not depend on what is installed).")
+  wandb_project: str | None = setting(
+      None, "also log the metrics to this Weights & Biases project (pip install wandb; "
+      "WANDB_MODE=offline writes RUN/wandb without a network).")
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
@@ -242,6 +249,14 @@ class RunConfig:
                          f"got {size}")
     if [self.mesh_data, self.mesh_fsdp, self.mesh_tensor].count(-1) > 1:
       raise ValueError("only one of --data, --fsdp, --tensor may be -1")
+    import importlib.util
+    for wanted, module, install in ((self.tensorboard, "tensorboardX",
+                                     "'jaxrl_llm[tensorboard]'"),
+                                    (self.wandb_project, "wandb", "wandb")):
+      if wanted and importlib.util.find_spec(module) is None:
+        name = "--tensorboard" if module == "tensorboardX" else "--wandb-project"
+        raise ValueError(f"{name} needs {module}, which is not installed: pip install "
+                         f"{install}")
     if self.resume and self.overwrite:
       raise ValueError("--resume and --overwrite are exclusive")
     if self.partial_rollouts and self.rollout != "engine":

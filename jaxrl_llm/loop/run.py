@@ -144,9 +144,14 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
 
   start, history, state = _resume(run, ckpt, metrics_path, state)
   metrics = rf.MetricsWriter(metrics_path)
+  from jaxrl_llm.loop.sinks import BackgroundSinks, make_sinks
+  sinks = make_sinks(run, warn=_say) if jax.process_index() == 0 else BackgroundSinks([])
   if start == 0:
     history = [{"step": 0, **evaluate(policy, state.params, task, eval_problems)}]
     metrics.append(history[-1])
+    sinks.write(history[-1])
+  last_eval = next((r["eval_accuracy"] for r in reversed(history) if "eval_accuracy" in r),
+                   None)
 
   if run.progress:
     opt = resolved.optimizer
@@ -208,6 +213,8 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
           row.update(evaluate(policy, state.params, task, eval_problems))
         history.append(row)
         metrics.append(row)
+        sinks.write(row)                # queued: the sinks' thread writes (loop.sinks)
+        last_eval = row.get("eval_accuracy", last_eval)
         skipped = step_skipped(row, config)
         ckpt.note_step(skipped)       # a restored state that never learns is not saved again
         skips = skips + 1 if skipped else 0
@@ -222,7 +229,7 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
           ckpt.save(step, state, extra={"step": step})
         if step == start + 1:
           t_warm, warm_step = time.time(), step
-        report_progress(run, step, row, t_warm, warm_step)
+        report_progress(run, step, row, t_warm, warm_step, last_eval=last_eval)
         if on_step is not None:
           on_step(row)
         if stop.requested and step < run.steps:
@@ -241,6 +248,7 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
       ckpt.close()
       raise
     finally:
+      sinks.close()
       if asynchronous is not None:
         asynchronous.close()
   metrics.close()
