@@ -100,7 +100,8 @@ class RunConfig:
       "instead of the built-in --task.")
   reward: str = setting(
       "math", "the reward of --dataset completions (a name in jaxrl_llm.tasks.REWARDS: "
-      "math, boxed, exact).")
+      "math, boxed, exact, math_verify: Hugging Face's math-verify, pip install "
+      "'jaxrl_llm[math_verify]').")
   max_new_tokens: int = setting(64, "tokens sampled per completion on --dataset.",
                                 min_int=1)
   critic: str | None = setting(
@@ -250,11 +251,12 @@ class RunConfig:
     if [self.mesh_data, self.mesh_fsdp, self.mesh_tensor].count(-1) > 1:
       raise ValueError("only one of --data, --fsdp, --tensor may be -1")
     import importlib.util
-    for wanted, module, install in ((self.tensorboard, "tensorboardX",
-                                     "'jaxrl_llm[tensorboard]'"),
-                                    (self.wandb_project, "wandb", "wandb")):
+    for name, wanted, module, install in (
+        ("--tensorboard", self.tensorboard, "tensorboardX", "'jaxrl_llm[tensorboard]'"),
+        ("--wandb-project", self.wandb_project, "wandb", "wandb"),
+        ("--reward math_verify", self.dataset is not None and self.reward == "math_verify",
+         "math_verify", "'jaxrl_llm[math_verify]'")):
       if wanted and importlib.util.find_spec(module) is None:
-        name = "--tensorboard" if module == "tensorboardX" else "--wandb-project"
         raise ValueError(f"{name} needs {module}, which is not installed: pip install "
                          f"{install}")
     if self.resume and self.overwrite:
