@@ -203,7 +203,9 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
                "time_s": time.time() - t_step}
         if step <= warmup_steps:
           row["critic_warmup"] = 1.0     # the policy is frozen (OptimizerSettings)
-        warning = watch.update(step, scored["scores"], group_size=resolved.sampling.group_size,
+        warning = watch.update(step, scored["scores"], group_size=(
+                                   resolved.sampling.group_size if resolved.estimator.group
+                                   else len(scored["scores"])),    # a batch-wide baseline
                                grad_norm=row.get("grad_norm"),
                                accuracy=float(np.mean(scored["exact"])))
         if warning is not None:          # once per run (loop.signals)

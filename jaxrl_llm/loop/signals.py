@@ -5,7 +5,9 @@ whose rewards differ: a step in which every group's rewards are equal (all wrong
 reward that parses nothing, a budget too short for any answer) has all-zero
 advantages, and with the KL term at its minimum (policy = reference) a zero gradient
 and a bit-identical model. :class:`SignalWatch` counts such steps: a step has **no
-learning signal** when no group's scores vary, or its gradient norm is exactly 0. After
+learning signal** when no group's scores vary (for an estimator without a group
+baseline, PPO's GAE or self-critical: when no score of the batch differs from the
+others), or its gradient norm is exactly 0. After
 :data:`NO_SIGNAL_STEPS` of them in a row (or every step of a shorter run) it returns one
 warning line, once per run.
 
