@@ -272,13 +272,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
     from jaxrl_llm.loop.resolve import resolve
     resolve(run)      # the run's own checks and the recipe's (before the task is built)
-    if run.dataset is not None:    # every record parses (FILE:LINE errors), before JAX
-      from jaxrl_llm.tasks.jsonl import load_jsonl
-      load_jsonl(run.dataset)
+    if run.dataset is not None:    # FILE:LINE errors, prompt lengths, answers: before JAX
+      from jaxrl_llm.loop.datacheck import check_dataset
+      for warning in check_dataset(run):
+        print(warning, file=sys.stderr)
     _early_note(run)
     import jax
     run.check_devices(jax.device_count())
-  except (ValueError, OSError) as e:
+  except (ValueError, OSError, ImportError) as e:
     print(f"error: {_flags_in_message(str(e))}", file=sys.stderr)
     return 2
   from jaxrl_llm.checkpoint import CheckpointError
@@ -295,10 +296,10 @@ def cmd_train(args: argparse.Namespace) -> int:
   except (rf.RunFolderIOError, CheckpointError, SkippedUpdatesError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
-  except rf.RunInterrupted as e:
-    return e.exit_code
-  except KeyboardInterrupt:
-    return 130
+  except KeyboardInterrupt as e:     # RunInterrupted (a first Ctrl-C, SIGTERM) included
+    if os.path.exists(os.path.join(run.out, rf.METRICS_FILE)):
+      print(f"curves: {_draw_curves(run.out)}", file=sys.stderr)
+    return e.exit_code if isinstance(e, rf.RunInterrupted) else 130
   from jaxrl_llm.loop.setup import is_checkpoint
   if is_checkpoint(run.model):
     from jaxrl_llm.loop.export import export_run
@@ -307,14 +308,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (ValueError, OSError, CheckpointError) as e:
       print(f"error: exporting the trained model: {e}", file=sys.stderr)
       return 1
-  png = os.path.join(run.out, "curves.png")
-  try:
-    plot_runs([run.out], None, png)
-    summary["plot"] = png
-  except ImportError:
-    summary["plot"] = "not drawn (matplotlib is not installed: pip install matplotlib)"
+  summary["plot"] = _draw_curves(run.out)
   print(format_summary(summary))
   return 0
+
+
+def _draw_curves(run_dir: str) -> str:
+  """Draws ``RUN/curves.png`` (a finished or an interrupted run); its path, or why not."""
+  png = os.path.join(run_dir, "curves.png")
+  try:
+    plot_runs([run_dir], None, png)
+  except ImportError:
+    return "not drawn (matplotlib is not installed: pip install matplotlib)"
+  except (OSError, ValueError) as e:
+    return f"not drawn ({e})"
+  return png
 
 
 def _fail(command: str, message: str) -> int:
@@ -352,6 +360,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     result = export_run(args.run, args.out)
   except (ValueError, OSError, CheckpointError) as e:
     return _fail("export", str(e))
+  if "policy_weights" in result:
+    print(f"warning: export: the policy's weights are {result['policy_weights']}",
+          file=sys.stderr)
   print(json.dumps(result))
   return 0
 

@@ -440,6 +440,8 @@ def test_ctrl_c_twice_on_the_command_keeps_the_save_and_prints_no_traceback(tmp_
   lines = [line for line in err.splitlines() if line]
   after = lines[lines.index("received SIGINT: finishing the current step, saving a "
                             "checkpoint, then exiting (Ctrl-C again to stop at once)") + 1:]
+  assert after[-1] == f"curves: {out}/curves.png", after    # the interrupted run's curves
+  after = after[:-1]
   step = names[0]
   assert "orbax" not in err, err[-3000:]
   held = (f"Ctrl-C: the checkpoint of step {step} is being written; the interrupt takes "

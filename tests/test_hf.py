@@ -393,8 +393,8 @@ def test_save_pretrained_roundtrip_through_transformers(family, ckpt_root, tmp_p
   model.value_w[...] = jnp.linspace(-1, 1, model.config.d_model)[:, None]
   out = str(tmp_path / "saved")
   save_pretrained(model, out, extra_config={"bos_token_id": 1})
-  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors",
-                                     "value_head.safetensors"]
+  assert sorted(os.listdir(out)) == ["config.json", "generation_config.json",
+                                     "model.safetensors", "value_head.safetensors"]
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   original = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
   tokens, mask = _padded_batch(seed=2)

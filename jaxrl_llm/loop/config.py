@@ -20,8 +20,13 @@ from jaxrl_llm.train.config import TrainConfig, document_fields, setting
 
 # Fields that may differ between a run and its resumption.
 RESUMABLE_FIELDS = ("steps", "out", "resume", "resume_or_start", "overwrite",
-                    "eval_every", "save_every", "progress", "mesh_data", "mesh_fsdp", "mesh_tensor",
-                    "max_consecutive_skips")
+                    "eval_every", "save_every", "progress", "mesh_data", "mesh_fsdp",
+                    "mesh_tensor", "rollout_devices", "max_consecutive_skips", "tensorboard",
+                    "wandb_project")
+
+
+# The built-in task of a run without --dataset.
+DEFAULT_TASK = "reverse"
 
 
 def flag(name: str) -> str:
@@ -47,7 +52,9 @@ def _algo_names() -> list:
 @dataclasses.dataclass
 class RunConfig:
   """Everything that defines a run (written to ``config.json``)."""
-  task: str = setting("reverse", "the built-in task to train on.", choices=_task_names)
+  task: str | None = setting(
+      DEFAULT_TASK, "the built-in task to train on (None on a --dataset run, which has "
+      "its own: a run's config.json names what it trained on).", choices=_task_names)
   algo: str = setting("grpo", "the algorithm recipe (see :mod:`jaxrl_llm.loop.recipes`).",
                       choices=_algo_names)
   model: str = setting(
@@ -94,7 +101,8 @@ class RunConfig:
       "instead of the built-in --task.")
   reward: str = setting(
       "math", "the reward of --dataset completions (a name in jaxrl_llm.tasks.REWARDS: "
-      "math, boxed, exact).")
+      "math, boxed, exact, math_verify: Hugging Face's math-verify, pip install "
+      "'jaxrl_llm[math_verify]').")
   max_new_tokens: int = setting(64, "tokens sampled per completion on --dataset.",
                                 min_int=1)
   critic: str | None = setting(
@@ -166,10 +174,23 @@ class RunConfig:
       0, "with --async: the last N devices of this host generate (one engine replica "
       "each, the weights copied device to device after every step) and the trainer's "
       "mesh takes the others; 0: both share every device.", min_int=0)
+  tensorboard: bool = setting(
+      False, "also write the metrics as TensorBoard event files in RUN/tensorboard "
+      "(tensorboardX: pip install 'jaxrl_llm[tensorboard]'; off unless given, so a run's "
+      "outputs do not depend on what is installed).")
+  wandb_project: str | None = setting(
+      None, "also log the metrics to this Weights & Biases project (pip install wandb; "
+      "WANDB_MODE=offline writes RUN/wandb without a network).")
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
       factory=dict)
+
+  def __post_init__(self) -> None:
+    # A --dataset run has no built-in task: config.json, the banner and the summary name
+    # the dataset (the default task name there would be a false record).
+    if self.dataset is not None and self.task == DEFAULT_TASK:
+      self.task = None
 
   @classmethod
   def from_dict(cls, fields: dict) -> RunConfig:
@@ -194,7 +215,10 @@ class RunConfig:
     """Raises ``ValueError`` with a one-line message for a bad setting of the run's
     own fields (the recipe-dependent checks are :func:`~jaxrl_llm.loop.resolve.resolve`'s)."""
     tasks = _task_names()
-    if self.task not in tasks:
+    if self.dataset is not None and self.task is not None:
+      raise ValueError(f"--task {self.task} and --dataset are exclusive: a --dataset run "
+                       "trains on the dataset")
+    if self.dataset is None and self.task not in tasks:
       raise ValueError(f"unknown task {self.task!r}; valid tasks: {', '.join(tasks)}")
     from jaxrl_llm.loop.recipes import get_recipe
     get_recipe(self.algo)                  # an unknown algo, listing the valid ones
@@ -231,6 +255,15 @@ class RunConfig:
                          f"got {size}")
     if [self.mesh_data, self.mesh_fsdp, self.mesh_tensor].count(-1) > 1:
       raise ValueError("only one of --data, --fsdp, --tensor may be -1")
+    import importlib.util
+    for name, wanted, module, install in (
+        ("--tensorboard", self.tensorboard, "tensorboardX", "'jaxrl_llm[tensorboard]'"),
+        ("--wandb-project", self.wandb_project, "wandb", "wandb"),
+        ("--reward math_verify", self.dataset is not None and self.reward == "math_verify",
+         "math_verify", "'jaxrl_llm[math_verify]'")):
+      if wanted and importlib.util.find_spec(module) is None:
+        raise ValueError(f"{name} needs {module}, which is not installed: pip install "
+                         f"{install}")
     if self.resume and self.overwrite:
       raise ValueError("--resume and --overwrite are exclusive")
     if self.partial_rollouts and self.rollout != "engine":
@@ -334,4 +367,4 @@ def _check_run_field(f: dataclasses.Field, x: Any) -> None:
     raise ValueError(f"{flag(f.name)} must be {op} {low:g} (got {x})")
 
 
-__all__ = ["RunConfig", "RESUMABLE_FIELDS", "flag"]
+__all__ = ["DEFAULT_TASK", "RunConfig", "RESUMABLE_FIELDS", "flag"]

@@ -5,8 +5,10 @@ was a local Hugging Face checkpoint and writes, under ``dest`` (default: the run
 folder):
 
 * ``hf/``: the trained **policy** alone, a plain Hugging Face model folder
-  (:func:`~jaxrl_llm.models.save_pretrained`: ``config.json`` with the original
-  ``bos``/``eos``/``pad`` token ids, safetensors) plus the original tokenizer files
+  (:func:`~jaxrl_llm.models.save_pretrained`: ``config.json`` and
+  ``generation_config.json`` with the original ``bos``/``eos``/``pad`` token ids, else
+  the tokenizer's, by :func:`~jaxrl_llm.models.hf.token_id_fields`; safetensors) plus
+  the original tokenizer files
   (``tokenizer.json``, ``tokenizer_config.json`` with its chat template,
   ``generation_config.json``, ...) copied as they were, so
   ``transformers.AutoModelForCausalLM.from_pretrained(dest + "/hf")``,
@@ -34,8 +36,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json", "tokenizer.model", "vocab.json",
                    "merges.txt")
-# config.json fields carried over from the original model (not architecture fields).
-TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
@@ -48,11 +48,27 @@ def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
     ValueError: ``run_dir`` is not a run folder, has no checkpoint, or its model is
       not a Hugging Face folder.
   """
+  run, model, critic, step, _ = _restore(run_dir)
+  return run, model, critic, step
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+  """Whether two parameter trees hold bit-identical arrays."""
+  import jax
+  import numpy as np
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  return len(la) == len(lb) and all(
+      np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def _restore(run_dir: str) -> tuple[Any, Any, Any, int, bool]:
+  """:func:`restore_run` and whether the policy's weights are bit-identical to the
+  starting ``--model``'s (no update changed them)."""
   from flax import nnx
 
   from jaxrl_llm.loop.resolve import resolve
   from jaxrl_llm.loop.setup import is_checkpoint, load_models, make_task, read_run, restore_state
-  from jaxrl_llm.models.critic import CRITIC, POLICY
+  from jaxrl_llm.models.critic import CRITIC, POLICY, drop_value_head
 
   run = read_run(run_dir)
   if not is_checkpoint(run.model):
@@ -62,11 +78,14 @@ def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
   resolved = resolve(run, task)
   graphdef, params, critic_graphdef = load_models(resolved, task)
   state, step = restore_state(run_dir, resolved, params)
-  params = state.params
+  start, params = params, state.params
   if critic_graphdef is None:
-    return run, nnx.merge(graphdef, params), None, step
+    unchanged = _same_leaves(drop_value_head(graphdef, start)[1],
+                             drop_value_head(graphdef, params)[1])
+    return run, nnx.merge(graphdef, params), None, step, unchanged
+  unchanged = _same_leaves(start[POLICY], params[POLICY])
   return (run, nnx.merge(graphdef, params[POLICY]),
-          nnx.merge(critic_graphdef, params[CRITIC]), step)
+          nnx.merge(critic_graphdef, params[CRITIC]), step, unchanged)
 
 
 def export_run(run_dir: str, dest: str | None = None) -> dict:
@@ -79,7 +98,9 @@ def export_run(run_dir: str, dest: str | None = None) -> dict:
 
   Returns:
     ``{"hf_model": ..., "value_model": ...}`` (paths; ``value_model`` only when the
-    recipe has one), for the run summary.
+    recipe has one), for the run summary; ``policy_weights`` says ``UNCHANGED`` when
+    the exported policy is bit-identical to the starting ``--model`` (a run without
+    learning signal: :mod:`jaxrl_llm.loop.signals`).
 
   Raises:
     ValueError: as :func:`restore_run`.
@@ -88,14 +109,25 @@ def export_run(run_dir: str, dest: str | None = None) -> dict:
   from flax import nnx
 
   from jaxrl_llm.models.critic import drop_value_head
-  from jaxrl_llm.models.hf import read_hf_config, save_pretrained, save_value_head
+  from jaxrl_llm.models.hf import (
+    read_hf_config,
+    save_pretrained,
+    save_value_head,
+    token_id_fields,
+  )
   from jaxrl_llm.models.transformer import split_model
 
-  run, model, critic, step = restore_run(run_dir)
+  run, model, critic, step, unchanged = _restore(run_dir)
   dest = run_dir if dest is None else dest
   hf_dir = os.path.join(dest, "hf")
   original = read_hf_config(run.model)
-  extra = {k: original[k] for k in TOKEN_ID_FIELDS if original.get(k) is not None}
+  tokenizer = None
+  if os.path.isfile(os.path.join(run.model, "tokenizer.json")):
+    from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
+    tokenizer = HFTokenizer.from_pretrained(run.model)
+  # The original config's ids, else the tokenizer's (the rule save_pretrained applies);
+  # an original generation_config.json is copied over the written one below.
+  extra = token_id_fields(tokenizer=tokenizer, config=original)
   policy = nnx.merge(*drop_value_head(*split_model(model)))
   save_pretrained(policy, hf_dir, extra_config=extra)
   if jax.process_index() == 0:
@@ -104,6 +136,10 @@ def export_run(run_dir: str, dest: str | None = None) -> dict:
       if os.path.isfile(src):
         shutil.copyfile(src, os.path.join(hf_dir, name))
   out = {"hf_model": f"{hf_dir} (step {step})"}
+  if unchanged:
+    out["policy_weights"] = (
+        f"UNCHANGED: bit-identical to {run.model} after {step} steps (every update was "
+        "zero: see 'warning' in the run summary, or the rewards in metrics.jsonl)")
   if critic is not None:
     critic_dir = os.path.join(dest, "critic")
     save_pretrained(critic, critic_dir, extra_config=extra)

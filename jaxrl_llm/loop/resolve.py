@@ -130,7 +130,7 @@ def response_budget(run: RunConfig, task: Task | None = None) -> Budget:
     tokens = run.max_new_tokens
   else:
     from jaxrl_llm.tasks import get_task
-    tokens = get_task(run.task).max_new_tokens
+    tokens = get_task(run.task or "").max_new_tokens
   return Budget(tokens, dataset=run.dataset is not None)
 
 

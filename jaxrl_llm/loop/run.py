@@ -44,9 +44,10 @@ from jaxrl_llm.loop.batch import build_batch
 from jaxrl_llm.loop.config import RunConfig
 from jaxrl_llm.loop.evaluation import evaluate
 from jaxrl_llm.loop.policy import Policy
-from jaxrl_llm.loop.progress import report_progress
+from jaxrl_llm.loop.progress import end_progress_line, report_progress
 from jaxrl_llm.loop.resolve import resolve
 from jaxrl_llm.loop.setup import make_policy, make_task
+from jaxrl_llm.loop.signals import SignalWatch
 from jaxrl_llm.train import TrainConfig, make_train_step
 
 
@@ -55,7 +56,9 @@ class SkippedUpdatesError(RuntimeError):
 
 
 def _say(message: str) -> None:
-  """A one-line note on stderr (resume, fallback, checkpoint on a signal)."""
+  """A one-line note on stderr (resume, fallback, checkpoint on a signal), on a line of
+  its own (an open progress bar is ended first)."""
+  end_progress_line()
   sys.stderr.write(message + "\n")
   sys.stderr.flush()
 
@@ -148,9 +151,14 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
 
   start, history, state = _resume(run, ckpt, metrics_path, state)
   metrics = rf.MetricsWriter(metrics_path)
+  from jaxrl_llm.loop.sinks import BackgroundSinks, make_sinks
+  sinks = make_sinks(run, warn=_say) if jax.process_index() == 0 else BackgroundSinks([])
   if start == 0:
     history = [{"step": 0, **evaluate(policy, state.params, task, eval_problems)}]
     metrics.append(history[-1])
+    sinks.write(history[-1])
+  last_eval = next((r["eval_accuracy"] for r in reversed(history) if "eval_accuracy" in r),
+                   None)
 
   if run.progress:
     opt = resolved.optimizer
@@ -175,6 +183,7 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
   t0, step = time.time(), start
   t_warm, warm_step = t0, start
   skips = applied = 0
+  watch = SignalWatch(first_step=start + 1, last_step=run.steps)
   with rf.GracefulStop(announce=True) as stop:
     try:
       for step in range(start + 1, run.steps + 1):
@@ -189,8 +198,9 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
         elif asynchronous is not None:
           rows, problems, extra = asynchronous.take(step)
           drawn = (rows, problems)
+        scored: dict = {}
         batch, stats = build_batch(resolved, task, policy, state.params, ref_params,
-                                   rng_np, key, drawn=drawn)
+                                   rng_np, key, drawn=drawn, info=scored)
         if drawn is not None:
           from jaxrl_llm.loop.partial import behaviour_kl
           stats.update(extra, behaviour_kl=behaviour_kl(batch))
@@ -202,10 +212,20 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
                "time_s": time.time() - t_step}
         if step <= warmup_steps:
           row["critic_warmup"] = 1.0     # the policy is frozen (OptimizerSettings)
+        warning = watch.update(step, scored["scores"], group_size=(
+                                   resolved.sampling.group_size if resolved.estimator.group
+                                   else len(scored["scores"])),    # a batch-wide baseline
+                               grad_norm=row.get("grad_norm"),
+                               accuracy=float(np.mean(scored["exact"])))
+        if warning is not None:          # once per run (loop.signals)
+          row["no_learning_signal_steps"] = float(watch.streak)
+          _say(warning)
         if step % run.eval_every == 0 or step == run.steps:
           row.update(evaluate(policy, state.params, task, eval_problems))
         history.append(row)
         metrics.append(row)
+        sinks.write(row)                # queued: the sinks' thread writes (loop.sinks)
+        last_eval = row.get("eval_accuracy", last_eval)
         skipped = step_skipped(row, config)
         ckpt.note_step(skipped)       # a restored state that never learns is not saved again
         skips = skips + 1 if skipped else 0
@@ -220,7 +240,7 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
           ckpt.save(step, state, extra={"step": step})
         if step == start + 1:
           t_warm, warm_step = time.time(), step
-        report_progress(run, step, row, t_warm, warm_step)
+        report_progress(run, step, row, t_warm, warm_step, last_eval=last_eval)
         if on_step is not None:
           on_step(row)
         if stop.requested and step < run.steps:
@@ -239,18 +259,21 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
       ckpt.close()
       raise
     finally:
+      sinks.close()
       if asynchronous is not None:
         asynchronous.close()
   metrics.close()
   kept = ckpt.all_steps()
   ckpt.close()
-  if run.progress and sys.stderr.isatty():
-    sys.stderr.write("\n")
+  if run.progress:
+    end_progress_line()
   if step > start and applied == 0:
     raise SkippedUpdatesError(
         f"every update of steps {start + 1}-{step} was skipped (non-finite loss, "
         f"gradients or state; see 'skipped' in {metrics_path}): nothing was learned.")
   summary = summarize(history, time.time() - t0, run)
+  if watch.warned is not None:
+    summary["warning"] = watch.warned.removeprefix("warning: ")
   summary["metrics_file"] = metrics_path
   summary["checkpoints"] = f"{ckpt.directory} (steps {', '.join(map(str, kept))})"
   return summary
@@ -309,7 +332,7 @@ def _save_on_interrupt(run: RunConfig, ckpt: Checkpointer, state) -> None:
   except Exception:  # noqa: BLE001 - deleted buffers raise a runtime error
     note = f"kept the checkpoint of step {ckpt.latest_step()}"
   ckpt.close()
-  _say(f"\ninterrupted: {note} in {run.out}")
+  _say(f"interrupted: {note} in {run.out}")
 
 
 def summarize(history: list[dict], wall_s: float, run: RunConfig) -> dict:

@@ -37,6 +37,7 @@ def make_task(run: RunConfig) -> Task:
       raise ValueError("--model PATH (a Hugging Face checkpoint) needs --dataset: the "
                        "built-in tasks use their own character tokenizer.")
     from jaxrl_llm.tasks import get_task
+    assert run.task is not None          # validate(): a run without --dataset has one
     return get_task(run.task)
   from jaxrl_llm.tasks import JsonlTask
   tokenizer = None

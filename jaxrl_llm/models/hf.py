@@ -736,6 +736,46 @@ def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
             if not name.endswith(_IGNORED_SUFFIXES)}
 
 
+# config.json / generation_config.json fields that say how generation starts, pads and
+# stops (not architecture fields): written by save_pretrained, carried over by export.
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def token_id_fields(*, tokenizer: Any = None,
+                    config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """The ``bos``/``eos``/``pad`` token ids of :data:`TOKEN_ID_FIELDS` to write into
+  ``config.json`` and ``generation_config.json``: those set in ``config`` (an original
+  ``config.json``), else the ``tokenizer``'s (an
+  :class:`~jaxrl_llm.tasks.hf_tokenizer.HFTokenizer`: every id in ``eos_ids``, a list
+  when there are several, as Llama-3's generation config has; the pad id only when the
+  tokenizer names a ``pad_token``). Unknown ids are left out.
+
+  Examples:
+    >>> from tokenizers import Tokenizer, models
+    >>> from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
+    >>> vocab = {"<s>": 0, "</s>": 1, "<eot>": 2, "hi": 3}
+    >>> tok = HFTokenizer(Tokenizer(models.WordLevel(vocab, unk_token="hi")),
+    ...                   special_tokens={"bos_token": "<s>", "eos_token": "</s>"},
+    ...                   extra_eos_ids=[2])
+    >>> token_id_fields(tokenizer=tok)
+    {'bos_token_id': 0, 'eos_token_id': [1, 2]}
+    >>> token_id_fields(tokenizer=tok, config={"eos_token_id": 2, "pad_token_id": None})
+    {'bos_token_id': 0, 'eos_token_id': 2}
+  """
+  out: dict[str, Any] = {}
+  if tokenizer is not None:
+    eos = [int(i) for i in getattr(tokenizer, "eos_ids", ())]
+    out["bos_token_id"] = tokenizer.bos_id
+    out["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+    if "pad_token" in getattr(tokenizer, "special_tokens", {}):
+      out["pad_token_id"] = tokenizer.pad_id
+  for key in TOKEN_ID_FIELDS:
+    if config is not None and config.get(key) is not None:
+      out[key] = config[key]
+  return {k: v for k, v in out.items() if v is not None}
+
+
 def save_pretrained(model: Transformer, path: str | os.PathLike, *,
                     max_shard_size: int | str = "5GB", dtype: DTypeLike | None = None,
                     extra_config: Mapping[str, Any] | None = None, tokenizer: Any = None) -> None:
@@ -745,6 +785,9 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
   in files of at most ``max_shard_size`` bytes: one ``model.safetensors``, or
   ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``.
   ``transformers.AutoModelForCausalLM.from_pretrained(path)`` and vLLM load the result.
+  The ``bos``/``eos``/``pad`` ids (:func:`token_id_fields`: ``extra_config``'s, else the
+  ``tokenizer``'s) go into ``config.json`` and a ``generation_config.json``, so
+  ``transformers``' ``generate`` stops at the tokenizer's eos.
   The value head, when the model has one, goes to ``value_head.safetensors`` (not part
   of the Hugging Face model; :func:`from_pretrained` with ``value_head=True`` reads it).
   With several processes every process must call this (sharded arrays are gathered)
@@ -758,7 +801,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
     extra_config: more ``config.json`` fields (e.g. ``bos_token_id``/``eos_token_id``
       of the original checkpoint); they may not override the architecture fields.
     tokenizer: an :class:`~jaxrl_llm.tasks.hf_tokenizer.HFTokenizer` to save beside the
-      model (``tokenizer.json``, ``tokenizer_config.json`` with its chat template).
+      model (``tokenizer.json``, ``tokenizer_config.json`` with its chat template);
+      its token ids fill the :data:`TOKEN_ID_FIELDS` that ``extra_config`` leaves out.
 
   Raises:
     ValueError: for a model no supported architecture expresses, or ``extra_config``
@@ -776,6 +820,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
       raise ValueError(f"`extra_config` may not override {key!r} "
                        f"({hf_config[key]!r} -> {val!r}).")
   hf_config.update(extra)
+  ids = token_id_fields(tokenizer=tokenizer, config=extra)
+  hf_config.update(ids)
   _, params = split_model(model)
   tensors = list(hf_tensors(config, params, dtype=out_dtype))
   value: dict[str, np.ndarray] = {}
@@ -811,6 +857,10 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
     _write_json(os.path.join(path, _INDEX_FILE),
                 {"metadata": {"total_size": total}, "weight_map": weight_map})
   _write_json(os.path.join(path, "config.json"), hf_config)
+  if ids:
+    _write_json(os.path.join(path, GENERATION_CONFIG_FILE), ids)
+  elif os.path.exists(os.path.join(path, GENERATION_CONFIG_FILE)):
+    os.remove(os.path.join(path, GENERATION_CONFIG_FILE))
   if value:
     save_file(value, os.path.join(path, VALUE_HEAD_FILE), metadata=meta)
   if tokenizer is not None:
@@ -875,7 +925,8 @@ def num_params(config: TransformerConfig) -> int:
   return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract))
 
 
-__all__ = ["ARCHITECTURES", "LAYOUT_KINDS", "LayoutKind", "VALUE_HEAD_FILE",
+__all__ = ["ARCHITECTURES", "GENERATION_CONFIG_FILE", "LAYOUT_KINDS", "LayoutKind",
+           "TOKEN_ID_FIELDS", "VALUE_HEAD_FILE", "token_id_fields",
            "checkpoint_shapes", "config_from_hf", "config_model_type", "from_pretrained",
            "hf_config_from", "hf_layout", "hf_shapes", "hf_tensors", "num_params",
            "read_hf_config", "save_pretrained", "save_value_head"]

@@ -12,17 +12,22 @@ as in TRL's ``reward_funcs`` and verl's ``compute_score``), so it may call anyth
 it must not raise on malformed model output (the built-in ones give 0 there).
 Built-in rewards are registered by name in :data:`REWARDS` (:func:`get_reward`):
 
-============  ==================================================================
-name          reward (1.0 or 0.0)
-============  ==================================================================
-``"math"``    :func:`extract_answer` of the completion (``\boxed{}``, then
-              ``#### n``, then the last number) equals the reference
-              (:func:`answers_match`: numerically within tolerance, else as
-              normalised strings)
-``"boxed"``   like ``"math"``, but only a ``\boxed{}`` answer counts (the format
-              is part of the task, as in DeepSeek-R1-style training)
-``"exact"``   the whole completion equals the answer after :func:`normalize_text`
-============  ==================================================================
+=================  =============================================================
+name               reward (1.0 or 0.0)
+=================  =============================================================
+``"math"``         :func:`extract_answer` of the completion (``\boxed{}``, then
+                   ``#### n``, then the last number) equals the reference
+                   (:func:`answers_match`: numerically within tolerance, else as
+                   normalised strings)
+``"boxed"``        like ``"math"``, but only a ``\boxed{}`` answer counts (the
+                   format is part of the task, as in DeepSeek-R1-style training)
+``"exact"``        the whole completion equals the answer after
+                   :func:`normalize_text`
+``"math_verify"``  Hugging Face's ``math-verify`` finds the completion's answer
+                   equal to the reference (:func:`math_verify_reward`: symbolic
+                   equality, sets, intervals, equations; the optional extra
+                   ``jaxrl_llm[math_verify]``)
+=================  =============================================================
 
 Add your own with :func:`register_reward` (a batched function) or lift a
 per-example ``f(prompt, completion, answer) -> float`` with :func:`per_example`.
@@ -58,11 +63,12 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -442,10 +448,96 @@ def per_example(fn: Callable[[str, str, str], float]) -> RewardFn:
   return batched
 
 
+# The characters of a completion math-verify reads (its end, where the answer is): a
+# bound on the work of one parse, since the timeouts are off (see math_verify_reward).
+MATH_VERIFY_MAX_CHARS = 2000
+MATH_VERIFY_EXTRA = "pip install 'jaxrl_llm[math_verify]'"
+
+
+def _math_verify() -> Any:
+  try:
+    import math_verify
+  except ImportError:
+    raise ImportError("the math_verify reward needs Hugging Face's math-verify package, "
+                      f"which is not installed: {MATH_VERIFY_EXTRA}") from None
+  # Timeouts are off (below); its one-time note that they are is not news here.
+  for module in ("parser", "grader"):
+    mod = getattr(math_verify, module, None)
+    if mod is not None and hasattr(mod, "TIMEOUT_WARNING_SHOWN"):
+      mod.TIMEOUT_WARNING_SHOWN = True
+  return math_verify
+
+
+@functools.lru_cache(maxsize=65536)
+def _math_verify_gold(answer: str) -> tuple:
+  """The parsed reference (cached: a group's samples share it)."""
+  mv = _math_verify()
+  return tuple(mv.parse(f"\\boxed{{{reference_answer(answer)}}}", parsing_timeout=None))
+
+
+def math_verify_reward(prompts: Sequence[str], completions: Sequence[str],
+                       answers: Sequence[str]) -> np.ndarray:
+  r"""1.0 where Hugging Face's ``math-verify`` finds the completion's answer equal to the
+  reference, else 0.0 (``pip install 'jaxrl_llm[math_verify]'``).
+
+  The reference is :func:`reference_answer` (the ``oxed{}`` / ``#### n`` of a
+  rationale, else the whole answer) parsed as ``oxed{reference}``; the completion's
+  last :data:`MATH_VERIFY_MAX_CHARS` characters are parsed with math-verify's default
+  extraction (LaTeX, ``oxed{}`` first, then plain expressions) and compared with
+  ``math_verify.verify`` (symbolic and numeric equality, sets, intervals, equations).
+
+  Its timeouts are off: math-verify times out with ``signal.alarm``, which works only in
+  the main thread (elsewhere, as in the ``--async`` rollout thread, every call would
+  fail and score 0) and makes a result depend on the machine's speed. Without them the
+  reward is deterministic in any thread; the length bound keeps each parse small.
+
+  A limit to know: math-verify reads a word as a product of one-letter symbols (case
+  folded), so ``\boxed{sirap}`` equals ``Paris``; use ``"exact"`` for text answers.
+
+  Examples:
+    >>> math_verify_reward(["q"] * 3, [r"so oxed{rac{1}{2}}", "it is 0.5", "3/4"],
+    ...                    ["0.5", "#### 1/2", "1/2"]).tolist()   # doctest: +SKIP
+    [1.0, 1.0, 0.0]
+  """
+  n = _check_batch(prompts, completions, answers)
+  mv = _math_verify()
+  out = np.zeros((n,), np.float32)
+  for i, (c, a) in enumerate(zip(completions, answers)):
+    gold = _math_verify_gold(str(a))
+    if not isinstance(c, str) or not gold:
+      continue
+    pred = mv.parse(c[-MATH_VERIFY_MAX_CHARS:], parsing_timeout=None)
+    out[i] = float(bool(pred) and mv.verify(list(gold), pred, timeout_seconds=None))
+  return out
+
+
+def _math_verify_parses(answer: str) -> bool:
+  """Whether math-verify parses ``answer`` into a math object (not only its text)."""
+  return any(not isinstance(x, str) for x in _math_verify_gold(str(answer)))
+
+
 REWARDS: dict[str, RewardFn] = {
     "math": math_reward,
     "boxed": boxed_reward,
     "exact": exact_reward,
+    "math_verify": math_verify_reward,
+}
+
+
+def _parses_as_number(answer: str) -> bool:
+  return parse_number(reference_answer(answer)) is not None
+
+
+# How a registered reward reads a reference answer: ``name -> parses(answer) -> bool``.
+# The command's up-front dataset check (:mod:`jaxrl_llm.loop.datacheck`) warns when a
+# reward parses too few of a dataset's answers ("math" and "boxed" compare other answers
+# as normalised text only, so a completion must write them exactly). A reward without
+# an entry is checked by scoring the answer itself as a completion.
+ANSWER_PARSERS: dict[str, Callable[[str], bool]] = {
+    "math": _parses_as_number,
+    "boxed": _parses_as_number,
+    "exact": lambda answer: True,
+    "math_verify": _math_verify_parses,
 }
 
 
@@ -519,7 +611,8 @@ def score(reward: str | RewardFn, prompts: Sequence[str], completions: Sequence[
 
 
 __all__ = [
-    "EXTRACTORS", "REWARDS", "RewardFn", "answers_match", "boxed_reward", "exact_reward",
+    "ANSWER_PARSERS", "EXTRACTORS", "REWARDS", "RewardFn", "answers_match", "boxed_reward",
+    "exact_reward", "math_verify_reward",
     "extract_answer", "extract_boxed", "extract_hash_answer", "extract_last_number",
     "get_reward", "math_reward", "normalize_text", "numbers_close", "parse_number",
     "per_example", "reference_answer", "register_reward", "score",
