@@ -368,8 +368,8 @@ def test_chunked_swiglu_strided_chunks_pinned():
   assert_close(ref, np_ref, atol=1e-5)
   for chunk, shards in ((1, 1), (2, 1), (3, 1), (7, 1), (100, 1), (2, 2)):
     assert_close(chunked_swiglu(x, *w, chunk, shards), ref, atol=1e-6)
-    g_c = jax.grad(lambda x, w: jnp.sum(jnp.sin(chunked_swiglu(x, *w, chunk, shards))),
-                   argnums=(0, 1))(x, w)
+    g_c = jax.grad(lambda x, w, c=chunk, s=shards: jnp.sum(jnp.sin(
+        chunked_swiglu(x, *w, c, s))), argnums=(0, 1))(x, w)
     g_u = jax.grad(lambda x, w: jnp.sum(jnp.sin(swiglu(x, *w))), argnums=(0, 1))(x, w)
     assert_close(g_c, g_u, atol=1e-5)
   with pytest.raises(ValueError, match="mlp_chunk_size"):
