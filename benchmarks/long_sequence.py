@@ -178,7 +178,9 @@ def compile_case(name: str, mesh_spec: str | int, length: int, **overrides) -> d
   return {"model": name, "params": n_params, "mesh": mesh_spec, "devices": devices,
           "B": rows, "T": length, "total_gib": total / GIB,
           "temp_gib": mem.temp_size_in_bytes / GIB,
-          "args_gib": mem.argument_size_in_bytes / GIB, "compile_s": seconds,
+          "args_gib": mem.argument_size_in_bytes / GIB,
+          "output_gib": mem.output_size_in_bytes / GIB,
+          "alias_gib": mem.alias_size_in_bytes / GIB, "compile_s": seconds,
           "collective_permutes": hlo.count("collective-permute-start")
           or hlo.count("collective-permute("),
           "all_gathers": hlo.count("all-gather-start") or hlo.count("all-gather(")}
