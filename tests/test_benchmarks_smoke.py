@@ -77,3 +77,54 @@ def test_adv_var_norm_is_a_ratio_of_summed_variances():
           {"adv_var": 0.25, "score_var": 1.0}]
   assert _variance_ratio(rows) == 0.5      # (0.5 + 0.25 + 0.25) / (1 + 0 + 1)
   assert _variance_ratio(rows[1:2]) != _variance_ratio(rows[1:2])   # NaN, not 2.5e11
+
+
+def test_long_sequence_compile_case_tiny():
+  # The long-sequence benchmark's measurement on the tiny config (1 device, default XLA
+  # pipeline): the argument bytes are exactly the f32 params + Adam moments + count +
+  # hparams + the six [1, T] batch arrays; temporaries are positive.
+  import jax
+  import optax
+  from flax import nnx
+
+  from benchmarks.long_sequence import GIB, compile_case, model_config
+  from jaxrl_llm.models.transformer import Transformer, split_model
+  from jaxrl_llm.train import TrainConfig, init_train_state
+
+  row = compile_case("tiny", "1", 64)
+  _, params = split_model(nnx.eval_shape(lambda: Transformer(model_config("tiny"))))
+  state = jax.eval_shape(lambda p: init_train_state(p, optax.adam(1e-5), TrainConfig()),
+                         params)
+  state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  assert row["params"] == 90_497 and (row["mesh"], row["devices"], row["B"]) == ("1", 1, 1)
+  assert row["args_gib"] * GIB == state_bytes + 6 * 64 * 4
+  assert row["temp_gib"] > 0 and row["total_gib"] >= row["args_gib"]
+  assert row["collective_permutes"] == 0
+
+
+def test_long_sequence_mesh_specs():
+  from benchmarks.long_sequence import main, mesh_devices, parse_mesh
+  assert parse_mesh("1") == {} and mesh_devices("1") == 1
+  assert parse_mesh("fsdp=4,sequence=2") == {"fsdp": 4, "sequence": 2}
+  assert mesh_devices("fsdp=4,sequence=2") == 8
+  with pytest.raises(ValueError, match="mesh"):
+    parse_mesh("fsdp=0")
+  with pytest.raises(SystemExit):
+    main(["--meshes", "pipes=2"])
+
+
+@pytest.mark.slow
+def test_long_sequence_cli_tiny_meshes(tmp_path):
+  # The command end to end on the tiny config: one device and fsdp=2,sequence=2 (4
+  # forced CPU devices in the worker subprocess, B = 2 rows), default pipeline.
+  out = tmp_path / "ls.json"
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.long_sequence", "--models", "tiny",
+                         "--meshes", "1", "fsdp=2,sequence=2", "--lengths", "64",
+                         "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["mesh"], r["devices"], r["B"], r["pipeline"]) for r in rows] == [
+      ("1", 1, 1, "default"), ("fsdp=2,sequence=2", 4, 2, "default")]
+  assert all(r["total_gib"] > 0 for r in rows)
+  assert rows[1]["collective_permutes"] > 0   # the ring over sequence=2

@@ -138,6 +138,14 @@ class TransformerConfig:
       once). Outputs equal the unrolled loop; it also compiles one block instead of
       ``n_layers``. The stacked copy costs one parameter-sized buffer (and its
       gradient one more).
+    mlp_chunk_size: run the SwiGLU MLP over chunks of at most this many sequence
+      positions per chunk (per ``sequence`` shard under a sequence mesh) when ``T`` is
+      longer, with ``jax.checkpoint`` on each chunk: the ``[B, T, d_ff]`` intermediates
+      (and their gradients) then exist one ``[B, chunk, d_ff]`` block at a time. The MLP
+      is per-token, so every output is the unchunked one (each token's sums run over
+      ``d_model`` / ``d_ff`` as before; equal to float rounding). Chunks are strided
+      (chunk ``k`` holds positions ``k, k + n, k + 2n, ...``) so a sequence-sharded
+      ``T`` stays sharded inside each chunk. ``None``: never chunk.
     remat_policy: what a remat'd block keeps for the backward pass (only with
       ``remat=True``): ``None`` or ``"nothing_saveable"`` (the least memory: only block
       inputs), ``"dots_saveable"`` / ``"dots_with_no_batch_dims_saveable"`` (keep matmul
@@ -175,6 +183,7 @@ class TransformerConfig:
   dtype: Any = jnp.float32
   norm_eps: float = 1e-6
   remat_policy: str | None = None
+  mlp_chunk_size: int | None = 4096
   attention: str | None = None
   attention_block_size: int | None = None
   pack_padding: bool | None = None
@@ -211,6 +220,10 @@ class TransformerConfig:
         not isinstance(self.attention_block_size, int) or self.attention_block_size < 1):
       raise ValueError(f"`attention_block_size` must be None or a positive int, got "
                        f"{self.attention_block_size!r}.")
+    if self.mlp_chunk_size is not None and (
+        not isinstance(self.mlp_chunk_size, int) or self.mlp_chunk_size < 1):
+      raise ValueError(f"`mlp_chunk_size` must be None or a positive int, got "
+                       f"{self.mlp_chunk_size!r}.")
     if self.pack_padding is not None and not isinstance(self.pack_padding, bool):
       raise ValueError(f"`pack_padding` must be None, True or False, got "
                        f"{self.pack_padding!r}.")
@@ -425,11 +438,71 @@ class Attention(nnx.Module):
     return out, (k, val)
 
 
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+  r""":math:`(\mathrm{silu}(x W_{gate}) \odot x W_{up}) W_{down}` over the last axis of
+  ``x`` (``[..., D]``; weights ``[D, F]``, ``[D, F]``, ``[F, D]``)."""
+  return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def _sequence_shards() -> int:
+  """Size of the ambient mesh's ``sequence`` axis (1 without one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or "sequence" not in mesh.axis_names:
+    return 1
+  return int(dict(zip(mesh.axis_names, mesh.axis_sizes))["sequence"])
+
+
+def chunked_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                   chunk_size: int | None, shards: int = 1) -> jax.Array:
+  r""":func:`swiglu` of ``x`` ``[B, T, D]`` over strided chunks of the sequence.
+
+  With :math:`n = \lceil T / (\mathrm{shards} \cdot \mathrm{chunk\_size}) \rceil > 1`
+  chunks, ``T`` is zero-padded to a multiple :math:`T'` of :math:`n`, viewed as
+  ``[B, T'/n, n, D]`` and chunk :math:`k` (positions :math:`k, k+n, \ldots`) is
+  computed by a ``lax.scan`` step under ``jax.checkpoint``: the forward keeps no
+  ``[B, T, F]`` intermediate, the backward recomputes one chunk at a time. A
+  ``sequence``-sharded ``T`` (contiguous blocks of ``T/shards``) stays sharded on the
+  ``T'/n`` axis. Each token's result is the unchunked one (the MLP is per-token).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> ks = jax.random.split(jax.random.key(0), 4)
+    >>> x = jax.random.normal(ks[0], (1, 10, 4))
+    >>> wg, wu = jax.random.normal(ks[1], (4, 8)), jax.random.normal(ks[2], (4, 8))
+    >>> wd = jax.random.normal(ks[3], (8, 4))
+    >>> bool(jnp.allclose(chunked_swiglu(x, wg, wu, wd, 3), swiglu(x, wg, wu, wd),
+    ...                   atol=1e-5))
+    True
+  """
+  if x.ndim != 3 or chunk_size is None:
+    return swiglu(x, w_gate, w_up, w_down)
+  b, t, d = x.shape
+  n = -(-t // (chunk_size * shards))
+  if n <= 1:
+    return swiglu(x, w_gate, w_up, w_down)
+  per = -(-t // n)
+  if per * n != t:
+    x = jnp.pad(x, ((0, 0), (0, per * n - t), (0, 0)))
+  xs = jnp.moveaxis(x.reshape(b, per, n, d), 2, 0)          # [n, B, T'/n, D]
+
+  @jax.checkpoint
+  def chunk(w, xc):
+    return swiglu(xc, *w)
+
+  def body(w, xc):
+    return w, chunk(w, xc)
+
+  ys = jax.lax.scan(body, (w_gate, w_up, w_down), xs)[1]  # [n, B, T'/n, D]
+  return jnp.moveaxis(ys, 0, 2).reshape(b, per * n, d)[:, :t]
+
+
 class MLP(nnx.Module):
-  r"""SwiGLU: :math:`W_{down}(\mathrm{silu}(x W_{gate}) \odot x W_{up})`."""
+  r"""SwiGLU: :math:`W_{down}(\mathrm{silu}(x W_{gate}) \odot x W_{up})`, over chunks
+  of ``config.mlp_chunk_size`` positions on long sequences (:func:`chunked_swiglu`)."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
     c = config
+    self.chunk_size = c.mlp_chunk_size
     std_in = c.d_model ** -0.5
     std_out = c.d_ff ** -0.5 / (2 * c.n_layers) ** 0.5
     self.w_gate = _param(rngs, _normal(std_in), (c.d_model, c.d_ff), ("embed", "mlp"),
@@ -441,9 +514,9 @@ class MLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dtype = x.dtype
-    gate = x @ self.w_gate[...].astype(dtype)
-    up = x @ self.w_up[...].astype(dtype)
-    return (jax.nn.silu(gate) * up) @ self.w_down[...].astype(dtype)
+    w = (self.w_gate[...].astype(dtype), self.w_up[...].astype(dtype),
+         self.w_down[...].astype(dtype))
+    return chunked_swiglu(x, *w, self.chunk_size, _sequence_shards())
 
 
 class Block(nnx.Module):
