@@ -217,6 +217,8 @@ class _State:
   key_data: dict                  # call -> [2] uint32 key data of its seed
   kv_version: int                 # the version the cache was computed under
   logits: Any = None              # [S, V] next-token logits per slot (device)
+  first_request: dict = dataclasses.field(default_factory=dict)  # call -> key index of
+                                  # its request 0 (a shard of a larger batch)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -358,7 +360,8 @@ class RolloutEngine:
   # -- generation ------------------------------------------------------------------
 
   def generate(self, params: Any, requests: Sequence[Request], seed: int = 0, *,
-               token_budget: int | None = None, version: int = 0) -> list[Completion]:
+               token_budget: int | None = None, version: int = 0,
+               first_request: int = 0) -> list[Completion]:
     """Completes every request ``n`` times; returns the completions ordered by
     ``(call, request, sample)``. ``self.stats`` then holds the call's counters: decode
     steps and device calls, prefill calls and tokens, ``slot_utilisation`` (tokens
@@ -382,6 +385,11 @@ class RolloutEngine:
         the weights change); recorded per generated token (``Completion.versions``).
         When it differs from the in-flight samples' cache, the engine's
         ``on_new_version`` applies (module docstring).
+      first_request: the index ``r`` of ``requests[0]`` in the draws' keys (request
+        ``i`` draws as request ``first_request + i``): a process that completes its
+        share ``[a, b)`` of a batch with ``first_request=a`` draws the tokens that one
+        call over the whole batch draws for those requests (multi-host rollouts).
+        ``Completion.request`` stays the index in ``requests``.
 
     Raises:
       ValueError: ``requests`` not a sequence of :class:`Request`, or a request whose
@@ -396,14 +404,19 @@ class RolloutEngine:
       raise ValueError(f"`token_budget` must be None or an int >= 1, got {token_budget!r}.")
     if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
       raise ValueError(f"`version` must be an int, got {version!r}.")
+    if (not isinstance(first_request, (int, np.integer)) or isinstance(first_request, bool)
+        or first_request < 0):
+      raise ValueError(f"`first_request` must be an int >= 0, got {first_request!r}.")
     try:
-      return self._generate(params, requests, seed, token_budget, int(version))
+      return self._generate(params, requests, seed, token_budget, int(version),
+                            int(first_request))
     except BaseException:
       self._state = None       # an interrupted call: its buffers may be donated, gone
       raise
 
   def _generate(self, params, requests: Sequence[Request], seed: int,
-                token_budget: int | None, version: int) -> list[Completion]:
+                token_budget: int | None, version: int,
+                first_request: int = 0) -> list[Completion]:
     s, ps, k_steps = self.max_slots, self.page_size, self.steps_per_call
     stats: collections.Counter[str] = collections.Counter()
     timers = {"prefill_s": 0.0, "decode_s": 0.0}
@@ -422,6 +435,7 @@ class RolloutEngine:
     if requests:
       st.requests[call] = list(requests)
       st.key_data[call] = np.asarray(jax.random.key_data(jax.random.key(seed)))
+      st.first_request[call] = first_request
       order = list(range(len(requests)))
       if self.policy == "longest_first":
         order.sort(key=lambda i: -requests[i].max_new_tokens)
@@ -598,7 +612,7 @@ class RolloutEngine:
         arrays["position"][index] = slot.position
         arrays["count"][index] = len(slot.tokens)
         arrays["max_new"][index] = r.max_new_tokens
-        arrays["request"][index] = slot.request
+        arrays["request"][index] = slot.request + st.first_request.get(slot.call, 0)
         arrays["sample"][index] = slot.sample
         arrays["temperature"][index] = r.temperature
         arrays["top_k"][index] = r.top_k or 0
@@ -638,6 +652,7 @@ class RolloutEngine:
     calls_left = {c for c, _, _ in queue} | {slot.call for slot in slots if slot is not None}
     for c in [c for c in st.requests if c not in calls_left]:
       del st.requests[c], st.key_data[c]
+      st.first_request.pop(c, None)
     self._state = st if calls_left else None
     useful = sum(len(c.tokens) for _, c in done)
     steps_total = max(stats["decode_steps"], 1)
