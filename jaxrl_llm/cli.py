@@ -258,6 +258,8 @@ def _resume_config(args: argparse.Namespace, argv: list):
   conflicts = []
   saved_train = resolve(saved).train
   for dest in sorted(explicit):
+    if dest.startswith(LAUNCH_PREFIX):      # how to launch, not what the run is
+      continue
     if dest.startswith(TRAIN_PREFIX):
       name = dest[len(TRAIN_PREFIX):]
       value, before = given.train.get(name), getattr(saved_train, name)

@@ -324,10 +324,13 @@ class LaunchConfig:
     """One-line ``ValueError`` for an inconsistent launch.
 
     Examples:
-      >>> LaunchConfig(coordinator="10.0.0.1:1234", num_processes=2).validate()
-      Traceback (most recent call last):
-      ...
-      ValueError: --coordinator 10.0.0.1:1234 needs --num-processes and --process-id (got --num-processes 2, --process-id None)
+      >>> LaunchConfig(coordinator="10.0.0.1:1234", num_processes=2,
+      ...              process_id=0).validate()
+      >>> try:
+      ...   LaunchConfig(coordinator="10.0.0.1:1234", num_processes=2).validate()
+      ... except ValueError as e:
+      ...   print(e)
+      --coordinator 10.0.0.1:1234 needs --num-processes and --process-id (got ...)
     """
     for f in dataclasses.fields(self):
       _check_run_field(f, getattr(self, f.name))
@@ -344,11 +347,11 @@ class LaunchConfig:
         raise ValueError(f"--coordinator {self.coordinator} needs --num-processes and "
                          f"--process-id (got --num-processes {self.num_processes}, "
                          f"--process-id {self.process_id})")
-    elif self.num_processes not in (None, 1) or self.process_id not in (None, 0):
-      if not any(os.environ.get(k) for k in ("JAX_COORDINATOR_ADDRESS",
-                                             "JAXRL_COORDINATOR")):
-        raise ValueError("--num-processes / --process-id need --coordinator HOST:PORT "
-                         "(or JAX_COORDINATOR_ADDRESS)")
+    elif ((self.num_processes not in (None, 1) or self.process_id not in (None, 0))
+          and not any(os.environ.get(k) for k in ("JAX_COORDINATOR_ADDRESS",
+                                                  "JAXRL_COORDINATOR"))):
+      raise ValueError("--num-processes / --process-id need --coordinator HOST:PORT "
+                       "(or JAX_COORDINATOR_ADDRESS)")
     if (self.num_processes is not None and self.process_id is not None
         and self.process_id >= self.num_processes):
       raise ValueError(f"--process-id must be in [0, --num-processes {self.num_processes}), "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,7 +47,7 @@ def evaluate(policy: Policy, params: Any, task: Task, problems: Sequence[Problem
   else:
     n = len(problems)
     bounds = [n * p // procs.count for p in range(procs.count + 1)]
-    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
     exact, score = _greedy_results(policy, params, task,
                                    problems[bounds[procs.index]:bounds[procs.index + 1]])
     exact = procs.gather_uneven(exact, sizes)
