@@ -199,3 +199,40 @@ def test_a_job_that_never_forms_ends_in_one_line(tmp_path):
             "could not join the 2-process job within 3 s: the coordinator at 127.0.0.1:")
     assert lines[0].startswith(f"error: jaxrl_llm multihost: process {i}: "), lines[0]
     assert want in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--coordinator", "10.0.0.1:8476", "--num-processes", "2"],
+     "--coordinator 10.0.0.1:8476 needs --num-processes and --process-id"),
+    (["--coordinator", "10.0.0.1", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator must be HOST:PORT"),
+    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in [0, --num-processes 2), got 2"),
+    (["--num-processes", "2", "--process-id", "1"], "need --coordinator HOST:PORT"),
+    (["--multihost-auto", "--process-id", "1"], "--multihost-auto lets JAX find the job"),
+    (["--num-processes", "0"], "--num-processes must be an int >= 1 (got 0)"),
+])
+def test_launch_mistakes_are_one_line_errors_before_joining(capsys, monkeypatch, tmp_path,
+                                                           flags, message):
+  from jaxrl_llm.cli import main
+  for name in ("JAX_COORDINATOR_ADDRESS", "JAXRL_COORDINATOR"):
+    monkeypatch.delenv(name, raising=False)
+  assert main(["train", "--out", str(tmp_path / "run"), *flags]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+  assert not (tmp_path / "run").exists()
+
+
+def test_what_a_multi_process_run_does_not_support_is_one_line():
+  from jaxrl_llm.loop.config import RunConfig
+  from jaxrl_llm.loop.processes import check_multiprocess
+  from jaxrl_llm.loop.resolve import resolve
+  for fields, message in [({"rollout": "simple"}, "--rollout simple (its draws are keyed"),
+                          ({"algo": "dapo"}, "dynamic sampling (--algo dapo"),
+                          ({"async_rollouts": True}, "--async is not supported"),
+                          ({"mesh_fsdp": 3}, "needs 3 devices; this host has 4")]:
+    run = RunConfig(prompts_per_step=4, group_size=2, **fields)
+    with pytest.raises(ValueError, match=re.escape(message)):
+      check_multiprocess(run, resolve(run), 2, 4)
+  run = RunConfig(prompts_per_step=4, group_size=2)
+  check_multiprocess(run, resolve(run), 2, 4)          # data parallel over all 4

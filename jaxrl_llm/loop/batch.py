@@ -39,10 +39,14 @@ def _rollout(sampling: SamplingSettings, task: Task, policy: Policy, params: Any
   mine = problems[first:last]
   prompts, prompt_mask = tok.encode_batch([p.prompt for p in mine], task.max_prompt_len)
   rep = lambda x: np.repeat(x, sampling.group_size, axis=0)
-  out = policy.generate(params, prompts, prompt_mask, key, n=sampling.group_size,
-                        max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
-                        temperature=config.temperature,
-                        **({} if share is None else {"first_request": first}))
+  if share is None:
+    out = policy.generate(params, prompts, prompt_mask, key, n=sampling.group_size,
+                          max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
+                          temperature=config.temperature)
+  else:        # draws keyed by the prompts' places in the whole step
+    out = policy.generate(params, prompts, prompt_mask, key, n=sampling.group_size,
+                          max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
+                          temperature=config.temperature, first_request=first)
   texts = decode(tok, out.completion, out.completion_mask)
   group_problems = [p for p in mine for _ in range(sampling.group_size)]
   prompt_len = prompts.shape[1]
@@ -189,13 +193,13 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   else:
     greedy_scores = None
     if estimator.needs_greedy:
-      first, last = (0, len(problems)) if share is None else share.prompts(group_size)
-      prompts, prompt_mask = tok.encode_batch([p.prompt for p in problems[first:last]],
+      lo, hi = (0, len(problems)) if share is None else share.prompts(group_size)
+      prompts, prompt_mask = tok.encode_batch([p.prompt for p in problems[lo:hi]],
                                               task.max_prompt_len)
       g = policy.generate(params, prompts, prompt_mask, None,
                           max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
                           greedy=True)
-      greedy = np.asarray(task.score(problems[first:last],
+      greedy = np.asarray(task.score(problems[lo:hi],
                                      decode(tok, g.completion, g.completion_mask)))
       if share is not None:
         greedy = share.procs.gather(greedy)

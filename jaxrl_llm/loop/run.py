@@ -173,8 +173,8 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
   step_fn, state, place, mesh = _compile_step(run, step_fn, state)
   share = None
   if procs.multi:          # this process's rows of every step (whole groups)
-    rows = resolved.sampling.prompts_per_step * resolved.sampling.group_size
-    share = Share(procs, *procs.row_range(rows, mesh))
+    batch_rows = resolved.sampling.prompts_per_step * resolved.sampling.group_size
+    share = Share(procs, *procs.row_range(batch_rows, mesh))
     share.prompts(resolved.sampling.group_size)
   eval_problems = task.eval_problems(run.eval_size)
   warmup_steps = resolved.critic_warmup_steps
@@ -188,8 +188,7 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
   start, history, state = _resume(run, ckpt, metrics_path, state, procs)
   metrics = rf.MetricsWriter(metrics_path) if procs.primary else _NoMetrics()
   if start == 0:
-    history = [{"step": 0, **evaluate(policy, procs.local(state.params), task,
-                                      eval_problems, procs=procs)}]
+    history = [{"step": 0, **_evaluate(policy, state.params, task, eval_problems, procs)}]
     metrics.append(history[-1])
 
   if run.progress and procs.primary:
@@ -240,8 +239,7 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
         if step <= warmup_steps:
           row["critic_warmup"] = 1.0     # the policy is frozen (OptimizerSettings)
         if step % run.eval_every == 0 or step == run.steps:
-          row.update(evaluate(policy, procs.local(state.params), task, eval_problems,
-                              procs=procs))
+          row.update(_evaluate(policy, state.params, task, eval_problems, procs))
         history.append(row)
         metrics.append(row)
         skipped = step_skipped(row, config)
@@ -302,6 +300,13 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
   summary["metrics_file"] = metrics_path
   summary["checkpoints"] = f"{ckpt.directory} (steps {', '.join(map(str, kept))})"
   return summary
+
+
+def _evaluate(policy: Policy, params, task, problems, procs: Processes) -> dict:
+  """:func:`evaluate`, split over the processes of a multi-process run."""
+  if not procs.multi:
+    return evaluate(policy, params, task, problems)
+  return evaluate(policy, procs.local(params), task, problems, procs=procs)
 
 
 def step_skipped(row: dict, config: TrainConfig) -> bool:
