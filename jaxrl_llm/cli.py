@@ -314,12 +314,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if run.dataset is not None:    # every record parses (FILE:LINE errors), before JAX
       from jaxrl_llm.tasks.jsonl import load_jsonl
       load_jsonl(run.dataset)
+    if not launch.joins_a_job():
+      _early_note(run)             # before the slow imports
     multi = join_job(launch)       # before any JAX computation
     import jax
     if multi:
       from jaxrl_llm.loop.processes import check_multiprocess
       check_multiprocess(run, resolved, jax.process_count(), jax.device_count())
-    if jax.process_index() == 0:
+    if launch.joins_a_job() and jax.process_index() == 0:
       _early_note(run)
     run.check_devices(jax.device_count())
   except (ValueError, OSError) as e:
@@ -343,7 +345,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if multi:    # a collective failed? then the watchdog names the lost process
       from jaxrl_llm.parallel.multihost import await_lost_peer, mark_failed
       if not await_lost_peer():
-        mark_failed()
+        mark_failed(1)
     raise
   import jax
   if jax.process_index() != 0:      # process 0 reports; the others leave together
@@ -376,7 +378,7 @@ def _leave(multi: bool, code: int, *, ok: bool = False) -> int:
     if ok:
       shutdown_multihost()
     else:
-      mark_failed()
+      mark_failed(code)
   return code
 
 

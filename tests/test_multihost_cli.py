@@ -180,17 +180,26 @@ def test_two_processes_train_like_one_survive_kill_stop_and_resume_anywhere(tmp_
 
 
 @pytest.mark.slow
-def test_a_job_that_never_forms_ends_in_one_line(tmp_path):
+def test_a_job_that_never_forms_or_loses_a_failing_process_ends_in_one_line(tmp_path):
   """Fault 5, before registration: process 1 with no coordinator to reach, and a
   process 0 whose peer never comes; each ends with one line (status 75) when the
-  initialisation timeout passes, not JAX's C++ abort."""
+  initialisation timeout passes, not JAX's C++ abort. And a formed job whose process
+  1 fails with a one-line error of its own (its --out is under a file): process 0 is
+  told, and stops with one line too. The 4 processes run at once."""
   env = _env(1, JAXRL_INIT_TIMEOUT="3")
-  procs = [_start([sys.executable, "-m", "jaxrl_llm", "train", "--out", str(tmp_path / str(i)),
-                   "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2",
-                   "--process-id", str(i), "--cpu-collectives", "gloo"], env)
-           for i in range(2)]
-  outs = _finish(procs)
-  for i, (proc, out) in enumerate(zip(procs, outs)):
+  lonely = [_start([sys.executable, "-m", "jaxrl_llm", "train", "--out", str(tmp_path / str(i)),
+                    "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2",
+                    "--process-id", str(i), "--cpu-collectives", "gloo"], env)
+            for i in range(2)]
+  (tmp_path / "file").write_text("")
+  port = _free_port()
+  pair = [_start([sys.executable, "-m", "jaxrl_llm", "train", "--out",
+                  str(tmp_path / ("ok" if i == 0 else "file") / "run"),
+                  "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                  "--process-id", str(i), "--cpu-collectives", "gloo"], _env(1))
+          for i in range(2)]
+  outs = _finish(lonely + pair)
+  for i, (proc, out) in enumerate(zip(lonely, outs)):
     assert proc.returncode == PEER_LOST_EXIT_CODE, out[-3000:]
     lines = [line for line in out.splitlines() if line.strip()
              and not line.startswith("jaxrl-llm train:")]
@@ -199,6 +208,15 @@ def test_a_job_that_never_forms_ends_in_one_line(tmp_path):
             "could not join the 2-process job within 3 s: the coordinator at 127.0.0.1:")
     assert lines[0].startswith(f"error: jaxrl_llm multihost: process {i}: "), lines[0]
     assert want in lines[0], lines[0]
+  failed, told = pair[1], pair[0]
+  errors = [[line for line in out.splitlines() if line.startswith("error: ")]
+            for out in outs[2:]]
+  assert failed.returncode == 1 and len(errors[1]) == 1, outs[3][-3000:]
+  assert "is not a folder" in errors[1][0] and "Traceback" not in outs[3]
+  assert told.returncode == PEER_LOST_EXIT_CODE and len(errors[0]) == 1, outs[2][-3000:]
+  assert errors[0][0].startswith("error: jaxrl_llm multihost: process 0: process 1 of "
+                                 "this 2-process job failed (see its log)"), errors[0]
+  assert not (tmp_path / "ok").exists()      # nothing written: the run never started
 
 
 @pytest.mark.parametrize("flags,message", [

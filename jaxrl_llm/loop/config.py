@@ -320,6 +320,17 @@ class LaunchConfig:
       "multi-process runs on CPU (testing a launch on one machine); not needed on "
       "TPU/GPU.", choices=("gloo", "mpi"))
 
+  def joins_a_job(self) -> bool:
+    """Whether this launch may join a multi-process job (flags, or a coordinator in
+    the environment); False: certainly a single process.
+
+    Examples:
+      >>> LaunchConfig().joins_a_job(), LaunchConfig(multihost_auto=True).joins_a_job()
+      (False, True)
+    """
+    return bool(self.coordinator or self.multihost_auto or any(
+        os.environ.get(k) for k in ("JAX_COORDINATOR_ADDRESS", "JAXRL_COORDINATOR")))
+
   def validate(self) -> None:
     """One-line ``ValueError`` for an inconsistent launch.
 

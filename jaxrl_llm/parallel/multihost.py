@@ -291,7 +291,7 @@ class _InitTimer:
 
 
 _WATCHDOG: _PeerWatchdog | None = None
-_UNCAUGHT = {"exception": False}
+_UNCAUGHT: dict[str, Any] = {"exception": False, "failed": None}
 
 
 def _note_uncaught(hook):
@@ -306,7 +306,7 @@ def _at_exit() -> None:
   watchdog = _WATCHDOG
   if watchdog is None:
     return
-  if _UNCAUGHT["exception"]:
+  if _UNCAUGHT["exception"] or _UNCAUGHT["failed"] is not None:
     # JAX's exit hook would wait in the shutdown barrier for peers that may be dead,
     # then abort in C++. Tell the peers, and leave now with the traceback shown.
     watchdog.mark("failed")
@@ -314,21 +314,22 @@ def _at_exit() -> None:
     for stream in (sys.stdout, sys.stderr):
       with contextlib.suppress(OSError, ValueError):
         stream.flush()
-    os._exit(1)
+    os._exit(1 if _UNCAUGHT["exception"] else _UNCAUGHT["failed"])
   watchdog.mark("done")
   watchdog.stop()
 
 
-def mark_failed() -> None:
+def mark_failed(exit_code: int = 1) -> None:
   """Tells the other processes' watchdogs that this process is failing (they stop with
   "process N ... failed (see its log)" instead of waiting for it); best effort, a
   no-op without a watchdog. Call it before leaving a multi-process job on an error
-  the program handled itself (an uncaught exception does it automatically)."""
-  global _WATCHDOG
+  the program handled itself (an uncaught exception does it automatically): the
+  process then ends with ``exit_code`` at interpreter exit without waiting in JAX's
+  shutdown barrier for peers that are leaving too."""
   if _WATCHDOG is not None:
     _WATCHDOG.mark("failed")
     _WATCHDOG.stop()
-    _WATCHDOG = None
+    _UNCAUGHT["failed"] = int(exit_code)
 
 
 def await_lost_peer(timeout: float | None = None) -> bool:
