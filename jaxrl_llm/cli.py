@@ -220,9 +220,16 @@ def join_job(launch: Any) -> bool:
   initialisation timeout (``JAXRL_INIT_TIMEOUT``, default 300 s).
   """
   from jaxrl_llm.parallel.multihost import initialize_multihost
-  initialize_multihost(launch.coordinator, launch.num_processes, launch.process_id,
-                       cpu_collectives=launch.cpu_collectives,
-                       auto_detect=launch.multihost_auto)
+  try:
+    initialize_multihost(launch.coordinator, launch.num_processes, launch.process_id,
+                         cpu_collectives=launch.cpu_collectives,
+                         auto_detect=launch.multihost_auto)
+  except ValueError as e:
+    if not launch.multihost_auto:
+      raise
+    raise ValueError(f"--multihost-auto: JAX found no job to join here (no Cloud TPU "
+                     f"pod slice, SLURM step or Open MPI launch detected: {e}); pass "
+                     "--coordinator HOST:PORT --num-processes N --process-id I") from None
   import jax
   return jax.process_count() > 1
 
@@ -335,6 +342,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"error: {e}", file=sys.stderr)
     return _leave(multi, 2)
   except (rf.RunFolderIOError, CheckpointError, SkippedUpdatesError) as e:
+    if multi and not isinstance(e, SkippedUpdatesError):
+      # A save cut off by a lost process fails here: let the watchdog name it.
+      from jaxrl_llm.parallel.multihost import await_lost_peer
+      await_lost_peer()
     print(f"error: {e}", file=sys.stderr)
     return _leave(multi, 1)
   except rf.RunInterrupted as e:

@@ -6,7 +6,8 @@ runs are shared between the assertions (this is a 2-core CI box):
 1. a 1-process reference on 4 devices (``--data 4``) runs beside a 2-process run
    whose process 1 is SIGKILLed once step 2 is checkpointed: process 0 exits with the
    watchdog's one-line message (status 75);
-2. ``--resume`` on 2 processes (from that checkpoint), SIGTERM to process 1 once
+2. ``--resume`` on 2 processes (from that checkpoint) with ``--fsdp 4`` (parameters
+   split across the processes), SIGTERM to process 1 once
    step 3 is done: both save the same step (3, or a later one if the signal came
    late) and exit with 143;
 3. ``--resume`` on 1 process from that 2-process checkpoint, to the end.
@@ -39,7 +40,7 @@ STEPS = 6
 FLAGS = ["--steps", str(STEPS), "--prompts-per-step", "4", "--group-size", "2",
          "--eval-size", "8", "--eval-every", "2", "--save-every", "2",
          "--rollout-slots", "4", "--no-progress"]
-PEER_TIMEOUT = 8
+PEER_TIMEOUT = 20
 # Values that come from the rollouts (tokens, scores): equal bit for bit.
 EXACT = ("reward", "accuracy", "response_length", "eval_accuracy", "eval_reward", "step")
 TIMEOUT_S = 600
@@ -54,7 +55,7 @@ def _free_port() -> int:
 def _env(devices: int, **extra: str) -> dict:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             JAXRL_HEARTBEAT_TIMEOUT="30", JAXRL_PEER_TIMEOUT=str(PEER_TIMEOUT),
+             JAXRL_HEARTBEAT_TIMEOUT="60", JAXRL_PEER_TIMEOUT=str(PEER_TIMEOUT),
              JAXRL_INIT_TIMEOUT="300")
   env.update(extra)
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
@@ -156,7 +157,9 @@ def test_two_processes_train_like_one_survive_kill_stop_and_resume_anywhere(tmp_
   ref = _rows(ref_dir)
 
   # 2. --resume on 2 processes; SIGTERM to process 1 after step 3: both save one step.
-  procs = _pair(run, "--resume")
+  # With --fsdp 4 the parameters are split across the processes (restored onto that
+  # mesh from the data-parallel checkpoint; each process gathers them to generate).
+  procs = _pair(run, "--resume", "--fsdp", "4")
   _when(lambda: any(r["step"] == 3 for r in _rows(run)), procs, "step 3")
   procs[1].send_signal(signal.SIGTERM)
   outs = _finish(procs)

@@ -240,10 +240,12 @@ class _PeerWatchdog:
     if self._stop.is_set():
       return
     self._stop.set()
-    self.lost.set()
-    self.on_lost(f"jaxrl_llm multihost: process {self.pid}: {what}. This process stops "
-                 "too; restart every process with the same command (jaxrl-llm train: add "
-                 "--resume) to continue from the last checkpoint.")
+    try:
+      self.on_lost(f"jaxrl_llm multihost: process {self.pid}: {what}. This process "
+                   "stops too; restart every process with the same command (jaxrl-llm "
+                   "train: add --resume) to continue from the last checkpoint.")
+    finally:     # after the handler: the default one ends the process first
+      self.lost.set()
 
 
 class _InitTimer:
@@ -336,8 +338,10 @@ def await_lost_peer(timeout: float | None = None) -> bool:
   """After a collective failed: waits until the watchdog has judged whether a peer was
   lost. Returns ``True`` if it was (the watchdog's ``on_peer_lost`` ran: by default it
   has already printed its one line and ended the process, so this only returns with a
-  custom handler), ``False`` after ``timeout`` seconds (default: the watchdog's peer
-  timeout plus two check intervals) or at once when no watchdog runs.
+  custom handler), ``False`` after ``timeout`` seconds (default: twice the watchdog's
+  peer timeout plus two check intervals: the watchdog judges within one timeout and
+  an interval of the loss, later on a host too busy to run its thread on time) or at
+  once when no watchdog runs.
 
   On CPU (gloo) a collective whose peer died fails at once with a Python error; on
   TPU/GPU it blocks. Either way the watchdog names the lost process in one line; a
@@ -348,7 +352,7 @@ def await_lost_peer(timeout: float | None = None) -> bool:
   if watchdog is None:
     return False
   if timeout is None:
-    timeout = watchdog.timeout + 2 * watchdog.interval + 0.5
+    timeout = 2 * watchdog.timeout + 2 * watchdog.interval
   return watchdog.lost.wait(timeout)
 
 
