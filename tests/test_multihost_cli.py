@@ -175,7 +175,7 @@ def test_two_processes_train_like_one_survive_kill_stop_and_resume_anywhere(tmp_
   _assert_like_reference(_rows(run) + ref[stop + 1:], ref)
 
   # 3. --resume on 1 process from the 2-process checkpoint (restored onto 1 device).
-  one = _start(_train(run, "--resume"), _env(1))
+  one = _start(_train(run, "--resume", "--fsdp", "1"), _env(1))
   out = _finish([one])[0]
   assert one.returncode == 0, out[-3000:]
   assert f"resuming from step {stop}" in out
