@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
 FLAGS = ["--steps", str(STEPS), "--prompts-per-step", "4", "--group-size", "2",
          "--eval-size", "8", "--eval-every", "2", "--save-every", "2",
-         "--rollout-slots", "4", "--no-progress"]
+         "--rollout-slots", "4", "--no-progress"]   # slots: a process's default (its rows)
 PEER_TIMEOUT = 20
 # Values that come from the rollouts (tokens, scores): equal bit for bit.
 EXACT = ("reward", "accuracy", "response_length", "eval_accuracy", "eval_reward", "step")
