@@ -135,12 +135,23 @@ def fingerprint(state: Any) -> dict:
   paths = [jax.tree_util.keystr(p) for p, _ in flat]
   leaves = [jnp.asarray(x) for _, x in flat]
   sums, finite = _fingerprints(leaves) if leaves else ([], [])
-  sums = [[int(v) for v in np.asarray(s)] for s in sums]
-  finite = [bool(np.asarray(f)) for f in finite]
+  sums = [[int(v) for v in _on_host(s)] for s in sums]
+  finite = [bool(_on_host(f)) for f in finite]
   return {"paths": paths, "shapes": [list(x.shape) for x in leaves],
           "dtypes": [str(x.dtype) for x in leaves], "checksums": sums,
           "finite": all(finite),
           "nonfinite": [p for p, f in zip(paths, finite) if not f]}
+
+
+def _on_host(x: jax.Array) -> np.ndarray:
+  """The value of a small result on this host, also when it spans several processes
+  (a multi-host state's fingerprint: replicated, so the local copy is the value)."""
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  if x.sharding.is_fully_replicated:
+    return np.asarray(x.addressable_data(0))
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def verify_against(record: dict, state: Any, template: Any = None) -> str | None:

@@ -34,6 +34,7 @@ ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("
 # The subcommands (build_parser adds each; train is the default).
 COMMANDS = ("train", "eval", "plot", "export")
 TRAIN_PREFIX = "train__"
+LAUNCH_PREFIX = "launch__"
 LOSS_PREFIX = "loss__"
 
 
@@ -147,6 +148,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     # Left out of the namespace unless given, so that an explicit ``none`` is kept.
     _add_field(step_group, f, hints, dest=TRAIN_PREFIX + f.name,
                default=argparse.SUPPRESS, shown=f"{f.default}{note}")
+  from jaxrl_llm.loop.config import LaunchConfig
+  launch_group = p.add_argument_group(
+      "multi-host (the same command on every host; see docs/multihost.md)")
+  hints = typing.get_type_hints(LaunchConfig)
+  for f in dataclasses.fields(LaunchConfig):
+    _add_field(launch_group, f, hints, dest=LAUNCH_PREFIX + f.name, default=f.default,
+               shown=f.default)
   loss_group = p.add_argument_group("policy-loss hyperparameters")
   extras: dict = {}
   for spec in POLICY_LOSS_REGISTRY.values():
@@ -193,6 +201,39 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
   return RunConfig(**run, train=train)
 
 
+def launch_config_from_args(args: argparse.Namespace) -> Any:
+  """The :class:`~jaxrl_llm.loop.config.LaunchConfig` (multi-host flags) of parsed
+  ``train`` arguments."""
+  from jaxrl_llm.loop.config import LaunchConfig
+  values = vars(args)
+  return LaunchConfig(**{f.name: values[LAUNCH_PREFIX + f.name]
+                         for f in dataclasses.fields(LaunchConfig)
+                         if LAUNCH_PREFIX + f.name in values})
+
+
+def join_job(launch: Any) -> bool:
+  """Joins the multi-host job ``launch`` describes (or the environment's); returns
+  whether this is a multi-process run. Must run before any JAX computation.
+
+  A job that does not form (a process not started or dead before it registers, an
+  unreachable coordinator) ends the process with one line and status 75 after the
+  initialisation timeout (``JAXRL_INIT_TIMEOUT``, default 300 s).
+  """
+  from jaxrl_llm.parallel.multihost import initialize_multihost
+  try:
+    initialize_multihost(launch.coordinator, launch.num_processes, launch.process_id,
+                         cpu_collectives=launch.cpu_collectives,
+                         auto_detect=launch.multihost_auto)
+  except ValueError as e:
+    if not launch.multihost_auto:
+      raise
+    raise ValueError(f"--multihost-auto: JAX found no job to join here (no Cloud TPU "
+                     f"pod slice, SLURM step or Open MPI launch detected: {e}); pass "
+                     "--coordinator HOST:PORT --num-processes N --process-id I") from None
+  import jax
+  return jax.process_count() > 1
+
+
 def _flags_in_message(message: str) -> str:
   """``ValueError`` text with backticked config field names as the flags that set them."""
   return re.sub(r"`(\w+)`", lambda m: flag(m.group(1)), message)
@@ -224,6 +265,8 @@ def _resume_config(args: argparse.Namespace, argv: list):
   conflicts = []
   saved_train = resolve(saved).train
   for dest in sorted(explicit):
+    if dest.startswith(LAUNCH_PREFIX):      # how to launch, not what the run is
+      continue
     if dest.startswith(TRAIN_PREFIX):
       name = dest[len(TRAIN_PREFIX):]
       value, before = given.train.get(name), getattr(saved_train, name)
@@ -254,7 +297,10 @@ def _resume_config(args: argparse.Namespace, argv: list):
 def cmd_train(args: argparse.Namespace) -> int:
   from jaxrl_llm import run_folder as rf
   argv = getattr(args, "argv", [])
+  multi = False
   try:   # every flag is checked before JAX is imported (only the device count needs it)
+    launch = launch_config_from_args(args)
+    launch.validate()
     args.resume = args.resume or args.resume_or_start
     saved = os.path.exists(os.path.join(args.out, rf.CONFIG_FILE))
     if args.resume and not args.overwrite and saved:
@@ -271,17 +317,24 @@ def cmd_train(args: argparse.Namespace) -> int:
       if args.resume:
         print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
     from jaxrl_llm.loop.resolve import resolve
-    resolve(run)      # the run's own checks and the recipe's (before the task is built)
+    resolved = resolve(run)  # the run's own checks and the recipe's (before the task)
     if run.dataset is not None:    # FILE:LINE errors, prompt lengths, answers: before JAX
       from jaxrl_llm.loop.datacheck import check_dataset
       for warning in check_dataset(run):
         print(warning, file=sys.stderr)
-    _early_note(run)
+    if not launch.joins_a_job():
+      _early_note(run)             # before the slow imports
+    multi = join_job(launch)       # before any JAX computation
     import jax
+    if multi:
+      from jaxrl_llm.loop.processes import check_multiprocess
+      check_multiprocess(run, resolved, jax.process_count(), jax.device_count())
+    if launch.joins_a_job() and jax.process_index() == 0:
+      _early_note(run)
     run.check_devices(jax.device_count())
   except (ValueError, OSError, ImportError) as e:
     print(f"error: {_flags_in_message(str(e))}", file=sys.stderr)
-    return 2
+    return _leave(multi, 2)
   from jaxrl_llm.checkpoint import CheckpointError
   from jaxrl_llm.loop.run import SkippedUpdatesError, format_summary, run_training
   from jaxrl_llm.rollout.vllm import VllmLoadError, VllmMissingError, VllmPushError
@@ -289,19 +342,37 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = run_training(run)
   except rf.RunFolderError as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return _leave(multi, 2)
   except (VllmMissingError, VllmLoadError, VllmPushError) as e:    # --rollout vllm
     print(f"error: {e}", file=sys.stderr)
-    return 1
+    return _leave(multi, 1)
   except (rf.RunFolderIOError, CheckpointError, SkippedUpdatesError) as e:
+    if multi and not isinstance(e, SkippedUpdatesError):
+      # A save cut off by a lost process fails here: let the watchdog name it.
+      from jaxrl_llm.parallel.multihost import await_lost_peer
+      await_lost_peer()
     print(f"error: {e}", file=sys.stderr)
-    return 1
+    return _leave(multi, 1)
   except KeyboardInterrupt as e:     # RunInterrupted (a first Ctrl-C, SIGTERM) included
-    if os.path.exists(os.path.join(run.out, rf.METRICS_FILE)):
+    import jax
+    if jax.process_index() == 0 and os.path.exists(os.path.join(run.out, rf.METRICS_FILE)):
       print(f"curves: {_draw_curves(run.out)}", file=sys.stderr)
-    return e.exit_code if isinstance(e, rf.RunInterrupted) else 130
+    if isinstance(e, rf.RunInterrupted):
+      return _leave(multi, e.exit_code, ok=True)
+    return _leave(multi, 130)
+  except Exception:
+    if multi:    # a collective failed? then the watchdog names the lost process
+      from jaxrl_llm.parallel.multihost import await_lost_peer, mark_failed
+      if not await_lost_peer():
+        mark_failed(1)
+    raise
+  import jax
+  if jax.process_index() != 0:      # process 0 reports; the others leave together
+    return _leave(multi, 0, ok=True)
   from jaxrl_llm.loop.setup import is_checkpoint
-  if is_checkpoint(run.model):
+  if is_checkpoint(run.model) and multi:
+    summary["export"] = f"run 'jaxrl-llm export {run.out}' (one process)"
+  elif is_checkpoint(run.model):
     from jaxrl_llm.loop.export import export_run
     try:
       summary.update(export_run(run.out))
@@ -310,7 +381,19 @@ def cmd_train(args: argparse.Namespace) -> int:
       return 1
   summary["plot"] = _draw_curves(run.out)
   print(format_summary(summary))
-  return 0
+  return _leave(multi, 0, ok=True)
+
+
+def _leave(multi: bool, code: int, *, ok: bool = False) -> int:
+  """``code``, after leaving the multi-host job: cleanly (``ok``: every process leaves
+  at this point) or telling the other processes this one failed."""
+  if multi:
+    from jaxrl_llm.parallel.multihost import mark_failed, shutdown_multihost
+    if ok:
+      shutdown_multihost()
+    else:
+      mark_failed(code)
+  return code
 
 
 def _draw_curves(run_dir: str) -> str:

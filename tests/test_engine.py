@@ -239,6 +239,20 @@ def test_a_request_is_bitwise_the_same_alone_and_among_32_others():
     assert other.stats["pages_in_use_after"] == 0
 
 
+def test_a_share_of_the_requests_draws_what_the_whole_call_draws():
+  # Multi-host rollouts: a process completes requests [a, b) of a step with
+  # first_request=a; its draws are keyed as in one call over all of them.
+  whole = ENGINE.generate(PARAMS, MIXED, seed=3)
+  first = sum(r.n for r in MIXED[:1])
+  share = ENGINE.generate(PARAMS, MIXED[1:], seed=3, first_request=1)
+  assert [c.request for c in share] == [c.request - 1 for c in whole[first:]]
+  assert all(_same(a, b) for a, b in zip(whole[first:], share))
+  unkeyed = ENGINE.generate(PARAMS, MIXED[1:], seed=3)    # request 0 of its own call
+  assert any(not _same(a, b) for a, b in zip(whole[first:], unkeyed))
+  with pytest.raises(ValueError, match="`first_request` must be an int >= 0"):
+    ENGINE.generate(PARAMS, MIXED, first_request=-1)
+
+
 def test_shared_prompt_equals_separate_prefills_and_a_tight_pool_waits():
   # share_prompts=False prefills the prompt once per sample: same keys, same results.
   # Prompt lengths 6 and 4: a partial last page (copied per sample) and a full one.

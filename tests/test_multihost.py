@@ -150,3 +150,29 @@ def test_timeouts_are_settable_validated_and_checked_against_jax():
     resolve_timeouts(environ={"JAXRL_HEARTBEAT_TIMEOUT": "soon"})
   with pytest.raises(ValueError, match=r"does not accept \['heartbeat_timeout'\]"):
     initialize_multihost("127.0.0.1:1", 2, 0, heartbeat_timeout=5)   # a typo
+
+
+def test_await_lost_peer_returns_after_the_watchdog_has_handled_the_loss(monkeypatch):
+  """A caller whose collective failed waits for the watchdog's verdict; it wakes only
+  once the handler ran (the default one prints its line and ends the process, so the
+  caller never prints a traceback over it)."""
+  from jaxrl_llm.parallel import multihost as M
+
+  class FrozenPeer:                     # the coordinator's store: the peer never beats
+    def key_value_set(self, key, value, overwrite):
+      pass
+
+    def key_value_try_get(self, key):
+      return "1" if key.endswith("/beat") else None
+
+  order = []
+  watchdog = M._PeerWatchdog(FrozenPeer(), 0, 2, 0.3,
+                             lambda message: order.append(("handled", message)))
+  monkeypatch.setattr(M, "_WATCHDOG", watchdog)
+  watchdog.start()
+  assert M.await_lost_peer(timeout=30)
+  order.append(("woke", None))
+  assert [o[0] for o in order] == ["handled", "woke"]
+  assert "lost process 1 of this 2-process job: no sign of life" in order[0][1]
+  monkeypatch.setattr(M, "_WATCHDOG", None)
+  assert not M.await_lost_peer(timeout=30)       # no watchdog: nothing to wait for

@@ -8,6 +8,7 @@ one (PPO's GAE) runs inside the train step, so the batch carries ``rewards`` and
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -23,22 +24,31 @@ from jaxrl_llm.train import AdvantageInputs, TrainConfig, compute_advantages
 
 def _rollout(sampling: SamplingSettings, task: Task, policy: Policy, params: Any,
              rng_np: np.random.Generator, key: jax.Array, config: TrainConfig,
-             num_prompts: int) -> tuple[dict, list]:
+             num_prompts: int, share: Share | None = None) -> tuple[dict, list]:
   """Samples ``group_size`` completions of ``num_prompts`` prompts and scores them.
 
   Returns ``(rows, problems)``: ``rows`` a dict of per-row numpy arrays (groups are
-  contiguous rows; ``problem`` indexes ``problems``).
+  contiguous rows; ``problem`` indexes ``problems``). With a ``share`` (a multi-process
+  run) every process draws the same prompts, generates and scores only the groups of
+  its rows (their draws keyed as in one call over all prompts) and the rows are
+  all-gathered, so every process returns the whole batch.
   """
   tok = task.tokenizer
   problems = task.sample_prompts(rng_np, num_prompts)
-  prompts, prompt_mask = tok.encode_batch([p.prompt for p in problems],
-                                          task.max_prompt_len)
+  first, last = (0, num_prompts) if share is None else share.prompts(sampling.group_size)
+  mine = problems[first:last]
+  prompts, prompt_mask = tok.encode_batch([p.prompt for p in mine], task.max_prompt_len)
   rep = lambda x: np.repeat(x, sampling.group_size, axis=0)
-  out = policy.generate(params, prompts, prompt_mask, key, n=sampling.group_size,
-                        max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
-                        temperature=config.temperature)
+  if share is None:
+    out = policy.generate(params, prompts, prompt_mask, key, n=sampling.group_size,
+                          max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
+                          temperature=config.temperature)
+  else:        # draws keyed by the prompts' places in the whole step
+    out = policy.generate(params, prompts, prompt_mask, key, n=sampling.group_size,
+                          max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
+                          temperature=config.temperature, first_request=first)
   texts = decode(tok, out.completion, out.completion_mask)
-  group_problems = [p for p in problems for _ in range(sampling.group_size)]
+  group_problems = [p for p in mine for _ in range(sampling.group_size)]
   prompt_len = prompts.shape[1]
   completion_mask = np.asarray(out.completion_mask, np.float32)
   pad = np.zeros((len(texts), prompt_len), np.float32)
@@ -48,18 +58,39 @@ def _rollout(sampling: SamplingSettings, task: Task, policy: Policy, params: Any
           "scores": np.asarray(task.score(group_problems, texts), np.float32),
           "exact": np.asarray(task.exact(group_problems, texts), np.float32),
           "lengths": np.asarray(out.lengths, np.int32),
-          "problem": rep(np.arange(num_prompts))}
+          "problem": rep(np.arange(first, last))}
   if config.rollout_correction is not None:
     # The sampler's log-probs of the distribution it drew from, aligned with tokens.
     rows["rollout_logp"] = np.concatenate(
         [pad, np.asarray(out.sampling_logprobs, np.float32) * completion_mask], axis=1)
+  if share is not None:
+    rows = share.procs.gather(rows)
   return rows, problems
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+  """This process's rows ``[lo, hi)`` of a step's global batch (a multi-process run:
+  :class:`jaxrl_llm.loop.processes.Processes`); whole groups of ``group_size`` rows."""
+
+  procs: Any
+  lo: int
+  hi: int
+
+  def prompts(self, group_size: int) -> tuple[int, int]:
+    """The prompts (groups) whose rows these are."""
+    if self.lo % group_size or self.hi % group_size:
+      raise ValueError(f"process rows {self.lo}-{self.hi} split a group of "
+                       f"{group_size}: make --prompts-per-step a multiple of the "
+                       "process count")
+    return self.lo // group_size, self.hi // group_size
 
 
 def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
                 ref_params: Any, rng_np: np.random.Generator, key: jax.Array, *,
                 info: dict | None = None,
-                drawn: tuple[dict, list] | None = None) -> tuple[dict, dict]:
+                drawn: tuple[dict, list] | None = None,
+                share: Share | None = None) -> tuple[dict, dict]:
   """One rollout: ``(batch, stats)`` with ``stats`` reward, accuracy, response length.
 
   ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible
@@ -82,6 +113,10 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   ``drawn``: the first draw's ``(rows, problems)`` when the caller generated them
   (partial rollouts: :class:`jaxrl_llm.loop.partial.PartialRollouts`); None: drawn
   here (``generate_s`` in the stats times it).
+  ``share``: this process's rows of the global batch in a multi-process run
+  (:class:`Share`): it generates and scores only its groups, the per-row results are
+  all-gathered, the statistics and advantages are those of the whole batch, and the
+  returned batch holds its rows only (what it feeds to ``shard_batch``).
   """
   config, sampling, estimator = resolved.train, resolved.sampling, resolved.estimator
   tok = task.tokenizer
@@ -90,7 +125,7 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   if drawn is None:
     start = time.perf_counter()
     drawn = _rollout(sampling, task, policy, params, rng_np, key, config,
-                     sampling.prompts_per_step)
+                     sampling.prompts_per_step, share)
     stats["generate_s"] = time.perf_counter() - start
   first, problems = drawn
   stats.update(reward=float(np.mean(first["scores"])),
@@ -137,14 +172,15 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
     info.update(scores=np.asarray(scores, np.float32), task_scores=rows["scores"],
                 exact=rows["exact"])
   loss_mask = rows["loss_mask"]
-  batch = {k: rows[k] for k in ("tokens", "attention_mask", "loss_mask")}
+  mine = slice(0, len(scores)) if share is None else slice(share.lo, share.hi)
+  batch = {k: rows[k][mine] for k in ("tokens", "attention_mask", "loss_mask")}
   old_logp, _, old_values = policy.forward(params, batch)
   ref_logp, _, _ = policy.ref_forward(ref_params, batch)
   batch.update(old_logp=np.asarray(old_logp), ref_logp=np.asarray(ref_logp))
   if "rollout_logp" in rows:
-    batch["rollout_logp"] = rows["rollout_logp"]
+    batch["rollout_logp"] = rows["rollout_logp"][mine]
   if config.pos_nll_coef is not None:
-    batch["positive"] = rows["exact"]
+    batch["positive"] = rows["exact"][mine]
   # The score is the reward of the last generated token (EOS, or the last one).
   prompt_len = task.max_prompt_len        # prompts are encoded to this width
   last = prompt_len + np.maximum(rows["lengths"], 1) - 1
@@ -153,24 +189,27 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   if config.use_value:
     batch["old_values"] = np.asarray(old_values)
   if estimator.needs_values:
-    batch["rewards"] = rewards
+    batch["rewards"] = rewards[mine]
   else:
     greedy_scores = None
     if estimator.needs_greedy:
-      prompts, prompt_mask = tok.encode_batch([p.prompt for p in problems],
+      lo, hi = (0, len(problems)) if share is None else share.prompts(group_size)
+      prompts, prompt_mask = tok.encode_batch([p.prompt for p in problems[lo:hi]],
                                               task.max_prompt_len)
       g = policy.generate(params, prompts, prompt_mask, None,
                           max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
                           greedy=True)
-      greedy_scores = np.repeat(task.score(problems, decode(tok, g.completion,
-                                                            g.completion_mask)),
-                                group_size, axis=0)
+      greedy = np.asarray(task.score(problems[lo:hi],
+                                     decode(tok, g.completion, g.completion_mask)))
+      if share is not None:
+        greedy = share.procs.gather(greedy)
+      greedy_scores = np.repeat(greedy, group_size, axis=0)
     adv, _ = compute_advantages(estimator.name, AdvantageInputs(
         rewards=rewards, mask=loss_mask, scores=np.asarray(scores, np.float32),
         greedy_scores=greedy_scores, group_size=group_size),
         config.hparam_values())
-    batch["advantages"] = np.asarray(adv)
+    batch["advantages"] = np.asarray(adv)[mine]
   return batch, stats
 
 
-__all__ = ["build_batch"]
+__all__ = ["build_batch", "Share"]

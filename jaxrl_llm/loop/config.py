@@ -349,6 +349,84 @@ class RunConfig:
 document_fields(RunConfig)
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+  """How this process joins a multi-host job (``jax.distributed``): the same command
+  on every host, only ``process_id`` differing. Not part of the run (not written to
+  ``config.json``): a run may resume on another number of hosts. Unset fields are read
+  from the environment (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
+  ``JAX_PROCESS_ID``, or their ``JAXRL_`` forms: :func:`jaxrl_llm.parallel.initialize_multihost`);
+  with none set the run is a single process."""
+  coordinator: str | None = setting(
+      None, "HOST:PORT of process 0's coordinator service (reachable from every host; "
+      "process 0 listens on PORT): with --num-processes and --process-id, a multi-host "
+      "run.")
+  num_processes: int | None = setting(
+      None, "the number of processes (hosts) of a multi-host run.", min_int=1)
+  process_id: int | None = setting(
+      None, "this process's rank in [0, --num-processes); process 0 writes the run "
+      "folder's metrics and prints the progress.", min_int=0)
+  multihost_auto: bool = setting(
+      False, "join a multi-host job found by JAX's cluster auto-detection "
+      "(jax.distributed.initialize() with no arguments: Cloud TPU pod slices, SLURM, "
+      "Open MPI), instead of --coordinator / --num-processes / --process-id.")
+  cpu_collectives: str | None = setting(
+      None, "cross-process collectives of the CPU backend (\"gloo\" or \"mpi\"): for "
+      "multi-process runs on CPU (testing a launch on one machine); not needed on "
+      "TPU/GPU.", choices=("gloo", "mpi"))
+
+  def joins_a_job(self) -> bool:
+    """Whether this launch may join a multi-process job (flags, or a coordinator in
+    the environment); False: certainly a single process.
+
+    Examples:
+      >>> LaunchConfig().joins_a_job(), LaunchConfig(multihost_auto=True).joins_a_job()
+      (False, True)
+    """
+    return bool(self.coordinator or self.multihost_auto or any(
+        os.environ.get(k) for k in ("JAX_COORDINATOR_ADDRESS", "JAXRL_COORDINATOR")))
+
+  def validate(self) -> None:
+    """One-line ``ValueError`` for an inconsistent launch.
+
+    Examples:
+      >>> LaunchConfig(coordinator="10.0.0.1:1234", num_processes=2,
+      ...              process_id=0).validate()
+      >>> try:
+      ...   LaunchConfig(coordinator="10.0.0.1:1234", num_processes=2).validate()
+      ... except ValueError as e:
+      ...   print(e)
+      --coordinator 10.0.0.1:1234 needs --num-processes and --process-id (got ...)
+    """
+    for f in dataclasses.fields(self):
+      _check_run_field(f, getattr(self, f.name))
+    given = (self.coordinator, self.num_processes, self.process_id)
+    if self.multihost_auto and any(v is not None for v in given):
+      raise ValueError("--multihost-auto lets JAX find the job; drop --coordinator, "
+                       "--num-processes and --process-id (or drop --multihost-auto)")
+    if self.coordinator is not None:
+      host, _, port = self.coordinator.rpartition(":")
+      if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--coordinator must be HOST:PORT (e.g. 10.0.0.1:8476), got "
+                         f"{self.coordinator!r}")
+      if self.num_processes is None or self.process_id is None:
+        raise ValueError(f"--coordinator {self.coordinator} needs --num-processes and "
+                         f"--process-id (got --num-processes {self.num_processes}, "
+                         f"--process-id {self.process_id})")
+    elif ((self.num_processes not in (None, 1) or self.process_id not in (None, 0))
+          and not any(os.environ.get(k) for k in ("JAX_COORDINATOR_ADDRESS",
+                                                  "JAXRL_COORDINATOR"))):
+      raise ValueError("--num-processes / --process-id need --coordinator HOST:PORT "
+                       "(or JAX_COORDINATOR_ADDRESS)")
+    if (self.num_processes is not None and self.process_id is not None
+        and self.process_id >= self.num_processes):
+      raise ValueError(f"--process-id must be in [0, --num-processes {self.num_processes}), "
+                       f"got {self.process_id}")
+
+
+document_fields(LaunchConfig)
+
+
 def _check_run_field(f: dataclasses.Field, x: Any) -> None:
   """Checks value ``x`` of RunConfig field ``f`` against its declared bounds (a
   one-line ``ValueError`` naming the flag)."""
@@ -367,4 +445,4 @@ def _check_run_field(f: dataclasses.Field, x: Any) -> None:
     raise ValueError(f"{flag(f.name)} must be {op} {low:g} (got {x})")
 
 
-__all__ = ["DEFAULT_TASK", "RunConfig", "RESUMABLE_FIELDS", "flag"]
+__all__ = ["DEFAULT_TASK", "LaunchConfig", "RESUMABLE_FIELDS", "RunConfig", "flag"]

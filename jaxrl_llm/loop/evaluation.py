@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,19 +31,42 @@ def stop_ids(tokenizer: Any) -> Any:
   return ids if len(ids) > 1 else tokenizer.eos_id
 
 
-def evaluate(policy: Policy, params: Any, task: Task, problems: Sequence[Problem]) -> dict:
+def evaluate(policy: Policy, params: Any, task: Task, problems: Sequence[Problem], *,
+             procs: Any = None) -> dict:
   """Greedy accuracy (exact match) and mean reward on ``problems``.
+
+  ``procs``: a multi-process run's :class:`~jaxrl_llm.loop.processes.Processes`: each
+  process evaluates a contiguous share of ``problems`` and the per-problem results are
+  all-gathered (every process returns the same means, those of one process).
 
   Returns:
     ``{"eval_accuracy": float, "eval_reward": float}``.
   """
+  if procs is None or not procs.multi:
+    exact, score = _greedy_results(policy, params, task, problems)
+  else:
+    n = len(problems)
+    bounds = [n * p // procs.count for p in range(procs.count + 1)]
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    exact, score = _greedy_results(policy, params, task,
+                                   problems[bounds[procs.index]:bounds[procs.index + 1]])
+    exact = procs.gather_uneven(exact, sizes)
+    score = procs.gather_uneven(score, sizes)
+  return {"eval_accuracy": float(np.mean(exact)), "eval_reward": float(np.mean(score))}
+
+
+def _greedy_results(policy: Policy, params: Any, task: Task,
+                    problems: Sequence[Problem]) -> tuple[np.ndarray, np.ndarray]:
+  """Per-problem exact match and reward of the greedy completions (float64)."""
+  if not len(problems):
+    return np.zeros((0,)), np.zeros((0,))
   tok = task.tokenizer
   tokens, mask = tok.encode_batch([p.prompt for p in problems], task.max_prompt_len)
   out = policy.generate(params, tokens, mask, None, max_new_tokens=task.max_new_tokens,
                         eos_id=stop_ids(tok), greedy=True)
   texts = decode(tok, out.completion, out.completion_mask)
-  return {"eval_accuracy": float(np.mean(task.exact(problems, texts))),
-          "eval_reward": float(np.mean(task.score(problems, texts)))}
+  return (np.asarray(task.exact(problems, texts), np.float64),
+          np.asarray(task.score(problems, texts), np.float64))
 
 
 __all__ = ["evaluate", "decode", "stop_ids"]

@@ -150,7 +150,7 @@ class Policy:
   def generate(self, params: Any, tokens: Any, mask: Any, rng: jax.Array | None, *,
                max_new_tokens: int, eos_id: int | Sequence[int] | None,
                temperature: float = _TEMPERATURE, greedy: bool = False,
-               n: int = 1) -> SampleOutput:
+               n: int = 1, first_request: int = 0) -> SampleOutput:
     """``n`` completions of each prompt row of ``tokens`` ``[B, P]`` (left-padded,
     ``mask`` 1 = real token), as one rectangular :class:`~jaxrl_llm.rollout.SampleOutput`
     of ``B * n`` rows: row ``i``'s samples are rows ``i * n .. i * n + n - 1``.
@@ -160,11 +160,19 @@ class Policy:
     from ``rng`` (0 when greedy); else through :func:`jaxrl_llm.rollout.sample` over
     the ``n``-times repeated rows with ``rng``. The two draw different samples from the
     same distribution; greedy tokens are the same.
+
+    ``first_request`` (engine only): the index of row 0 in the engine's draw keys, so
+    that a process generating rows ``[a, b)`` of a batch with ``first_request=a`` draws
+    what one call over the whole batch draws for them (multi-host rollouts).
     """
     if self.engine is not None:
       return self._generate_with_engine(params, tokens, mask, rng, n=n,
                                         max_new_tokens=max_new_tokens, eos_id=eos_id,
-                                        temperature=temperature, greedy=greedy)
+                                        temperature=temperature, greedy=greedy,
+                                        first_request=first_request)
+    if first_request:
+      raise ValueError("`first_request` needs the rollout engine (use_engine): the "
+                       "rectangular sampler draws with one key over all rows.")
     tokens, mask = np.repeat(tokens, n, axis=0), np.repeat(mask, n, axis=0)
     return self._sample(self.decode_fns, params, jnp.asarray(tokens), jnp.asarray(mask),
                         rng, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -173,7 +181,7 @@ class Policy:
   def _generate_with_engine(self, params: Any, tokens: Any, mask: Any,
                             rng: jax.Array | None, *, n: int, max_new_tokens: int,
                             eos_id: int | Sequence[int] | None, temperature: float,
-                            greedy: bool) -> SampleOutput:
+                            greedy: bool, first_request: int = 0) -> SampleOutput:
     assert self.engine is not None
     tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, np.float32)
     eos_ids = None if eos_id is None else tuple(np.atleast_1d(eos_id).tolist())
@@ -184,7 +192,8 @@ class Policy:
         jax.random.randint(rng, (), 0, np.iinfo(np.int32).max))
     if self._engine_takes_policy_part:
       params = self.ref_params(params)
-    completions = self.engine.generate(params, requests, seed=seed)
+    completions = self.engine.generate(params, requests, seed=seed,
+                                       first_request=first_request)
     return completions_to_sample_output(completions, np.repeat(tokens, n, axis=0),
                                         np.repeat(mask, n, axis=0),
                                         max_new_tokens=max_new_tokens, pad_id=self.pad_id)

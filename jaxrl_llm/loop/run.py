@@ -40,10 +40,11 @@ import numpy as np
 
 from jaxrl_llm import run_folder as rf
 from jaxrl_llm.checkpoint import Checkpointer
-from jaxrl_llm.loop.batch import build_batch
+from jaxrl_llm.loop.batch import Share, build_batch
 from jaxrl_llm.loop.config import RunConfig
 from jaxrl_llm.loop.evaluation import evaluate
 from jaxrl_llm.loop.policy import Policy
+from jaxrl_llm.loop.processes import Processes, host_value
 from jaxrl_llm.loop.progress import end_progress_line, report_progress
 from jaxrl_llm.loop.resolve import resolve
 from jaxrl_llm.loop.setup import make_policy, make_task
@@ -63,20 +64,43 @@ def _say(message: str) -> None:
   sys.stderr.flush()
 
 
+def _silent(message: str) -> None:
+  """The notes of a process other than 0 in a multi-process run (process 0 says them)."""
+
+
+def _signame(signum: int) -> str:
+  import signal
+  return signal.Signals(signum).name
+
+
+class _NoMetrics:
+  """The metrics writer of a process other than 0 (process 0 writes ``metrics.jsonl``)."""
+
+  def append(self, row: dict) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
 # ------------------------------------------------------------ run folder, placement
 
 
 def _compile_step(run: RunConfig, step_fn, state):
-  """``(jitted step, placed state, batch placer)``: one device, or a mesh via
-  :func:`jaxrl_llm.train.shard_train_step` when ``mesh_*`` asks for one."""
-  if (run.mesh_data, run.mesh_fsdp, run.mesh_tensor) == (1, 1, 1):
-    return jax.jit(step_fn, donate_argnums=0), state, lambda batch: batch
+  """``(jitted step, placed state, batch placer, mesh or None)``: one device, or a mesh
+  via :func:`jaxrl_llm.train.shard_train_step` when ``mesh_*`` asks for one (always in
+  a multi-process run: ``mesh_*`` all 1 there means data parallel over every device)."""
+  sizes = (run.mesh_data, run.mesh_fsdp, run.mesh_tensor)
+  if sizes == (1, 1, 1):
+    if jax.process_count() == 1:
+      return jax.jit(step_fn, donate_argnums=0), state, lambda batch: batch, None
+    sizes = (-1, 1, 1)
   from jaxrl_llm.parallel import make_mesh, shard_batch
   from jaxrl_llm.train.sharded import shard_train_step
-  mesh = make_mesh(data=run.mesh_data, fsdp=run.mesh_fsdp, tensor=run.mesh_tensor,
+  mesh = make_mesh(data=sizes[0], fsdp=sizes[1], tensor=sizes[2],
                    devices=_train_devices(run) if run.rollout_devices else None)
   jitted, state = shard_train_step(step_fn, state, mesh)
-  return jitted, state, lambda batch: shard_batch(batch, mesh)
+  return jitted, state, lambda batch: shard_batch(batch, mesh), mesh
 
 
 def _train_devices(run: RunConfig) -> list[jax.Device]:
@@ -124,12 +148,26 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
   ``run.model``). ``on_step(row)`` is called after every step (tests use it to
   interrupt a run). A ``KeyboardInterrupt`` saves a checkpoint of the last completed
   step and re-raises.
+
+  Multi-host (``jax.distributed`` initialised first, e.g. by
+  :func:`jaxrl_llm.parallel.initialize_multihost`; the same call on every process):
+  the mesh spans every device, each process generates and scores its rows of every
+  step (:mod:`jaxrl_llm.loop.processes`), process 0 alone writes ``config.json`` and
+  ``metrics.jsonl`` and prints, checkpoints are saved collectively (one sharded
+  checkpoint), and a stop signal on any process stops every process after the same
+  step, each saving it (:class:`~jaxrl_llm.run_folder.RunInterrupted` everywhere).
+  See ``docs/multihost.md``.
   """
   run.validate()
+  procs = Processes()
   run.check_devices(jax.device_count())
   _check_run_folder(run)
   task = make_task(run)
   resolved = resolve(run, task)          # the one reading of the recipe
+  if procs.multi:
+    from jaxrl_llm.loop.processes import check_multiprocess
+    check_multiprocess(run, resolved, procs.count, jax.device_count())
+  say = _say if procs.primary else _silent
   config = resolved.train
   if policy is None:
     policy = make_policy(resolved, task)
@@ -142,25 +180,33 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
     from jaxrl_llm.loop.setup import warm_start_value_params
     init_params = warm_start_value_params(run, init_params)
   state = step_fn.init(init_params, rng=jax.random.PRNGKey(run.seed))
-  step_fn, state, place = _compile_step(run, step_fn, state)
+  step_fn, state, place, mesh = _compile_step(run, step_fn, state)
+  share = None
+  if procs.multi:          # this process's rows of every step (whole groups)
+    batch_rows = resolved.sampling.prompts_per_step * resolved.sampling.group_size
+    share = Share(procs, *procs.row_range(batch_rows, mesh))
+    share.prompts(resolved.sampling.group_size)
   eval_problems = task.eval_problems(run.eval_size)
   warmup_steps = resolved.critic_warmup_steps
-  _write_run_folder(run)                      # everything built: the run starts here
+  procs.barrier("jaxrl_llm/run_built")  # every process checked the folder before any writes
+  if procs.primary:
+    _write_run_folder(run)                    # everything built: the run starts here
+  procs.barrier("jaxrl_llm/run_folder_written")
   metrics_path = os.path.join(run.out, rf.METRICS_FILE)
-  ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), max_to_keep=2, log=_say)
+  ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), max_to_keep=2, log=say)
 
-  start, history, state = _resume(run, ckpt, metrics_path, state)
-  metrics = rf.MetricsWriter(metrics_path)
+  start, history, state = _resume(run, ckpt, metrics_path, state, procs)
+  metrics = rf.MetricsWriter(metrics_path) if procs.primary else _NoMetrics()
   from jaxrl_llm.loop.sinks import BackgroundSinks, make_sinks
-  sinks = make_sinks(run, warn=_say) if jax.process_index() == 0 else BackgroundSinks([])
+  sinks = make_sinks(run, warn=_say) if procs.primary else BackgroundSinks([])
   if start == 0:
-    history = [{"step": 0, **evaluate(policy, state.params, task, eval_problems)}]
+    history = [{"step": 0, **_evaluate(policy, state.params, task, eval_problems, procs)}]
     metrics.append(history[-1])
     sinks.write(history[-1])
   last_eval = next((r["eval_accuracy"] for r in reversed(history) if "eval_accuracy" in r),
                    None)
 
-  if run.progress:
+  if run.progress and procs.primary:
     opt = resolved.optimizer
     rates = f"lr {opt.lr:g}" + (f", value lr {opt.value_lr:g}" if opt.split else "")
     _say(f"{run.algo} on {run.dataset or run.task} ({run.model} model, {rates}): steps "
@@ -199,8 +245,9 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
           rows, problems, extra = asynchronous.take(step)
           drawn = (rows, problems)
         scored: dict = {}
-        batch, stats = build_batch(resolved, task, policy, state.params, ref_params,
-                                   rng_np, key, drawn=drawn, info=scored)
+        batch, stats = build_batch(resolved, task, policy, procs.local(state.params),
+                                   ref_params, rng_np, key, drawn=drawn, share=share,
+                                   info=scored)
         if drawn is not None:
           from jaxrl_llm.loop.partial import behaviour_kl
           stats.update(extra, behaviour_kl=behaviour_kl(batch))
@@ -208,7 +255,7 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
         if asynchronous is not None:
           asynchronous.publish(state.params, step)
         row = {"step": step, **stats, **policy.rollout_stats(),
-               **{k: float(val) for k, val in m.items()},
+               **{k: float(host_value(val)) for k, val in m.items()},
                "time_s": time.time() - t_step}
         if step <= warmup_steps:
           row["critic_warmup"] = 1.0     # the policy is frozen (OptimizerSettings)
@@ -221,7 +268,7 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
           row["no_learning_signal_steps"] = float(watch.streak)
           _say(warning)
         if step % run.eval_every == 0 or step == run.steps:
-          row.update(evaluate(policy, state.params, task, eval_problems))
+          row.update(_evaluate(policy, state.params, task, eval_problems, procs))
         history.append(row)
         metrics.append(row)
         sinks.write(row)                # queued: the sinks' thread writes (loop.sinks)
@@ -240,23 +287,33 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
           ckpt.save(step, state, extra={"step": step})
         if step == start + 1:
           t_warm, warm_step = time.time(), step
-        report_progress(run, step, row, t_warm, warm_step, last_eval=last_eval)
+        if procs.primary:
+          report_progress(run, step, row, t_warm, warm_step, last_eval=last_eval)
         if on_step is not None:
           on_step(row)
-        if stop.requested and step < run.steps:
-          _save_now(run, ckpt, state, step, stop.signame)
-          raise rf.RunInterrupted(stop.signum or 0, f"stopped by {stop.signame} at step {step}")
+        # Every process acts on a signal any of them received (a collective).
+        signum = procs.agree_stop(stop.signum)
+        if signum and step < run.steps:
+          name = _signame(signum) + ("" if signum == stop.signum else " (on another "
+                                     "process of this job)")
+          _save_now(run, ckpt, state, step, name)
+          raise rf.RunInterrupted(signum, f"stopped by {name} at step {step}")
     except rf.RunInterrupted:
       metrics.close()
       ckpt.close()
       raise
     except KeyboardInterrupt:
       metrics.close()
+      if procs.multi:     # a collective save needs every process: the last one stands
+        _say(f"\ninterrupted: kept the checkpoint of step {ckpt.latest_step()} in "
+             f"{run.out} (a multi-process run saves only when every process stops)")
+        raise
       _save_on_interrupt(run, ckpt, state)
       raise
     except BaseException:
       metrics.close()
-      ckpt.close()
+      if not procs.multi:   # orbax may wait for the other processes: never with a failure
+        ckpt.close()
       raise
     finally:
       sinks.close()
@@ -265,7 +322,7 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
   metrics.close()
   kept = ckpt.all_steps()
   ckpt.close()
-  if run.progress:
+  if run.progress and procs.primary:
     end_progress_line()
   if step > start and applied == 0:
     raise SkippedUpdatesError(
@@ -277,6 +334,13 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
   summary["metrics_file"] = metrics_path
   summary["checkpoints"] = f"{ckpt.directory} (steps {', '.join(map(str, kept))})"
   return summary
+
+
+def _evaluate(policy: Policy, params, task, problems, procs: Processes) -> dict:
+  """:func:`evaluate`, split over the processes of a multi-process run."""
+  if not procs.multi:
+    return evaluate(policy, params, task, problems)
+  return evaluate(policy, procs.local(params), task, problems, procs=procs)
 
 
 def step_skipped(row: dict, config: TrainConfig) -> bool:
@@ -294,19 +358,26 @@ def step_skipped(row: dict, config: TrainConfig) -> bool:
   return row.get("skipped", 0) >= updates - 0.5    # a float count (a mean times updates)
 
 
-def _resume(run: RunConfig, ckpt: Checkpointer, metrics_path: str, state):
+def _resume(run: RunConfig, ckpt: Checkpointer, metrics_path: str, state,
+            procs: Processes | None = None):
   """``(start step, kept metrics rows, state)``: the newest checkpoint that verifies.
 
   The metrics rows after that step (computed again by this run) and a torn last line
-  are dropped by an atomic rewrite; the rows up to it are kept.
+  are dropped by an atomic rewrite; the rows up to it are kept. In a multi-process run
+  every process restores (its shards, a collective) and process 0 alone touches the
+  metrics file (the others keep no rows).
   """
+  primary = procs is None or procs.primary
+  say = _say if primary else _silent
   start, keep_upto = 0, -1
   if run.resume and ckpt.all_steps():
     state, extra = ckpt.restore(state)
     start = keep_upto = int(extra["step"])
-    _say(f"resuming from step {start} ({ckpt.directory}/{ckpt.restored_step})")
+    say(f"resuming from step {start} ({ckpt.directory}/{ckpt.restored_step})")
   elif run.resume:
-    _say(f"no checkpoint in {ckpt.directory}: starting from step 0")
+    say(f"no checkpoint in {ckpt.directory}: starting from step 0")
+  if not primary:
+    return start, [], state
   history, note = rf.prepare_metrics(metrics_path, keep_upto=keep_upto)
   if note is not None and keep_upto >= 0:
     _say(note)

@@ -104,7 +104,10 @@ def make_policy(resolved: Resolved, task: Task) -> Policy:
   policy = _policy(resolved, task)
   run = resolved.run
   if run.rollout == "engine":
-    rows = resolved.sampling.prompts_per_step * resolved.sampling.group_size
+    import jax
+    # Each process of a multi-process run generates its share of the rows.
+    rows = (resolved.sampling.prompts_per_step * resolved.sampling.group_size
+            // jax.process_count())
     policy.use_engine(max_slots=run.rollout_slots or min(rows, _MAX_DEFAULT_SLOTS),
                       max_len=task.max_prompt_len + task.max_new_tokens,
                       max_prompt_len=task.max_prompt_len)

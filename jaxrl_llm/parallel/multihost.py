@@ -178,6 +178,7 @@ class _PeerWatchdog:
     self.interval = max(min(timeout / 5, 1.0), 0.05)
     self.on_lost = on_lost
     self._stop = threading.Event()
+    self.lost = threading.Event()
     self._thread = threading.Thread(target=self._run, name="jaxrl-peer-watchdog",
                                     daemon=True)
 
@@ -239,13 +240,60 @@ class _PeerWatchdog:
     if self._stop.is_set():
       return
     self._stop.set()
-    self.on_lost(f"jaxrl_llm multihost: process {self.pid}: {what}. This process stops "
-                 "too; restart every process with the same command (jaxrl-llm train: add "
-                 "--resume) to continue from the last checkpoint.")
+    try:
+      self.on_lost(f"jaxrl_llm multihost: process {self.pid}: {what}. This process "
+                   "stops too; restart every process with the same command (jaxrl-llm "
+                   "train: add --resume) to continue from the last checkpoint.")
+    finally:     # after the handler: the default one ends the process first
+      self.lost.set()
+
+
+class _InitTimer:
+  """Within: if ``jax.distributed.initialize`` has not returned after ``limit`` seconds,
+  ``on_fail(message)`` is called from a timer thread (the default prints one line and
+  exits with :data:`PEER_LOST_EXIT_CODE`).
+
+  JAX (0.10) reports a job that does not form, a peer that never registers or a
+  coordinator that cannot be reached, by aborting the process in C++ once its own
+  ``initialization_timeout`` passes (``DEADLINE_EXCEEDED ... RegisterTask``, a stack
+  trace). ``initialize`` releases the GIL while it waits, so a Python timer set a
+  little earlier than JAX's deadline can say what happened in one line instead.
+  """
+
+  def __init__(self, limit: float, args: dict, on_fail: Callable[[str], None]):
+    self.limit, self.args, self.on_fail = limit, args, on_fail
+    self._timer = threading.Timer(limit, self._fire)
+    self._timer.daemon = True
+
+  def _fire(self) -> None:
+    a = self.args
+    n, pid, where = a["num_processes"], a["process_id"], a["coordinator_address"]
+    if pid is None or n is None:
+      what = (f"the job did not form within {self.limit:.0f} s (cluster auto-detection; "
+              "a process was not started, died before connecting, or cannot reach the "
+              "coordinator)")
+    elif pid == 0:
+      what = (f"the {n}-process job did not form within {self.limit:.0f} s: not every "
+              f"process registered with this process's coordinator at {where} (one was "
+              f"not started, died before connecting, or cannot reach {where})")
+    else:
+      what = (f"could not join the {n}-process job within {self.limit:.0f} s: the "
+              f"coordinator at {where} (process 0) did not answer (it is not running, "
+              "died, or the address or port is wrong or blocked)")
+    self.on_fail(f"jaxrl_llm multihost: process {pid if pid is not None else '?'}: "
+                 f"{what}. Start every process with the same command (jaxrl-llm train: "
+                 "--coordinator HOST:PORT --num-processes N --process-id I).")
+
+  def __enter__(self) -> _InitTimer:
+    self._timer.start()
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self._timer.cancel()
 
 
 _WATCHDOG: _PeerWatchdog | None = None
-_UNCAUGHT = {"exception": False}
+_UNCAUGHT: dict[str, Any] = {"exception": False, "failed": None}
 
 
 def _note_uncaught(hook):
@@ -260,7 +308,7 @@ def _at_exit() -> None:
   watchdog = _WATCHDOG
   if watchdog is None:
     return
-  if _UNCAUGHT["exception"]:
+  if _UNCAUGHT["exception"] or _UNCAUGHT["failed"] is not None:
     # JAX's exit hook would wait in the shutdown barrier for peers that may be dead,
     # then abort in C++. Tell the peers, and leave now with the traceback shown.
     watchdog.mark("failed")
@@ -268,9 +316,44 @@ def _at_exit() -> None:
     for stream in (sys.stdout, sys.stderr):
       with contextlib.suppress(OSError, ValueError):
         stream.flush()
-    os._exit(1)
+    os._exit(1 if _UNCAUGHT["exception"] else _UNCAUGHT["failed"])
   watchdog.mark("done")
   watchdog.stop()
+
+
+def mark_failed(exit_code: int = 1) -> None:
+  """Tells the other processes' watchdogs that this process is failing (they stop with
+  "process N ... failed (see its log)" instead of waiting for it); best effort, a
+  no-op without a watchdog. Call it before leaving a multi-process job on an error
+  the program handled itself (an uncaught exception does it automatically): the
+  process then ends with ``exit_code`` at interpreter exit without waiting in JAX's
+  shutdown barrier for peers that are leaving too."""
+  if _WATCHDOG is not None:
+    _WATCHDOG.mark("failed")
+    _WATCHDOG.stop()
+    _UNCAUGHT["failed"] = int(exit_code)
+
+
+def await_lost_peer(timeout: float | None = None) -> bool:
+  """After a collective failed: waits until the watchdog has judged whether a peer was
+  lost. Returns ``True`` if it was (the watchdog's ``on_peer_lost`` ran: by default it
+  has already printed its one line and ended the process, so this only returns with a
+  custom handler), ``False`` after ``timeout`` seconds (default: twice the watchdog's
+  peer timeout plus two check intervals: the watchdog judges within one timeout and
+  an interval of the loss, later on a host too busy to run its thread on time) or at
+  once when no watchdog runs.
+
+  On CPU (gloo) a collective whose peer died fails at once with a Python error; on
+  TPU/GPU it blocks. Either way the watchdog names the lost process in one line; a
+  caller that catches the error gives it the time to do so before reporting the
+  error as its own.
+  """
+  watchdog = _WATCHDOG
+  if watchdog is None:
+    return False
+  if timeout is None:
+    timeout = 2 * watchdog.timeout + 2 * watchdog.interval
+  return watchdog.lost.wait(timeout)
 
 
 def shutdown_multihost() -> None:
@@ -402,7 +485,13 @@ def initialize_multihost(coordinator_address: str | None = None,
                      f"accept {unknown}; it takes {sorted(accepted)}.")
   if cpu_collectives is not None:
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-  jax.distributed.initialize(**call)
+  limit = timeouts["initialization_timeout"]
+  if "initialization_timeout" in call:
+    # JAX's own deadline comes later: a job that does not form ends with the one-line
+    # message of the timer below, not JAX's C++ abort (see _InitTimer).
+    call["initialization_timeout"] = limit + max(10, limit // 10)
+  with _InitTimer(limit, args, on_peer_lost or _default_on_peer_lost):
+    jax.distributed.initialize(**call)
   client = _distributed_client()
   if peer_timeout > 0 and client is not None and jax.process_count() > 1:
     _WATCHDOG = _PeerWatchdog(client, jax.process_index(), jax.process_count(),
@@ -433,4 +522,5 @@ def gather_to_host(tree: Any) -> Any:
 
 
 __all__ = ["initialize_multihost", "resolve_multihost_args", "resolve_timeouts",
-           "shutdown_multihost", "gather_to_host", "PEER_LOST_EXIT_CODE"]
+           "shutdown_multihost", "gather_to_host", "PEER_LOST_EXIT_CODE", "mark_failed",
+           "await_lost_peer"]

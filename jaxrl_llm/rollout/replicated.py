@@ -6,9 +6,9 @@ the request list into contiguous parts, one per device (sizes differ by at most 
 request), and each replica generates its part on its device in a thread of its own,
 with a copy of ``params`` put there (device to device: never through the host's disk).
 Part ``d`` starts at request :math:`a_d` and is generated with
-``request_offset`` :math:`= a_d`, so every sample's draws are keyed by its index in the
-whole list, as on one engine; the completions come back ordered by
-``(request, sample)``. Each replica keeps the slot count of the engine it copies, and
+``first_request`` :math:`= a_d`, so every sample's draws are keyed by its index in the
+whole list, as on one engine; the completions come back renumbered to that index and
+ordered by ``(request, sample)``. Each replica keeps the slot count of the engine it copies, and
 at one slot count the engine's rows never mix (bitwise the same alone or among
 others), so the tokens and log-probs equal those of the single engine bit for bit
 (tested). What this gives the asynchronous loop is its own devices for generation
@@ -22,6 +22,7 @@ generation: one replica per device only).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -106,8 +107,9 @@ class ReplicatedEngine:
       try:
         with jax.default_device(self.devices[d]):     # thread-local: this thread only
           local = jax.device_put(params, self.devices[d])
-          results[d] = self.replicas[d].generate(local, requests[start:stop], seed,
-                                                 version=version, request_offset=start)
+          part = self.replicas[d].generate(local, requests[start:stop], seed,
+                                           version=version, first_request=start)
+          results[d] = [dataclasses.replace(c, request=start + c.request) for c in part]
       except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
         errors.append(e)
 

@@ -302,8 +302,8 @@ class VllmEngine:
         stop_token_ids=[int(t) for t in (request.eos_ids or ())],
         detokenize=False)
 
-  def generate(self, params: Any, requests: Sequence[Request], seed: int = 0
-               ) -> list[Completion]:
+  def generate(self, params: Any, requests: Sequence[Request], seed: int = 0, *,
+               first_request: int = 0) -> list[Completion]:
     """Completes every request ``n`` times; the completions come ordered by request,
     then sample (as the JAX engine's).
 
@@ -312,6 +312,8 @@ class VllmEngine:
         last), or ``None`` to keep the engine's current weights.
       requests: the :class:`~jaxrl_llm.rollout.Request` s.
       seed: the sampling seed (sample ``j`` of request ``r``: :func:`sample_seed`).
+      first_request: the index of ``requests[0]`` in the seeds (request ``i`` is
+        seeded as request ``first_request + i``), as :meth:`RolloutEngine.generate`'s.
 
     Raises:
       ValueError: a request longer than ``max_model_len``.
@@ -330,7 +332,7 @@ class VllmEngine:
       ids = [int(t) for t in np.asarray(req.prompt).tolist()]
       for j in range(req.n):
         prompts.append(TokensPrompt(prompt_token_ids=ids))
-        params_list.append(self.sampling_params(req, sample_seed(seed, r, j)))
+        params_list.append(self.sampling_params(req, sample_seed(seed, first_request + r, j)))
         index.append((r, j))
     outputs = self.llm.generate(prompts, params_list, use_tqdm=False)
     completions = []
