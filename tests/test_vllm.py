@@ -90,7 +90,7 @@ def test_policy_hands_vllm_the_policy_part_and_reports_push_stats():
     def __init__(self):
       self.seen = None
 
-    def generate(self, params, requests, seed=0):
+    def generate(self, params, requests, seed=0, first_request=0):
       self.seen = params
       return [Completion(request=i, sample=j, tokens=np.array([3, 4]),
                          logprobs=np.array([-0.5, -0.25]), filtered_logprobs=np.zeros(2),
