@@ -92,9 +92,10 @@ class ReplicatedEngine:
     self.stats: dict[str, Any] = {}
 
   def generate(self, params: Any, requests: Sequence[Request], seed: int = 0, *,
-               version: int = 0) -> list[Completion]:
+               version: int = 0, first_request: int = 0) -> list[Completion]:
     """The completions of ``requests`` (``n`` each) ordered by ``(request, sample)``,
-    as :meth:`RolloutEngine.generate` on one engine returns them. ``self.stats`` holds
+    as :meth:`RolloutEngine.generate` on one engine returns them (``first_request``
+    as there: this call's share of a larger batch). ``self.stats`` holds
     the replicas' counters summed, ``slot_utilisation`` their mean, ``total_s`` the
     slowest replica's and ``replicas`` their number."""
     requests = list(requests)
@@ -108,7 +109,8 @@ class ReplicatedEngine:
         with jax.default_device(self.devices[d]):     # thread-local: this thread only
           local = jax.device_put(params, self.devices[d])
           part = self.replicas[d].generate(local, requests[start:stop], seed,
-                                           version=version, first_request=start)
+                                           version=version,
+                                           first_request=first_request + start)
           results[d] = [dataclasses.replace(c, request=start + c.request) for c in part]
       except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
         errors.append(e)
