@@ -47,6 +47,7 @@ from jaxrl_llm.packing import (
 )
 from jaxrl_llm.train import TrainConfig, make_train_step
 from jaxrl_llm.train.step import microbatch_count, policy_forward, prepare_batch
+from tests.utils import run_worker
 
 VOCAB = 32
 
@@ -85,7 +86,7 @@ def test_plan_packing_row_multiple_and_num_rows():
 
 
 def test_sequence_longer_than_budget_raises_naming_max_tokens():
-  with pytest.raises(ValueError, match="sequence 1 has 5 tokens.*`max_tokens`=4"):
+  with pytest.raises(ValueError, match=r"sequence 1 has 5 tokens.*`max_tokens`=4"):
     plan_packing(np.array([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]), max_tokens=4)
   with pytest.raises(ValueError, match="`max_tokens`"):
     first_fit_decreasing([1], 0)
@@ -186,7 +187,7 @@ def test_no_leak_across_segments(model):
   apply = make_apply_fn(graphdef)
   packed = np.asarray(pack(plan, tokens))
   seg = plan.segment_ids
-  row = int(np.argmax((seg.max(axis=1))))            # a row with several segments
+  row = int(np.argmax(seg.max(axis=1)))            # a row with several segments
   assert seg[row].max() >= 2
   changed = packed.copy()
   target = seg[row] == 1
@@ -384,3 +385,40 @@ def test_packed_batch_rejects_per_row_advantages(model):
   step = make_train_step(make_apply_fn(graphdef), optax.sgd(0.1), config)
   with pytest.raises(ValueError, match=r"batch\['advantages'\].*per token"):
     step(step.init(params), packed)
+
+
+# ------------------------------------------------------------------ 8 forced devices
+
+
+@pytest.fixture(scope="module")
+def multi():
+  """Runs tests/packing_worker.py once on 8 forced CPU devices; returns its JSON."""
+  return run_worker("packing_worker")
+
+
+def _on_8_devices(test):
+  return pytest.mark.slow(pytest.mark.xdist_group("packing_worker_8_devices")(test))
+
+
+@_on_8_devices
+@pytest.mark.parametrize("case", ["seq8/zigzag", "seq8/contiguous", "data2_seq4/zigzag",
+                                  "data2_seq4/contiguous"])
+def test_ring_attention_with_segments_equals_single_device(multi, case):
+  assert "ring" not in multi["errors"], multi["errors"]["ring"]
+  r = multi["ring"][case]
+  assert r["value_diff"] < 2e-5, r
+  assert r["grad_diff"] < 2e-5 * max(1.0, r["grad_scale"]), r
+
+
+@_on_8_devices
+@pytest.mark.parametrize("case", ["ppo/seq8", "grpo/data2_seq4"])
+def test_sequence_sharded_packed_step_equals_padded_single_device(multi, case):
+  """Packed rows over a `sequence` mesh (ring attention with segment ids in the model)
+  give the padded single-device update: parameters to 1e-5 (SGD with momentum, lr 0.5),
+  every metric to 1e-5."""
+  assert "step" not in multi["errors"], multi["errors"]["step"]
+  r = multi["step"][case]
+  assert r["ring_with_segments"], r
+  assert r["param_diff"] < 1e-5, r
+  assert max(r["metric_diff"].values()) < 1e-5, r
+  assert r["rows"][1] < r["rows"][0], r
