@@ -47,7 +47,7 @@ from jaxrl_llm.packing import (
 )
 from jaxrl_llm.train import TrainConfig, make_train_step
 from jaxrl_llm.train.step import microbatch_count, policy_forward, prepare_batch
-from tests.utils import run_worker
+from tests.utils import run_worker, train_two_steps
 
 VOCAB = 32
 
@@ -422,3 +422,24 @@ def test_sequence_sharded_packed_step_equals_padded_single_device(multi, case):
   assert r["param_diff"] < 1e-5, r
   assert max(r["metric_diff"].values()) < 1e-5, r
   assert r["rows"][1] < r["rows"][0], r
+
+
+# ------------------------------------------------------------------------ the loop
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_trainer_pack_flag_trains_like_padded(algo, tmp_path):
+  """``jaxrl-llm train --pack``: the first step (same rollout) reports the padded run's
+  loss terms on half as many rows, and the padding fractions are reported."""
+  flags = ("--algo", algo, "--task", "countdown")
+  padded = train_two_steps(str(tmp_path / "padded"), *flags)
+  packed = train_two_steps(str(tmp_path / "packed"), *flags, "--pack", "--pack-tokens",
+                           "64")
+  assert padded[1]["reward"] == packed[1]["reward"]
+  for key in ("loss", "pg_loss", "entropy", "grad_norm", "approx_kl"):
+    np.testing.assert_allclose(packed[1][key], padded[1][key], rtol=1e-4, atol=1e-6,
+                               err_msg=key)
+  assert packed[1]["packed_rows"] <= 4
+  assert 0 <= packed[1]["padding_frac"] < 1 and 0 <= packed[1]["padding_frac_packed"] < 1
+  assert "padding_frac" not in padded[1]

@@ -173,4 +173,39 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   return batch, stats
 
 
-__all__ = ["build_batch"]
+def pack_train_batch(batch: dict, config: TrainConfig, *, max_tokens: int | None = None,
+                     devices: int = 1) -> tuple[dict, dict]:
+  """Packs a padded train batch (:func:`build_batch`) into rows of ``max_tokens``.
+
+  Returns ``(packed batch, stats)``; ``stats`` holds ``padding_frac`` (padding share of
+  the padded batch), ``padding_frac_packed`` (of the packed one) and ``packed_rows``.
+  The row count is the rows needed rounded up to ``m * 2^k`` (``m`` = minibatches x
+  microbatches x ``devices``, so every split divides it), at most the padded row count
+  rounded up to ``m``: a run compiles a few packed shapes, not one per step.
+
+  Examples:
+    >>> import numpy as np
+    >>> ones = np.ones((4, 3), np.float32)
+    >>> batch = dict(tokens=np.ones((4, 3), np.int32), attention_mask=ones,
+    ...              loss_mask=ones, old_logp=0 * ones, advantages=np.zeros(4, np.float32))
+    >>> packed, stats = pack_train_batch(batch, TrainConfig(), max_tokens=6)
+    >>> packed["tokens"].shape, stats["padding_frac_packed"]
+    ((2, 6), 0.0)
+  """
+  from jaxrl_llm.packing import pack_batch, padding_fraction, plan_packing
+  n, width = np.shape(batch["tokens"])
+  budget = width if max_tokens is None else max_tokens
+  split = config.num_microbatches if config.max_tokens_per_microbatch is None else 1
+  multiple = config.num_minibatches * split * devices
+  needed = plan_packing(batch["attention_mask"], budget).num_rows
+  units = -(-needed // multiple)
+  rows = multiple * min(1 << (units - 1).bit_length(), -(-n // multiple))
+  packed, plan = pack_batch(batch, budget, row_multiple=multiple,
+                            num_rows=max(rows, multiple * units))
+  packed = {k: np.asarray(x) for k, x in packed.items()}
+  return packed, {"padding_frac": padding_fraction(batch["attention_mask"]),
+                  "padding_frac_packed": padding_fraction(plan.segment_ids),
+                  "packed_rows": float(plan.num_rows)}
+
+
+__all__ = ["build_batch", "pack_train_batch"]

@@ -40,7 +40,7 @@ import numpy as np
 
 from jaxrl_llm import run_folder as rf
 from jaxrl_llm.checkpoint import Checkpointer
-from jaxrl_llm.loop.batch import build_batch
+from jaxrl_llm.loop.batch import build_batch, pack_train_batch
 from jaxrl_llm.loop.config import RunConfig
 from jaxrl_llm.loop.evaluation import evaluate
 from jaxrl_llm.loop.policy import Policy
@@ -133,6 +133,8 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
     init_params = warm_start_value_params(run, init_params)
   state = step_fn.init(init_params, rng=jax.random.PRNGKey(run.seed))
   step_fn, state, place = _compile_step(run, step_fn, state)
+  single = (run.mesh_data, run.mesh_fsdp, run.mesh_tensor) == (1, 1, 1)
+  pack_devices = 1 if single else jax.device_count()   # packed rows split over them
   eval_problems = task.eval_problems(run.eval_size)
   warmup_steps = resolved.critic_warmup_steps
   _write_run_folder(run)                      # everything built: the run starts here
@@ -185,6 +187,10 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
         if drawn is not None:
           from jaxrl_llm.loop.partial import behaviour_kl
           stats.update(extra, behaviour_kl=behaviour_kl(batch))
+        if run.pack:       # several sequences a row: no train work on padding
+          batch, pack_stats = pack_train_batch(batch, config, max_tokens=run.pack_tokens,
+                                               devices=pack_devices)
+          stats.update(pack_stats)
         state, m = step_fn(state, place(batch))
         if asynchronous is not None:
           asynchronous.publish(state.params, step)
