@@ -1,7 +1,7 @@
 r"""Packed vs padded PPO step on a heavy-tailed batch: time, compiled memory, padding.
 
 Run: ``python -m benchmarks.packing [--scale 16] [--repeats 3] [--memory small,1b]
-[--json out.json]``.
+[--no-time] [--quick] [--json out.json]``.
 
 The batch: 32 (prompt, completion) sequences whose total lengths are log-normal
 (median 1000 tokens, :math:`\sigma = 0.6`, seed 0, clipped to [128, 16384]) with the
@@ -153,8 +153,12 @@ def main(argv=None):
   p.add_argument("--memory", default="small,1b",
                  help="models whose full-scale memory is compiled ('' for none)")
   p.add_argument("--no-time", action="store_true")
+  p.add_argument("--quick", action="store_true",
+                 help="a smoke run: --scale 64 --repeats 1 --memory ''")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
+  if args.quick:
+    args.scale, args.repeats, args.memory = 64, 1, ""
   print(machine())
   _, _, full = both_layouts(1)
   print(f"full scale: padded {full['padded_shape']} -> packed {full['packed_shape']}, "

@@ -207,8 +207,8 @@ def pack(plan: PackPlan, x: ArrayLike, *, fill: Any = 0) -> jax.Array:
   else:
     raise ValueError(f"`x` must have shape [N, L] = {(n, plan.width)} (per token) or "
                      f"[N] = {(n,)} (per sequence), got {tuple(x.shape)}.")
-  real = jnp.asarray(real).reshape(real.shape + (1,) * (flat.ndim - 2))
-  return jnp.where(real, flat, jnp.asarray(fill, x.dtype))
+  keep = jnp.asarray(real).reshape(real.shape + (1,) * (flat.ndim - 2))
+  return jnp.where(keep, flat, jnp.asarray(fill, x.dtype))
 
 
 def unpack(plan: PackPlan, y: ArrayLike, *, fill: Any = 0) -> jax.Array:
@@ -279,10 +279,10 @@ def check_segments(segment_ids: Any, positions: Any = None, *,
     want = np.asarray(segment_positions(seg))
     bad = np.argwhere((seg > 0) & (pos != want))
     if bad.size:
-      b, t = (int(i) for i in bad[0])
+      row, col = (int(i) for i in bad[0])
       raise ValueError(f"`positions` must restart at 0 at each segment start and count "
-                       f"up by 1 inside it: row {b} index {t} has {int(pos[b, t])}, "
-                       f"expected {int(want[b, t])}.")
+                       f"up by 1 inside it: row {row} index {col} has {int(pos[row, col])}, "
+                       f"expected {int(want[row, col])}.")
   if attention_mask is not None:
     m = np.asarray(attention_mask)
     if m.shape != seg.shape or ((m != 0) != (seg > 0)).any():

@@ -462,13 +462,13 @@ def ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, mesh: 
                                           bool(is_causal), (implementation, block_size)),
         mesh=mesh, in_specs=(tok, tok, tok, row_tok), out_specs=tok, check_vma=False)
     return fn(query, key, value, mask).astype(query.dtype)
-  fn = jax.shard_map(
+  packed_fn = jax.shard_map(
       lambda q_, k_, v_, m_, s_: _ring_body(q_, k_, v_, m_, axis, n, layout,
                                             bool(is_causal), (implementation, block_size),
                                             s_),
       mesh=mesh, in_specs=(tok, tok, tok, row_tok, row_tok), out_specs=tok,
       check_vma=False)
-  return fn(query, key, value, mask, qs).astype(query.dtype)
+  return packed_fn(query, key, value, mask, qs).astype(query.dtype)
 
 
 def ring_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
