@@ -9,6 +9,7 @@ one (PPO's GAE) runs inside the train step, so the batch carries ``rewards`` and
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -59,7 +60,9 @@ def _rollout(sampling: SamplingSettings, task: Task, policy: Policy, params: Any
 def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
                 ref_params: Any, rng_np: np.random.Generator, key: jax.Array, *,
                 info: dict | None = None,
-                drawn: tuple[dict, list] | None = None) -> tuple[dict, dict]:
+                drawn: tuple[dict, list] | None = None,
+                packer: Callable[[dict], tuple[dict, dict]] | None = None
+                ) -> tuple[dict, dict]:
   """One rollout: ``(batch, stats)`` with ``stats`` reward, accuracy, response length.
 
   ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible
@@ -82,6 +85,9 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   ``drawn``: the first draw's ``(rows, problems)`` when the caller generated them
   (partial rollouts: :class:`jaxrl_llm.loop.partial.PartialRollouts`); None: drawn
   here (``generate_s`` in the stats times it).
+  ``packer``: ``batch -> (packed batch, stats)`` (e.g. :func:`pack_train_batch`), applied
+  before the policy and reference forwards, so the behaviour and reference log-probs
+  are computed on the packed rows too (``--pack``).
   """
   config, sampling, estimator = resolved.train, resolved.sampling, resolved.estimator
   tok = task.tokenizer
@@ -138,9 +144,6 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
                 exact=rows["exact"])
   loss_mask = rows["loss_mask"]
   batch = {k: rows[k] for k in ("tokens", "attention_mask", "loss_mask")}
-  old_logp, _, old_values = policy.forward(params, batch)
-  ref_logp, _, _ = policy.ref_forward(ref_params, batch)
-  batch.update(old_logp=np.asarray(old_logp), ref_logp=np.asarray(ref_logp))
   if "rollout_logp" in rows:
     batch["rollout_logp"] = rows["rollout_logp"]
   if config.pos_nll_coef is not None:
@@ -150,8 +153,6 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   last = prompt_len + np.maximum(rows["lengths"], 1) - 1
   rewards = np.zeros(loss_mask.shape, np.float32)
   rewards[np.arange(len(scores)), last] = scores
-  if config.use_value:
-    batch["old_values"] = np.asarray(old_values)
   if estimator.needs_values:
     batch["rewards"] = rewards
   else:
@@ -170,6 +171,14 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
         greedy_scores=greedy_scores, group_size=group_size),
         config.hparam_values())
     batch["advantages"] = np.asarray(adv)
+  if packer is not None:
+    batch, pack_stats = packer(batch)
+    stats.update(pack_stats)
+  old_logp, _, old_values = policy.forward(params, batch)
+  ref_logp, _, _ = policy.ref_forward(ref_params, batch)
+  batch.update(old_logp=np.asarray(old_logp), ref_logp=np.asarray(ref_logp))
+  if config.use_value:
+    batch["old_values"] = np.asarray(old_values)
   return batch, stats
 
 
@@ -187,7 +196,7 @@ def pack_train_batch(batch: dict, config: TrainConfig, *, max_tokens: int | None
     >>> import numpy as np
     >>> ones = np.ones((4, 3), np.float32)
     >>> batch = dict(tokens=np.ones((4, 3), np.int32), attention_mask=ones,
-    ...              loss_mask=ones, old_logp=0 * ones, advantages=np.zeros(4, np.float32))
+    ...              loss_mask=ones, advantages=np.zeros(4, np.float32))
     >>> packed, stats = pack_train_batch(batch, TrainConfig(), max_tokens=6)
     >>> packed["tokens"].shape, stats["padding_frac_packed"]
     ((2, 6), 0.0)

@@ -27,6 +27,7 @@ checkpointing a run that no longer learns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -133,8 +134,11 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
     init_params = warm_start_value_params(run, init_params)
   state = step_fn.init(init_params, rng=jax.random.PRNGKey(run.seed))
   step_fn, state, place = _compile_step(run, step_fn, state)
-  single = (run.mesh_data, run.mesh_fsdp, run.mesh_tensor) == (1, 1, 1)
-  pack_devices = 1 if single else jax.device_count()   # packed rows split over them
+  packer = None
+  if run.pack:     # several sequences a row: no forward/train work on padding
+    single = (run.mesh_data, run.mesh_fsdp, run.mesh_tensor) == (1, 1, 1)
+    packer = functools.partial(pack_train_batch, config=config, max_tokens=run.pack_tokens,
+                               devices=1 if single else jax.device_count())
   eval_problems = task.eval_problems(run.eval_size)
   warmup_steps = resolved.critic_warmup_steps
   _write_run_folder(run)                      # everything built: the run starts here
@@ -183,14 +187,10 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
           rows, problems, extra = asynchronous.take(step)
           drawn = (rows, problems)
         batch, stats = build_batch(resolved, task, policy, state.params, ref_params,
-                                   rng_np, key, drawn=drawn)
+                                   rng_np, key, drawn=drawn, packer=packer)
         if drawn is not None:
           from jaxrl_llm.loop.partial import behaviour_kl
           stats.update(extra, behaviour_kl=behaviour_kl(batch))
-        if run.pack:       # several sequences a row: no train work on padding
-          batch, pack_stats = pack_train_batch(batch, config, max_tokens=run.pack_tokens,
-                                               devices=pack_devices)
-          stats.update(pack_stats)
         state, m = step_fn(state, place(batch))
         if asynchronous is not None:
           asynchronous.publish(state.params, step)
