@@ -10,11 +10,12 @@ longest set to 16384 (the tail), prompts of 64 tokens. The padded layout is
 decreasing) has rows of the longest sequence's width (the token budget 16384) and as
 many as first-fit decreasing needs.
 
-* **Time** (CPU, the ``small`` reference model, float32): one jitted
+* **Time** (CPU, the ``small`` config of ``benchmarks/long_sequence.py``: vocabulary
+  32000, ``remat=True``, float32): one jitted
   :func:`jaxrl_llm.make_ppo_train_step` step (value head, GAE in the step, clipped
   surrogate and value losses, Adam, one epoch and minibatch; forward, backward, GAE and
   losses). A CPU cannot run ``[32, 16384]`` in reasonable time, so every length is
-  divided by ``--scale`` (16: median ~63, tail 1024, prompts 4). Padded and packed
+  divided by ``--scale`` (32: median ~31, tail 512, prompts 2). Padded and packed
   steps alternate in one process (``--repeats`` pairs after one warm-up each) and the
   ratio of the medians is reported.
 * **Memory** (nothing runs): the same step at full scale, AOT-compiled for one CPU
@@ -103,7 +104,7 @@ def _step(cfg: TransformerConfig, config: TrainConfig, abstract: bool):
 def time_cpu(scale: int, repeats: int) -> dict:
   """Interleaved wall times of the padded and packed steps (small model, float32)."""
   padded, packed, info = both_layouts(scale)
-  cfg = TransformerConfig.small(32000, max_seq_len=LONGEST)
+  cfg = long_sequence.model_config("small")     # remat=True: as the memory rows
   config = TrainConfig(logprob_chunk_size=1024)
   times: dict[str, list] = {"padded": [], "packed": []}
   steps = {}
@@ -148,7 +149,7 @@ def compiled_memory(model: str) -> dict:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--scale", type=int, default=16)
+  p.add_argument("--scale", type=int, default=32)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--memory", default="small,1b",
                  help="models whose full-scale memory is compiled ('' for none)")
