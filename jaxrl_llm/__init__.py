@@ -66,6 +66,16 @@ if TYPE_CHECKING:  # the names as static imports, for type checkers and IDEs
     masked_var,
     masked_whiten,
   )
+  from jaxrl_llm.packing import (
+    PackPlan,
+    check_segments,
+    pack,
+    pack_batch,
+    plan_packing,
+    segment_positions,
+    segment_sum,
+    unpack,
+  )
   from jaxrl_llm.train import (
     TrainConfig,
     TrainState,
@@ -106,6 +116,9 @@ _EXPORTS = {
         "TrainConfig", "TrainState", "init_train_state", "make_train_step",
         "make_ppo_train_step", "make_grpo_train_step", "policy_forward"),
     "jaxrl_llm.checkpoint": ("Checkpointer",),
+    "jaxrl_llm.packing": (  # packed batches (several sequences a row)
+        "PackPlan", "plan_packing", "pack", "unpack", "pack_batch", "check_segments",
+        "segment_positions", "segment_sum"),
 }
 __all__ = public_names(_EXPORTS)
 

@@ -33,6 +33,7 @@ from jax.typing import ArrayLike
 from jaxrl_llm import _validate as v
 from jaxrl_llm._names import GAE_METHODS
 from jaxrl_llm.masked import masked_std, masked_whiten
+from jaxrl_llm.packing import segment_sum
 
 GROUP_BASELINES = ("mean", "leave_one_out", "none")
 GROUP_SCALES = ("group", "batch", "none")
@@ -169,8 +170,19 @@ def default_gae_method() -> str:
   return "scan" if jax.default_backend() == "cpu" else "associative"
 
 
-def _solve(c, d, init, method, *, shifted=False, unroll=1):
-  """``x_t = d_t + c_t x_{t+1}``, ``x_T = init``; ``shifted`` returns ``x_{t+1}``."""
+def _solve(c, d, init, method, *, shifted=False, unroll=1, cut=None):
+  """``x_t = d_t + c_t x_{t+1}``, ``x_T = init``; ``shifted`` returns ``x_{t+1}``.
+
+  ``cut`` ``[B, T]`` bool (packed rows: the last index of each segment) makes the step
+  after a cut terminal: ``x_{t+1}`` reads as 0 there, so no segment reaches into the
+  next one. ``None``: the unpacked recurrence, unchanged.
+  """
+  if cut is not None:
+    x = _solve(jnp.where(cut, 0.0, c), d, init, method, unroll=unroll)
+    if not shifted:
+      return x
+    after = jnp.concatenate([x[:, 1:], jnp.broadcast_to(init, x.shape[:1])[:, None]], 1)
+    return jnp.where(cut, 0.0, after)
   if (method or default_gae_method()) == "associative":
     return _solve_blocked(c, d, init, shifted)
   return _solve_scan(c, d, init, unroll, shifted)
@@ -221,7 +233,22 @@ def reverse_linear_recurrence(coeffs: ArrayLike, inputs: ArrayLike, init: ArrayL
 # GAE and returns.
 
 
-def _lambda_returns_core(r, val, valid, gamma, lams, boot, method):
+def _segment_cut(segment_ids, shape, bootstrap_value):
+  """``[B, T]`` bool, True at the last index of each segment (and of each row), or None.
+
+  A boundary is terminal, so packed rows take no ``bootstrap_value``.
+  """
+  if segment_ids is None:
+    return None
+  v.check_same_shape(("rewards", "segment_ids"), (jnp.zeros(shape), segment_ids))
+  if bootstrap_value is not None:
+    raise ValueError("`bootstrap_value` cannot be combined with `segment_ids`: in a packed "
+                     "row every segment ends in a terminal state (value 0).")
+  seg = jnp.asarray(segment_ids)
+  return jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones_like(seg[:, :1], bool)], 1)
+
+
+def _lambda_returns_core(r, val, valid, gamma, lams, boot, method, cut=None):
   r"""The :math:`\lambda`-return :math:`G^\lambda = A^{\text{GAE}} + V` for each
   :math:`\lambda` in ``lams``, all solved in one recurrence (rows stacked).
 
@@ -246,12 +273,15 @@ def _lambda_returns_core(r, val, valid, gamma, lams, boot, method):
   if all(jnp.ndim(lam) < 2 or jnp.shape(lam)[1] == 1 for lam in lams):
     c = stack([jnp.where(valid, lam * gamma, 1.0) for lam in lams])
     d = stack([jnp.where(valid, (1.0 - lam) * val + lam * r, 0.0) for lam in lams])
-    z = _solve(c, d, jnp.tile(boot, k), method, shifted=True)
+    kcut = None if cut is None else stack([cut] * k)
+    z = _solve(c, d, jnp.tile(boot, k), method, shifted=True, cut=kcut)
     return [r + gamma * zi for zi in split(z)]
-  y = _solve(jnp.where(valid, 0.0, 1.0), val, boot, method, shifted=True)
+  y = _solve(jnp.where(valid, 0.0, 1.0), val, boot, method, shifted=True, cut=cut)
   delta = jnp.where(valid, r + gamma * y - val, 0.0)
   c = stack([jnp.where(valid, gamma * lam, 1.0) for lam in lams])
-  adv = _solve(c, stack([delta] * k), jnp.zeros((k * batch,), jnp.float32), method)
+  kcut = None if cut is None else stack([cut] * k)
+  adv = _solve(c, stack([delta] * k), jnp.zeros((k * batch,), jnp.float32), method,
+               cut=kcut)
   return [a + val for a in split(adv)]
 
 
@@ -266,7 +296,8 @@ def _gae_setup(rewards, values, mask, gamma, bootstrap_value, method, lams):
 
 def gae(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *, gamma: ArrayLike = 1.0,
         lam: ArrayLike = 1.0, bootstrap_value: ArrayLike | None = None, method: str | None = None,
-        transparent_mask: bool = True) -> tuple[jax.Array, jax.Array]:
+        transparent_mask: bool = True,
+        segment_ids: ArrayLike | None = None) -> tuple[jax.Array, jax.Array]:
   r"""Generalized advantage estimation over the valid steps of each row.
 
   With :math:`s_0 < s_1 < \dots` the valid positions of a row and
@@ -309,6 +340,10 @@ def gae(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *, gamma: ArrayL
       (default): :func:`default_gae_method` (scan on CPU, associative on GPU/TPU).
     transparent_mask: masked positions are skipped (verl, default) or zeroed
       (TRL/OpenRLHF).
+    segment_ids: ``[B, T]`` int, packed rows (:mod:`jaxrl_llm.packing`): the
+      recurrence restarts at every segment; the step after a segment's last position
+      is terminal (value 0), so no value of the next segment bootstraps it and its
+      advantages equal those of the sequence alone. Takes no ``bootstrap_value``.
 
   Returns:
     ``(advantages, returns)``, both ``[B, T]`` in the dtype of ``rewards``, exactly 0
@@ -321,10 +356,11 @@ def gae(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *, gamma: ArrayL
     >>> [round(float(a), 4) for a in adv[0]]
     [0.4505, 0.79, 0.2, 0.0]
   """
+  cut = _segment_cut(segment_ids, v.shape_of(rewards), bootstrap_value)
   if transparent_mask:
     valid, r, val, gamma, (lam,), boot = _gae_setup(
         rewards, values, mask, gamma, bootstrap_value, method, [("lam", lam)])
-    (ret,) = _lambda_returns_core(r, val, valid, gamma, [lam], boot, method)
+    (ret,) = _lambda_returns_core(r, val, valid, gamma, [lam], boot, method, cut)
   else:
     _check_token_inputs(rewards, values, mask, bootstrap_value, method)
     valid, r, val = _tokens(rewards, values, mask)
@@ -332,7 +368,7 @@ def gae(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *, gamma: ArrayL
     lam = _coefficient("lam", lam, r.shape)
     everywhere = jnp.ones(r.shape, bool)
     (ret,) = _lambda_returns_core(r, val, everywhere, gamma, [lam],
-                                  _bootstrap(bootstrap_value, r.shape[0]), method)
+                                  _bootstrap(bootstrap_value, r.shape[0]), method, cut)
   dtype = v.out_dtype(rewards)
   adv = jnp.where(valid, ret - val, 0.0)
   return adv.astype(dtype), jnp.where(valid, ret, 0.0).astype(dtype)
@@ -341,7 +377,8 @@ def gae(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *, gamma: ArrayL
 def decoupled_gae(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *, gamma: ArrayLike = 1.0,
                   lam_policy: ArrayLike, lam_value: ArrayLike,
                   bootstrap_value: ArrayLike | None = None,
-                  method: str | None = None) -> tuple[jax.Array, jax.Array]:
+                  method: str | None = None,
+                  segment_ids: ArrayLike | None = None) -> tuple[jax.Array, jax.Array]:
   r"""GAE with separate :math:`\lambda` for the policy and the critic (VC-PPO, VAPO).
 
   .. math::
@@ -366,6 +403,7 @@ def decoupled_gae(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *, gam
     lam_value: :math:`\lambda` of the value targets, in ``[0, 1]``, same shapes.
     bootstrap_value: optional ``[B]`` value after the last valid step.
     method: ``"scan"``, ``"associative"`` or ``None`` (:func:`default_gae_method`).
+    segment_ids: packed rows, as in :func:`gae`.
 
   Returns:
     ``(advantages, returns)``: ``[B, T]`` in the dtype of ``rewards``, 0 where masked;
@@ -378,16 +416,19 @@ def decoupled_gae(rewards: ArrayLike, values: ArrayLike, mask: ArrayLike, *, gam
     >>> [round(float(a), 4) for a in adv[0]], [float(x) for x in ret[0]]
     ([0.05, 0.7, 0.2], [1.0, 1.0, 1.0])
   """
+  cut = _segment_cut(segment_ids, v.shape_of(rewards), bootstrap_value)
   valid, r, val, gamma, lams, boot = _gae_setup(
       rewards, values, mask, gamma, bootstrap_value, method,
       [("lam_policy", lam_policy), ("lam_value", lam_value)])
-  ret_policy, ret_value = _lambda_returns_core(r, val, valid, gamma, lams, boot, method)
+  ret_policy, ret_value = _lambda_returns_core(r, val, valid, gamma, lams, boot, method,
+                                               cut)
   dtype = v.out_dtype(rewards)
   adv = jnp.where(valid, ret_policy - val, 0.0)
   return adv.astype(dtype), jnp.where(valid, ret_value, 0.0).astype(dtype)
 
 
-def length_adaptive_lambda(mask: ArrayLike, *, alpha: ArrayLike = 0.05) -> jax.Array:
+def length_adaptive_lambda(mask: ArrayLike, *, alpha: ArrayLike = 0.05,
+                           segment_ids: ArrayLike | None = None) -> jax.Array:
   r"""VAPO's length-adaptive policy :math:`\lambda`, one per row.
 
   .. math:: \lambda_i = \mathrm{clip}\Big(1 - \frac{1}{\max(\alpha\,l_i,\ 1)},\ 0,\ 1\Big)
@@ -413,6 +454,10 @@ def length_adaptive_lambda(mask: ArrayLike, *, alpha: ArrayLike = 0.05) -> jax.A
   """
   v.check_rank("mask", mask, 2)
   v.check_range("alpha", alpha, low=0.0, low_open=True)
+  if segment_ids is not None:   # packed rows: one lambda per segment, [B, T]
+    length = segment_sum(jnp.where(v.as_f32(mask) > 0, 1.0, 0.0), segment_ids)
+    lam = 1.0 - 1.0 / jnp.maximum(v.as_f32(alpha) * length, 1.0)
+    return jnp.clip(lam, 0.0, 1.0)
   length = jnp.sum(jnp.where(v.as_f32(mask) > 0, 1.0, 0.0), axis=1)
   lam = 1.0 - 1.0 / jnp.maximum(v.as_f32(alpha) * length, 1.0)
   return jnp.clip(lam, 0.0, 1.0)

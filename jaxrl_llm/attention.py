@@ -77,6 +77,29 @@ DEFAULT_BLOCK_SIZE = {"cpu": 128, "gpu": 512, "tpu": 512}
 # ----------------------------------------------------------------------------------
 
 
+def _check_segments(segment_ids, key_segment_ids, b, t, s):
+  """Checks the segment ids; returns ``(query ids [B, T], key ids [B, S])`` or Nones."""
+  if segment_ids is None and key_segment_ids is None:
+    return None, None
+  if segment_ids is None:
+    raise ValueError("`key_segment_ids` needs `segment_ids` (the queries' segments).")
+  if key_segment_ids is None:
+    if t != s:
+      raise ValueError(
+          f"`segment_ids` alone describes self-attention (T == S); with T={t} != S={s} "
+          f"pass `key_segment_ids` [B, S] too.")
+    key_segment_ids = segment_ids
+  for name, x, shape in (("segment_ids", segment_ids, (b, t)),
+                         ("key_segment_ids", key_segment_ids, (b, s))):
+    if v.shape_of(x) != shape:
+      raise ValueError(f"`{name}` must have shape [B, {'T' if shape[1] == t else 'S'}] = "
+                       f"{shape}, got {v.shape_of(x)}.")
+    if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+      raise ValueError(f"`{name}` must be an integer array, got dtype "
+                       f"{jnp.result_type(x)}.")
+  return jnp.asarray(segment_ids, jnp.int32), jnp.asarray(key_segment_ids, jnp.int32)
+
+
 def _check_inputs(query, key, value, key_mask, query_offset):
   """Trace-time shape checks; returns ``(B, T, N, H, S, K)``."""
   for name, x in (("query", query), ("key", key), ("value", value)):
@@ -137,24 +160,27 @@ def _block_sizes(block_size, t, s):
 # ----------------------------------------------------------------------------------
 
 
-def _allowed(t, s, key_mask, is_causal, offset):
+def _allowed(t, s, key_mask, is_causal, offset, segments=None):
   """``[B or 1, T, S]`` bool: key ``j`` visible to query ``i``."""
   allowed = jnp.ones((1, t, s), bool)
   if key_mask is not None:
     allowed = allowed & (key_mask != 0)[:, None, :]
+  if segments is not None:
+    qs, ks = segments
+    allowed = allowed & (qs[:, :, None] == ks[:, None, :]) & (ks != 0)[:, None, :]
   if is_causal:
     causal = jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + offset
     allowed = allowed & causal[None]
   return allowed
 
 
-def _xla_with_lse(query, key, value, key_mask, is_causal, offset):
+def _xla_with_lse(query, key, value, key_mask, is_causal, offset, segments=None):
   b, t, n, h = query.shape
   s, k = key.shape[1], key.shape[2]
   qg = query.astype(jnp.float32).reshape(b, t, k, n // k, h)
   scores = jnp.einsum("btkgh,bskh->bkgts", qg, key.astype(jnp.float32))
   scores = scores * (1.0 / math.sqrt(h))
-  allowed = _allowed(t, s, key_mask, is_causal, offset)[:, None, None]  # [B,1,1,T,S]
+  allowed = _allowed(t, s, key_mask, is_causal, offset, segments)[:, None, None]
   scores = jnp.where(allowed, scores, _NEG)
   m = jnp.max(scores, axis=-1, keepdims=True)
   p = jnp.where(allowed, jnp.exp(scores - lax.stop_gradient(m)), 0.0)
@@ -193,9 +219,13 @@ def _online_softmax_block(carry, scores, allowed, values, pv_spec: str):
           acc * alpha[..., None] + jnp.einsum(pv_spec, p, values))
 
 
-def _block_allowed(valid_j, q_start, k_start, bq, bk, is_causal, offset):
-  """``[B, 1, 1, bq, bk]`` visibility of one (query block, key block) pair."""
+def _block_allowed(valid_j, q_start, k_start, bq, bk, is_causal, offset, seg_i=None,
+                   seg_j=None):
+  """``[B, 1, 1, bq, bk]`` visibility of one (query block, key block) pair; ``seg_i``
+  ``[B, bq]`` / ``seg_j`` ``[B, bk]``: segment ids (a query sees its own segment)."""
   allowed = valid_j[:, None, None, None, :]
+  if seg_i is not None:
+    allowed = allowed & (seg_i[:, :, None] == seg_j[:, None, :])[:, None, None]
   if is_causal:
     qi = q_start + jnp.arange(bq)
     kj = k_start + jnp.arange(bk)
@@ -214,19 +244,25 @@ def _causal_query_blocks_start(j, bq, bk, nq, offset):
   return jnp.clip(jnp.floor_divide(j * bk - offset, bq), 0, nq)
 
 
-def _flash_forward(q, k, v_, valid, offset, is_causal, bq, bk):
+def _seg_slice(seg, start, size):
+  return None if seg is None else lax.dynamic_slice_in_dim(seg, start, size, axis=1)
+
+
+def _flash_forward(q, k, v_, valid, offset, qseg, kseg, is_causal, bq, bk):
   b, kh, g, tp, h = q.shape
   sp = k.shape[2]
   nq, nk = tp // bq, sp // bk
 
   def query_block(i):
     qi = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
+    seg_i = _seg_slice(qseg, i * bq, bq)
 
     def body(j, carry):
       kj = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
       vj = lax.dynamic_slice_in_dim(v_, j * bk, bk, axis=2)
       valid_j = lax.dynamic_slice_in_dim(valid, j * bk, bk, axis=1)
-      allowed = _block_allowed(valid_j, i * bq, j * bk, bq, bk, is_causal, offset)
+      allowed = _block_allowed(valid_j, i * bq, j * bk, bq, bk, is_causal, offset, seg_i,
+                               _seg_slice(kseg, j * bk, bk))
       s = jnp.einsum("bkgqh,bksh->bkgqs", qi, kj)
       return _online_softmax_block(carry, s, allowed, vj, "bkgqs,bksh->bkgqh")
 
@@ -247,7 +283,8 @@ def _flash_forward(q, k, v_, valid, offset, is_causal, bq, bk):
   return out, lse
 
 
-def _flash_backward(q, k, v_, valid, offset, out, lse, dout, dlse, is_causal, bq, bk):
+def _flash_backward(q, k, v_, valid, offset, qseg, kseg, out, lse, dout, dlse, is_causal,
+                    bq, bk):
   b, kh, _, tp, h = q.shape
   sp = k.shape[2]
   nq, nk = tp // bq, sp // bk
@@ -258,6 +295,7 @@ def _flash_backward(q, k, v_, valid, offset, out, lse, dout, dlse, is_causal, bq
     kj = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
     vj = lax.dynamic_slice_in_dim(v_, j * bk, bk, axis=2)
     valid_j = lax.dynamic_slice_in_dim(valid, j * bk, bk, axis=1)
+    seg_j = _seg_slice(kseg, j * bk, bk)
 
     def body(i, carry):
       dk, dv, dq = carry
@@ -265,7 +303,8 @@ def _flash_backward(q, k, v_, valid, offset, out, lse, dout, dlse, is_causal, bq
       doi = lax.dynamic_slice_in_dim(dout, i * bq, bq, axis=3)
       lsei = lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)
       di = lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
-      allowed = _block_allowed(valid_j, i * bq, j * bk, bq, bk, is_causal, offset)
+      allowed = _block_allowed(valid_j, i * bq, j * bk, bq, bk, is_causal, offset,
+                               _seg_slice(qseg, i * bq, bq), seg_j)
       s = jnp.einsum("bkgqh,bksh->bkgqs", qi, kj)
       p = jnp.where(allowed, jnp.exp(jnp.where(allowed, s, 0.0) - lsei[..., None]), 0.0)
       dv = dv + jnp.einsum("bkgqs,bkgqh->bksh", p, doi)
@@ -289,28 +328,29 @@ def _flash_backward(q, k, v_, valid, offset, out, lse, dout, dlse, is_causal, bq
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q, k, v_, valid, offset, is_causal, bq, bk):
-  return _flash_forward(q, k, v_, valid, offset, is_causal, bq, bk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash(q, k, v_, valid, offset, qseg, kseg, is_causal, bq, bk):
+  return _flash_forward(q, k, v_, valid, offset, qseg, kseg, is_causal, bq, bk)
 
 
-def _flash_fwd(q, k, v_, valid, offset, is_causal, bq, bk):
-  out, lse = _flash_forward(q, k, v_, valid, offset, is_causal, bq, bk)
-  return (out, lse), (q, k, v_, valid, offset, out, lse)
+def _flash_fwd(q, k, v_, valid, offset, qseg, kseg, is_causal, bq, bk):
+  out, lse = _flash_forward(q, k, v_, valid, offset, qseg, kseg, is_causal, bq, bk)
+  return (out, lse), (q, k, v_, valid, offset, qseg, kseg, out, lse)
 
 
 def _flash_bwd(is_causal, bq, bk, residuals, cotangents):
-  q, k, v_, valid, offset, out, lse = residuals
+  q, k, v_, valid, offset, qseg, kseg, out, lse = residuals
   dout, dlse = cotangents
-  dq, dk, dv = _flash_backward(q, k, v_, valid, offset, out, lse, dout, dlse, is_causal,
-                               bq, bk)
-  return dq, dk, dv, None, None
+  dq, dk, dv = _flash_backward(q, k, v_, valid, offset, qseg, kseg, out, lse, dout, dlse,
+                               is_causal, bq, bk)
+  return dq, dk, dv, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _blockwise_with_lse(query, key, value, key_mask, is_causal, offset, block_size):
+def _blockwise_with_lse(query, key, value, key_mask, is_causal, offset, block_size,
+                        segments=None):
   b, t, n, h = query.shape
   s, k = key.shape[1], key.shape[2]
   g = n // k
@@ -326,8 +366,13 @@ def _blockwise_with_lse(query, key, value, key_mask, is_causal, offset, block_si
                ((0, 0), (0, 0), (0, sp - s), (0, 0)))
   valid = jnp.ones((b, s), bool) if key_mask is None else key_mask != 0
   valid = jnp.pad(valid, ((0, 0), (0, sp - s)))
+  qseg = kseg = None
+  if segments is not None:   # padded queries/keys get segment 0 (keys invalid anyway)
+    qseg = jnp.pad(segments[0], ((0, 0), (0, tp - t)))
+    kseg = jnp.pad(segments[1], ((0, 0), (0, sp - s)))
+    valid = valid & (kseg != 0)
   offset = jnp.asarray(offset, jnp.int32)
-  out, lse = _flash(q, kt, vt, valid, offset, is_causal, bq, bk)
+  out, lse = _flash(q, kt, vt, valid, offset, qseg, kseg, is_causal, bq, bk)
   out = jnp.transpose(out[:, :, :, :t], (0, 3, 1, 2, 4)).reshape(b, t, n, h)
   lse = jnp.transpose(lse[:, :, :, :t], (0, 3, 1, 2)).reshape(b, t, n)
   return out, lse
@@ -339,25 +384,37 @@ def _blockwise_with_lse(query, key, value, key_mask, is_causal, offset, block_si
 
 
 def _xla(query, key, value, *, key_mask=None, is_causal=True, query_offset=None,
-         block_size=None):
+         block_size=None, segment_ids=None, key_segment_ids=None):
   del block_size
   offset = _offset(query, key, query_offset)
-  return _xla_with_lse(query, key, value, key_mask, is_causal, offset)[0]
+  segments = _pair(segment_ids, key_segment_ids)
+  return _xla_with_lse(query, key, value, key_mask, is_causal, offset, segments)[0]
 
 
 def _blockwise(query, key, value, *, key_mask=None, is_causal=True, query_offset=None,
-               block_size=None):
+               block_size=None, segment_ids=None, key_segment_ids=None):
   offset = _offset(query, key, query_offset)
+  segments = _pair(segment_ids, key_segment_ids)
   return _blockwise_with_lse(query, key, value, key_mask, is_causal, offset,
-                             block_size)[0]
+                             block_size, segments)[0]
 
 
-def _cudnn_unfit_reason(query, key, key_mask, is_causal, query_offset) -> str | None:
+def _pair(segment_ids, key_segment_ids):
+  if segment_ids is None:
+    return None
+  return (segment_ids, segment_ids if key_segment_ids is None else key_segment_ids)
+
+
+def _cudnn_unfit_reason(query, key, key_mask, is_causal, query_offset,
+                        segment_ids=None) -> str | None:
   """Why ``"cudnn"`` cannot compute this call exactly, or ``None`` if it can."""
   t, h = query.shape[1], query.shape[3]
   s = key.shape[1]
   if jax.default_backend() != "gpu":
     return f"it needs a GPU backend (this is {jax.default_backend()!r})"
+  if segment_ids is not None:
+    return ("`jax.nn.dot_product_attention` takes no segment ids (only per-row lengths), "
+            "so packed rows cannot be described to cuDNN")
   if key_mask is not None:
     return ("cuDNN takes padding as lengths (right padding only) while `key_mask` "
             "allows padding anywhere")
@@ -374,9 +431,9 @@ def _cudnn_unfit_reason(query, key, key_mask, is_causal, query_offset) -> str | 
 
 
 def _cudnn(query, key, value, *, key_mask=None, is_causal=True, query_offset=None,
-           block_size=None):
-  del block_size
-  reason = _cudnn_unfit_reason(query, key, key_mask, is_causal, query_offset)
+           block_size=None, segment_ids=None, key_segment_ids=None):
+  del block_size, key_segment_ids
+  reason = _cudnn_unfit_reason(query, key, key_mask, is_causal, query_offset, segment_ids)
   if reason is not None:
     raise ValueError(
         f"implementation='cudnn' cannot compute this call: {reason}; `query` "
@@ -399,7 +456,8 @@ def register_attention(name: str, fn: Callable) -> None:
   """Registers ``fn`` as ``implementation=name`` of :func:`dot_product_attention`.
 
   ``fn`` is called as ``fn(query, key, value, *, key_mask, is_causal, query_offset,
-  block_size)`` with validated inputs (``query_offset`` is ``None`` for the default
+  block_size)`` (plus ``segment_ids=, key_segment_ids=`` for packed rows only) with
+  validated inputs (``query_offset`` is ``None`` for the default
   end-aligned rule) and must return ``[B, T, N, H]`` in the query's dtype. Registering
   ``"ring"`` makes ``implementation=None`` use it under a mesh with a ``sequence`` axis
   of size > 1 (see :func:`select_implementation`).
@@ -421,7 +479,8 @@ def _sequence_axis_size() -> int:
 def select_implementation(query: jax.Array | jax.ShapeDtypeStruct,
                           key: jax.Array | jax.ShapeDtypeStruct, *,
                           key_mask: ArrayLike | None = None, is_causal: bool = True,
-                          query_offset: ArrayLike | None = None) -> str:
+                          query_offset: ArrayLike | None = None,
+                          segment_ids: ArrayLike | None = None) -> str:
   """The implementation ``implementation=None`` uses for these inputs.
 
   In order: ``"ring"`` if registered, ``query_offset`` is ``None`` and the ambient mesh
@@ -433,7 +492,8 @@ def select_implementation(query: jax.Array | jax.ShapeDtypeStruct,
   if ("ring" in ATTENTION_IMPLEMENTATIONS and query_offset is None
       and _sequence_axis_size() > 1):
     return "ring"
-  if _cudnn_unfit_reason(query, key, key_mask, is_causal, query_offset) is None:
+  if _cudnn_unfit_reason(query, key, key_mask, is_causal, query_offset,
+                         segment_ids) is None:
     return "cudnn"
   if query.shape[1] * key.shape[1] <= XLA_MAX_SCORES:
     return "xla"
@@ -455,7 +515,9 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
                           key_mask: ArrayLike | None = None, is_causal: bool = True,
                           implementation: str | None = None,
                           block_size: int | tuple[int, int] | None = None,
-                          query_offset: ArrayLike | None = None) -> jax.Array:
+                          query_offset: ArrayLike | None = None,
+                          segment_ids: ArrayLike | None = None,
+                          key_segment_ids: ArrayLike | None = None) -> jax.Array:
   r"""Masked, causal, grouped-query softmax attention with O(T) memory available.
 
   .. math::
@@ -485,14 +547,20 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
       keys. A fixed-size KV cache whose queries sit at slots ``index ..
       index + T - 1`` passes ``index`` (the unwritten slots beyond are masked by
       ``key_mask``).
+    segment_ids: ``[B, T]`` int, packed rows: several sequences per row, segment id
+      ``> 0`` per sequence and ``0`` on padding. Query ``i`` then also needs
+      ``key_segment_ids[j] == segment_ids[i] != 0``: no attention across sequences
+      (the packed layout of :mod:`jaxrl_llm.packing`). ``None``: one sequence a row.
+    key_segment_ids: ``[B, S]`` int, the keys' segment ids; default ``segment_ids``
+      (self-attention, ``T == S``).
 
   Returns:
     ``[B, T, N, H]`` in ``query``'s dtype (float32 math inside).
 
   Raises:
     ValueError: on mismatched ranks, batch or head dims, ``N % K != 0``, a ``key_mask``
-      that is not ``[B, S]``, an unknown implementation, or ``"cudnn"`` where its
-      semantics differ.
+      or segment ids of the wrong shape, an unknown implementation, or ``"cudnn"``
+      where its semantics differ (it cannot take segment ids).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -501,15 +569,25 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
     >>> out = dot_product_attention(q, k, vals, key_mask=jnp.array([[0, 1, 1]]))
     >>> out[0, :, 0, 0].tolist()   # query 0 sees no real key; query 2 averages 1 and 2
     [0.0, 1.0, 1.5]
+    >>> seg = jnp.array([[1, 2, 2]])        # two sequences packed in one row
+    >>> out = dot_product_attention(q, k, vals, segment_ids=seg)
+    >>> out[0, :, 0, 0].tolist()   # query 1 starts sequence 2: it sees only itself
+    [0.0, 1.0, 1.5]
   """
-  _check_inputs(query, key, value, key_mask, query_offset)
+  b, t, _, _, s, _ = _check_inputs(query, key, value, key_mask, query_offset)
+  segment_ids, key_segment_ids = _check_segments(segment_ids, key_segment_ids, b, t, s)
   if implementation is None:
     implementation = select_implementation(query, key, key_mask=key_mask,
-                                           is_causal=is_causal, query_offset=query_offset)
+                                           is_causal=is_causal, query_offset=query_offset,
+                                           segment_ids=segment_ids)
   v.check_choice("implementation", implementation, tuple(ATTENTION_IMPLEMENTATIONS))
   fn = ATTENTION_IMPLEMENTATIONS[implementation]
+  # Segment ids go only to calls that have them, so implementations registered before
+  # packing existed keep working on unpacked rows.
+  extra = {} if segment_ids is None else {"segment_ids": segment_ids,
+                                          "key_segment_ids": key_segment_ids}
   out = fn(query, key, value, key_mask=key_mask, is_causal=is_causal,
-           query_offset=query_offset, block_size=block_size)
+           query_offset=query_offset, block_size=block_size, **extra)
   return out.astype(query.dtype)
 
 
@@ -517,7 +595,10 @@ def attention_with_lse(query: jax.Array, key: jax.Array, value: jax.Array, *,
                        key_mask: ArrayLike | None = None, is_causal: bool = True,
                        implementation: str = "blockwise",
                        block_size: int | tuple[int, int] | None = None,
-                       query_offset: ArrayLike | None = None) -> tuple[jax.Array, jax.Array]:
+                       query_offset: ArrayLike | None = None,
+                       segment_ids: ArrayLike | None = None,
+                       key_segment_ids: ArrayLike | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
   r"""Attention output and the log-sum-exp of the scores, both float32.
 
   ``lse_i = log sum_{j in A(i)} exp(q_i . k_j / sqrt(H))`` per query and head. Two
@@ -535,8 +616,8 @@ def attention_with_lse(query: jax.Array, key: jax.Array, value: jax.Array, *,
   FlashAttention-2 backward).
 
   Args:
-    query, key, value, key_mask, is_causal, block_size, query_offset: as in
-      :func:`dot_product_attention`.
+    query, key, value, key_mask, is_causal, block_size, query_offset, segment_ids,
+      key_segment_ids: as in :func:`dot_product_attention`.
     implementation: ``"blockwise"`` (default) or ``"xla"``.
 
   Returns:
@@ -550,12 +631,14 @@ def attention_with_lse(query: jax.Array, key: jax.Array, value: jax.Array, *,
     >>> out[0, :, 0, 0].tolist(), bool(lse[0, 0, 0] == NO_KEY_LSE), float(lse[0, 1, 0])
     ([0.0, 1.0], True, 0.0)
   """
-  _check_inputs(query, key, value, key_mask, query_offset)
+  b, t, _, _, s, _ = _check_inputs(query, key, value, key_mask, query_offset)
+  segments = _pair(*_check_segments(segment_ids, key_segment_ids, b, t, s))
   v.check_choice("implementation", implementation, ("blockwise", "xla"))
   offset = _offset(query, key, query_offset)
   if implementation == "xla":
-    return _xla_with_lse(query, key, value, key_mask, is_causal, offset)
-  return _blockwise_with_lse(query, key, value, key_mask, is_causal, offset, block_size)
+    return _xla_with_lse(query, key, value, key_mask, is_causal, offset, segments)
+  return _blockwise_with_lse(query, key, value, key_mask, is_causal, offset, block_size,
+                             segments)
 
 
 # ----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -90,7 +91,9 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
                 ref_params: Any, rng_np: np.random.Generator, key: jax.Array, *,
                 info: dict | None = None,
                 drawn: tuple[dict, list] | None = None,
-                share: Share | None = None) -> tuple[dict, dict]:
+                share: Share | None = None,
+                packer: Callable[[dict], tuple[dict, dict]] | None = None
+                ) -> tuple[dict, dict]:
   """One rollout: ``(batch, stats)`` with ``stats`` reward, accuracy, response length.
 
   ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible
@@ -117,6 +120,9 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   (:class:`Share`): it generates and scores only its groups, the per-row results are
   all-gathered, the statistics and advantages are those of the whole batch, and the
   returned batch holds its rows only (what it feeds to ``shard_batch``).
+  ``packer``: ``batch -> (packed batch, stats)`` (e.g. :func:`pack_train_batch`), applied
+  before the policy and reference forwards, so the behaviour and reference log-probs
+  are computed on the packed rows too (``--pack``).
   """
   config, sampling, estimator = resolved.train, resolved.sampling, resolved.estimator
   tok = task.tokenizer
@@ -174,9 +180,6 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   loss_mask = rows["loss_mask"]
   mine = slice(0, len(scores)) if share is None else slice(share.lo, share.hi)
   batch = {k: rows[k][mine] for k in ("tokens", "attention_mask", "loss_mask")}
-  old_logp, _, old_values = policy.forward(params, batch)
-  ref_logp, _, _ = policy.ref_forward(ref_params, batch)
-  batch.update(old_logp=np.asarray(old_logp), ref_logp=np.asarray(ref_logp))
   if "rollout_logp" in rows:
     batch["rollout_logp"] = rows["rollout_logp"][mine]
   if config.pos_nll_coef is not None:
@@ -186,8 +189,6 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   last = prompt_len + np.maximum(rows["lengths"], 1) - 1
   rewards = np.zeros(loss_mask.shape, np.float32)
   rewards[np.arange(len(scores)), last] = scores
-  if config.use_value:
-    batch["old_values"] = np.asarray(old_values)
   if estimator.needs_values:
     batch["rewards"] = rewards[mine]
   else:
@@ -209,7 +210,50 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
         greedy_scores=greedy_scores, group_size=group_size),
         config.hparam_values())
     batch["advantages"] = np.asarray(adv)[mine]
+  if packer is not None:
+    batch, pack_stats = packer(batch)
+    stats.update(pack_stats)
+  old_logp, _, old_values = policy.forward(params, batch)
+  ref_logp, _, _ = policy.ref_forward(ref_params, batch)
+  batch.update(old_logp=np.asarray(old_logp), ref_logp=np.asarray(ref_logp))
+  if config.use_value:
+    batch["old_values"] = np.asarray(old_values)
   return batch, stats
 
 
-__all__ = ["build_batch", "Share"]
+def pack_train_batch(batch: dict, config: TrainConfig, *, max_tokens: int | None = None,
+                     devices: int = 1) -> tuple[dict, dict]:
+  """Packs a padded train batch (:func:`build_batch`) into rows of ``max_tokens``.
+
+  Returns ``(packed batch, stats)``; ``stats`` holds ``padding_frac`` (padding share of
+  the padded batch), ``padding_frac_packed`` (of the packed one) and ``packed_rows``.
+  The row count is the rows needed rounded up to ``m * 2^k`` (``m`` = minibatches x
+  microbatches x ``devices``, so every split divides it), at most the padded row count
+  rounded up to ``m``: a run compiles a few packed shapes, not one per step.
+
+  Examples:
+    >>> import numpy as np
+    >>> ones = np.ones((4, 3), np.float32)
+    >>> batch = dict(tokens=np.ones((4, 3), np.int32), attention_mask=ones,
+    ...              loss_mask=ones, advantages=np.zeros(4, np.float32))
+    >>> packed, stats = pack_train_batch(batch, TrainConfig(), max_tokens=6)
+    >>> packed["tokens"].shape, stats["padding_frac_packed"]
+    ((2, 6), 0.0)
+  """
+  from jaxrl_llm.packing import pack_batch, padding_fraction, plan_packing
+  n, width = np.shape(batch["tokens"])
+  budget = width if max_tokens is None else max_tokens
+  split = config.num_microbatches if config.max_tokens_per_microbatch is None else 1
+  multiple = config.num_minibatches * split * devices
+  needed = plan_packing(batch["attention_mask"], budget).num_rows
+  units = -(-needed // multiple)
+  rows = multiple * min(1 << (units - 1).bit_length(), -(-n // multiple))
+  packed, plan = pack_batch(batch, budget, row_multiple=multiple,
+                            num_rows=max(rows, multiple * units))
+  packed = {k: np.asarray(x) for k, x in packed.items()}
+  return packed, {"padding_frac": padding_fraction(batch["attention_mask"]),
+                  "padding_frac_packed": padding_fraction(plan.segment_ids),
+                  "packed_rows": float(plan.num_rows)}
+
+
+__all__ = ["Share", "build_batch", "pack_train_batch"]

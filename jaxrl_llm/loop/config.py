@@ -181,6 +181,16 @@ class RunConfig:
   wandb_project: str | None = setting(
       None, "also log the metrics to this Weights & Biases project (pip install wandb; "
       "WANDB_MODE=offline writes RUN/wandb without a network).")
+  pack: bool = setting(
+      False, "train on packed rows (:mod:`jaxrl_llm.packing`): the rollout's sequences "
+      "are packed first-fit decreasing into rows of --pack-tokens slots with segment "
+      "ids, so the train step spends no work on padding; the update equals the padded "
+      "one. Metrics ``padding_frac`` / ``padding_frac_packed`` report the padding "
+      "before and after. The row count is rounded up to a power of two (times the "
+      "minibatch, microbatch and device split), so it compiles a few shapes at most.")
+  pack_tokens: int | None = setting(
+      None, "with --pack: the token budget (width) of a packed row; None: the padded "
+      "batch's width (prompt + response budget). Every sequence must fit.", min_int=1)
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
@@ -286,6 +296,8 @@ class RunConfig:
     if self.max_staleness != 1 and not self.async_rollouts:
       raise ValueError(f"--max-staleness {self.max_staleness} is a setting of --async; "
                        "add --async")
+    if self.pack_tokens is not None and not self.pack:
+      raise ValueError("--pack-tokens is the row budget of --pack; add --pack")
     if self.token_budget is not None and not self.partial_rollouts:
       raise ValueError("--token-budget is the budget of --partial-rollouts; add "
                        "--partial-rollouts")

@@ -138,6 +138,8 @@ def check_multiprocess(run: Any, resolved: Any, count: int, device_count: int) -
                   "keyed by batch position; use --rollout engine)"),
                  (run.partial_rollouts, "--partial-rollouts"),
                  (run.async_rollouts, "--async"),
+                 (run.pack, "--pack (each process would pack its rows into its own "
+                  "row count)"),
                  (resolved.sampling.dynamic_sampling, "dynamic sampling (--algo dapo or "
                   "--dynamic-sampling; add --no-dynamic-sampling)")]
   for bad, what in unsupported:

@@ -27,6 +27,7 @@ checkpointing a run that no longer learns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -40,7 +41,7 @@ import numpy as np
 
 from jaxrl_llm import run_folder as rf
 from jaxrl_llm.checkpoint import Checkpointer
-from jaxrl_llm.loop.batch import Share, build_batch
+from jaxrl_llm.loop.batch import Share, build_batch, pack_train_batch
 from jaxrl_llm.loop.config import RunConfig
 from jaxrl_llm.loop.evaluation import evaluate
 from jaxrl_llm.loop.policy import Policy
@@ -186,6 +187,11 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
     batch_rows = resolved.sampling.prompts_per_step * resolved.sampling.group_size
     share = Share(procs, *procs.row_range(batch_rows, mesh))
     share.prompts(resolved.sampling.group_size)
+  packer = None
+  if run.pack:     # several sequences a row: no forward/train work on padding
+    single = (run.mesh_data, run.mesh_fsdp, run.mesh_tensor) == (1, 1, 1)
+    packer = functools.partial(pack_train_batch, config=config, max_tokens=run.pack_tokens,
+                               devices=1 if single else len(_train_devices(run)))
   eval_problems = task.eval_problems(run.eval_size)
   warmup_steps = resolved.critic_warmup_steps
   procs.barrier("jaxrl_llm/run_built")  # every process checked the folder before any writes
@@ -247,7 +253,7 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
         scored: dict = {}
         batch, stats = build_batch(resolved, task, policy, procs.local(state.params),
                                    ref_params, rng_np, key, drawn=drawn, share=share,
-                                   info=scored)
+                                   info=scored, packer=packer)
         if drawn is not None:
           from jaxrl_llm.loop.partial import behaviour_kl
           stats.update(extra, behaviour_kl=behaviour_kl(batch))

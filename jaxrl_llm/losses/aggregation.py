@@ -8,10 +8,12 @@ import jax.numpy as jnp
 from jaxrl_llm import _validate as v
 from jaxrl_llm._names import AGGREGATION_MODES
 from jaxrl_llm.losses._common import ArrayLike, Coef, check_positive, masked_f32
+from jaxrl_llm.packing import segment_sum
 
 
 def aggregate_parts(per_token: ArrayLike, mask: ArrayLike, mode: str = "token-mean", *,
-                    norm_length: Coef | None = None) -> tuple[jax.Array, jax.Array]:
+                    norm_length: Coef | None = None,
+                    segment_ids: ArrayLike | None = None) -> tuple[jax.Array, jax.Array]:
   r"""Numerator and denominator of :func:`aggregate`, exact across microbatches.
 
   Returns ``(total, denom)`` (float32 scalars) with
@@ -45,7 +47,11 @@ def aggregate_parts(per_token: ArrayLike, mask: ArrayLike, mode: str = "token-me
     mode: one of :data:`AGGREGATION_MODES` (static).
     norm_length: divisor of ``seq-mean-token-sum-norm`` (traced); default ``T``, the
       padded width of ``per_token`` (pass the max response length to match verl's
-      ``loss_scale_factor`` / TRL's ``max_completion_length`` across batches).
+      ``loss_scale_factor`` / TRL's ``max_completion_length`` across batches; with
+      packed rows pass it always: ``T`` is then the token budget).
+    segment_ids: ``[B, T]`` int of packed rows (:mod:`jaxrl_llm.packing`): the
+      ``seq-*`` modes then reduce per segment (a sequence is a segment, not a row);
+      ``token-*`` modes are unchanged.
 
   Returns:
     ``(total, denom)`` float32 scalars.
@@ -65,6 +71,19 @@ def aggregate_parts(per_token: ArrayLike, mask: ArrayLike, mode: str = "token-me
   check_positive("norm_length", norm_length)
   valid = v.as_f32(mask) > 0
   values = masked_f32(per_token, valid)
+  if segment_ids is not None and mode.startswith("seq-"):
+    # Every valid token carries 1/|o_s| of its segment s: summed, each non-empty
+    # segment counts once, and its mean is the sum of values / |o_s|.
+    seg_len = segment_sum(valid, segment_ids)
+    inv = jnp.where(valid, 1.0 / jnp.maximum(seg_len, 1.0), 0.0)
+    seqs = jnp.sum(inv)
+    if mode == "seq-mean-token-mean":
+      return jnp.sum(values * inv), seqs
+    if mode == "seq-mean-token-sum":
+      return jnp.sum(values), seqs
+    if norm_length is None:
+      norm_length = v.shape_of(per_token)[1]
+    return jnp.sum(values) / v.as_f32(norm_length), seqs
   row_sum = jnp.sum(values, axis=-1)
   row_len = jnp.sum(valid, axis=-1).astype(jnp.float32)
   if mode == "token-mean":
@@ -82,7 +101,8 @@ def aggregate_parts(per_token: ArrayLike, mask: ArrayLike, mode: str = "token-me
 
 
 def aggregate(per_token: ArrayLike, mask: ArrayLike, mode: str = "token-mean", *,
-              norm_length: Coef | None = None) -> jax.Array:
+              norm_length: Coef | None = None,
+              segment_ids: ArrayLike | None = None) -> jax.Array:
   r"""Reduces a per-token loss to a scalar (verl's ``agg_loss`` modes).
 
   .. math::
@@ -108,6 +128,7 @@ def aggregate(per_token: ArrayLike, mask: ArrayLike, mode: str = "token-mean", *
     mask: [B, T], 0/1.
     mode: one of :data:`AGGREGATION_MODES` (static).
     norm_length: divisor for ``seq-mean-token-sum-norm`` (default ``T``).
+    segment_ids: packed rows, as in :func:`aggregate_parts`.
 
   Returns:
     A float32 scalar. Use :func:`aggregate_parts` to reduce exactly over microbatches
@@ -120,7 +141,8 @@ def aggregate(per_token: ArrayLike, mask: ArrayLike, mode: str = "token-mean", *
     >>> [float(aggregate(loss, mask, m)) for m in AGGREGATION_MODES]
     [2.5, 10.0, 5.0, 3.0, 1.25]
   """
-  total, denom = aggregate_parts(per_token, mask, mode, norm_length=norm_length)
+  total, denom = aggregate_parts(per_token, mask, mode, norm_length=norm_length,
+                                 segment_ids=segment_ids)
   return total / jnp.maximum(denom, 1.0)
 
 

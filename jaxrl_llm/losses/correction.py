@@ -9,13 +9,15 @@ from jaxrl_llm import _validate as v
 from jaxrl_llm._names import ROLLOUT_LEVELS
 from jaxrl_llm.losses._common import ArrayLike, Coef, LossAndMetrics, check_positive, masked_f32
 from jaxrl_llm.masked import masked_mean
+from jaxrl_llm.packing import segment_sum
 
 _IS_LOG_BOUND = 20.0  # verl's SAFETY_BOUND on log importance ratios
 
 
 def rollout_correction_weights(log_ratio: ArrayLike, mask: ArrayLike, *,
                                level: str = "token", threshold: Coef = 2.0,
-                               lower: Coef | None = None) -> LossAndMetrics:
+                               lower: Coef | None = None,
+                               segment_ids: ArrayLike | None = None) -> LossAndMetrics:
   r"""Importance weights that correct for a rollout/trainer mismatch (verl's semantics).
 
   ``log_ratio`` is :math:`\log\pi_{train} - \log\pi_{rollout}` per token (the trainer's
@@ -59,6 +61,8 @@ def rollout_correction_weights(log_ratio: ArrayLike, mask: ArrayLike, *,
     threshold: :math:`\tau_{hi}` (traced; a Python number must be > 0).
     lower: :math:`\tau_{lo}` (traced; a Python number must be >= 0 and <= a Python
       ``threshold``), or None for truncation. None versus a value is static.
+    segment_ids: ``[B, T]`` int of packed rows: ``level="sequence"`` multiplies the
+      ratios of each segment (a sequence), not of the whole row.
 
   Returns:
     ``(weights, metrics)``: ``weights`` [B, T] with the dtype of ``log_ratio``;
@@ -109,7 +113,7 @@ def rollout_correction_weights(log_ratio: ArrayLike, mask: ArrayLike, *,
   k3 = jnp.exp(r) - 1.0 - r
   k3 = jnp.where(valid & ~jnp.isnan(k3), k3, 0.0)
   if level == "sequence":
-    ell = jnp.broadcast_to(jnp.sum(ell, axis=-1, keepdims=True), v.shape_of(log_ratio))
+    ell = jnp.broadcast_to(segment_sum(ell, segment_ids), v.shape_of(log_ratio))
   ell = jax.lax.stop_gradient(ell)
   rho = jnp.exp(jnp.clip(ell, -_IS_LOG_BOUND, _IS_LOG_BOUND))
   rho_ok = jnp.where(jnp.isnan(rho), 0.0, rho)

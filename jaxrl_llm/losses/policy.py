@@ -68,6 +68,7 @@ from jaxrl_llm.losses._common import (
   masked_f32,
 )
 from jaxrl_llm.masked import masked_mean
+from jaxrl_llm.packing import segment_sum
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -222,7 +223,8 @@ def ppo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
 def gspo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
                      mask: ArrayLike, *, clip_low: Coef = 3e-4,
                      clip_high: Coef | None = 4e-4, dual_clip: Coef | None = None,
-                     log_ratio_clamp: Coef | None = 10.0) -> LossAndMetrics:
+                     log_ratio_clamp: Coef | None = 10.0,
+                     segment_ids: ArrayLike | None = None) -> LossAndMetrics:
   r"""GSPO (sequence-level ratio) in its per-token ("GSPO-token") form, as in verl.
 
   .. math::
@@ -259,6 +261,7 @@ def gspo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike
     dual_clip: :math:`c_{dual}` for negative advantages (traced; a Python number must
       be > 1); None disables it.
     log_ratio_clamp: :math:`c`, upper clamp of :math:`\log s_{it}` (> 0); None disables.
+    segment_ids: ``[B, T]`` int of packed rows: the sequence ratio is per segment.
 
   Returns:
     ``(per_token_loss, metrics)``; ``pg_clipfrac`` = mean of :math:`[L_2 > L_1]`,
@@ -284,8 +287,8 @@ def gspo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike
   lp, kappa = _log_ratio(logp, old_logp, valid, None)
   adv = _token_advantages(advantages, logp, valid)
 
-  length = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1).astype(jnp.float32)
-  log_seq_ratio = jnp.sum(kappa, axis=-1, keepdims=True) / length
+  length = jnp.maximum(segment_sum(valid, segment_ids), 1.0)
+  log_seq_ratio = segment_sum(kappa, segment_ids) / length
   log_token_ratio = jax.lax.stop_gradient(log_seq_ratio) + lp - jax.lax.stop_gradient(lp)
   if log_ratio_clamp is not None:
     log_token_ratio = jnp.minimum(log_token_ratio, log_ratio_clamp)
@@ -531,7 +534,8 @@ def sapo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike
 
 def gmpo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike,
                      mask: ArrayLike, *, clip_low: Coef = 0.4, clip_high: Coef | None = 0.4,
-                     log_ratio_clamp: Coef | None = 20.0) -> LossAndMetrics:
+                     log_ratio_clamp: Coef | None = 20.0,
+                     segment_ids: ArrayLike | None = None) -> LossAndMetrics:
   r"""GMPO: geometric-mean policy optimisation (verl ``geo_mean``).
 
   Token log-ratios are clipped in log space, on the side that matters for the sign of
@@ -570,6 +574,8 @@ def gmpo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike
     clip_high: :math:`\epsilon_{hi}` in log space (traced; 0.4; >= 0); None means
       ``clip_low``.
     log_ratio_clamp: symmetric clip of the raw log-ratio (> 0); None disables.
+    segment_ids: ``[B, T]`` int of packed rows: :math:`\rho_i`, :math:`\bar A_i` and
+      :math:`|o_i|` are per segment.
 
   Returns:
     ``(per_token_loss, metrics)``. As in verl, ``pg_clipfrac`` is the fraction of
@@ -596,9 +602,9 @@ def gmpo_policy_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike
   kappa_clip = jnp.clip(kappa, -clip_low, clip_high)
   sign = jnp.sign(adv)
   kappa_star = sign * jnp.minimum(sign * kappa, sign * kappa_clip)
-  length = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1).astype(jnp.float32)
-  seq_ratio = jnp.exp(jnp.sum(kappa_star, axis=-1, keepdims=True) / length)
-  seq_adv = jnp.sum(adv, axis=-1, keepdims=True) / length
+  length = jnp.maximum(segment_sum(valid, segment_ids), 1.0)
+  seq_ratio = jnp.exp(segment_sum(kappa_star, segment_ids) / length)
+  seq_adv = segment_sum(adv, segment_ids) / length
   loss = jnp.broadcast_to(-seq_adv * seq_ratio / length, v.shape_of(logp))
   clipped = kappa != kappa_clip
   metrics = _policy_metrics(kappa, jnp.broadcast_to(seq_ratio, v.shape_of(logp)), mask,

@@ -77,9 +77,11 @@ def actor_critic_apply(policy_graphdef: nnx.GraphDef, critic_graphdef: nnx.Graph
   policy_apply = make_apply_fn(policy_graphdef)
   critic_apply = make_apply_fn(critic_graphdef)
 
-  def apply(params, tokens, positions=None, attention_mask=None):
-    hidden, _, lm_head = policy_apply(params[POLICY], tokens, positions, attention_mask)
-    _, values, _ = critic_apply(params[CRITIC], tokens, positions, attention_mask)
+  def apply(params, tokens, positions=None, attention_mask=None, segment_ids=None):
+    hidden, _, lm_head = policy_apply(params[POLICY], tokens, positions, attention_mask,
+                                      segment_ids)
+    _, values, _ = critic_apply(params[CRITIC], tokens, positions, attention_mask,
+                                segment_ids)
     if values is None:
       raise ValueError("the critic has no value head: build it with value_head=True "
                        "(e.g. from_pretrained(path, value_head=True)).")

@@ -63,6 +63,7 @@ from jaxrl_llm.attention import (
   paged_attention,
   select_implementation,
 )
+from jaxrl_llm.packing import segment_positions
 from jaxrl_llm.rollout.protocol import DecodeFns, PagedDecodeFns  # live with the sampler
 
 KVPair = tuple[jax.Array, jax.Array]   # one layer's (keys, values)
@@ -411,8 +412,8 @@ class Attention(nnx.Module):
     return out, (k_pages, v_pages)
 
   def __call__(self, x: jax.Array, positions: jax.Array, kv_valid: jax.Array | None,
-               cache_kv: KVPair | None = None,
-               index: ArrayLike | None = None) -> tuple[jax.Array, KVPair]:
+               cache_kv: KVPair | None = None, index: ArrayLike | None = None,
+               segment_ids: jax.Array | None = None) -> tuple[jax.Array, KVPair]:
     """Attention over ``x`` ``[B, T, D]``; with a cache, over cache + ``x``.
 
     Without ``cache_kv`` the keys are ``x``'s own (``kv_valid`` ``[B, T]``), and query
@@ -420,6 +421,7 @@ class Attention(nnx.Module):
     are written at slots ``index .. index+T-1``, ``kv_valid`` ``[B, S]`` covers the
     whole cache (unwritten slots False), and query ``t`` sees slots ``<= index + t``
     (``query_offset=index``: the cache is not end-aligned, its tail is unwritten).
+    ``segment_ids`` ``[B, T]`` (packed rows, no cache): a query sees its own segment.
     Returns ``(out [B, T, D], (k, v))``.
     """
     dtype = x.dtype
@@ -433,7 +435,8 @@ class Attention(nnx.Module):
       query_offset = jnp.asarray(index, jnp.int32)
     out = dot_product_attention(q, k.astype(dtype), val.astype(dtype), key_mask=kv_valid,
                                 is_causal=True, implementation=self.implementation,
-                                block_size=self.block_size, query_offset=query_offset)
+                                block_size=self.block_size, query_offset=query_offset,
+                                segment_ids=segment_ids)
     out = jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dtype))
     return out, (k, val)
 
@@ -530,9 +533,10 @@ class Block(nnx.Module):
     self.mlp = MLP(c, rngs=rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array, kv_valid: jax.Array | None,
-               cache_kv: KVPair | None = None,
-               index: ArrayLike | None = None) -> tuple[jax.Array, KVPair]:
-    attn_out, new_kv = self.attn(self.attn_norm(x), positions, kv_valid, cache_kv, index)
+               cache_kv: KVPair | None = None, index: ArrayLike | None = None,
+               segment_ids: jax.Array | None = None) -> tuple[jax.Array, KVPair]:
+    attn_out, new_kv = self.attn(self.attn_norm(x), positions, kv_valid, cache_kv, index,
+                                 segment_ids)
     x = x + attn_out
     x = x + self.mlp(self.mlp_norm(x))
     return x, new_kv
@@ -546,8 +550,8 @@ class Block(nnx.Module):
     return x, new_kv
 
 
-def _block_forward(block, x, positions, kv_valid):
-  return block(x, positions, kv_valid)[0]
+def _block_forward(block, x, positions, kv_valid, segment_ids=None):
+  return block(x, positions, kv_valid, segment_ids=segment_ids)[0]
 
 
 def _remat_block_forward(policy: str | None) -> Callable:
@@ -556,7 +560,8 @@ def _remat_block_forward(policy: str | None) -> Callable:
   return nnx.remat(_block_forward, policy=REMAT_POLICIES[policy])
 
 
-def _scan_blocks(blocks, x, positions, kv_valid, remat: bool, policy: str | None):
+def _scan_blocks(blocks, x, positions, kv_valid, remat: bool, policy: str | None,
+                 segment_ids=None):
   """``x`` through ``blocks`` with ``jax.lax.scan`` over their stacked parameters.
 
   The blocks share one graph (same config), so their states stack leaf by leaf into
@@ -569,7 +574,7 @@ def _scan_blocks(blocks, x, positions, kv_valid, remat: bool, policy: str | None
   stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
 
   def layer(state, h):
-    return nnx.merge(graphdef, state)(h, positions, kv_valid)[0]
+    return nnx.merge(graphdef, state)(h, positions, kv_valid, segment_ids=segment_ids)[0]
 
   if remat:
     layer = jax.checkpoint(
@@ -623,6 +628,7 @@ def _take_rows(x, index):
 
 def _positions_from_mask(mask):
   return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+
 
 
 def _check_tokens(tokens, attention_mask, positions=None):
@@ -710,14 +716,20 @@ class Transformer(nnx.Module):
     return select_implementation(q, k) == "cudnn"
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               attention_mask: ArrayLike | None = None) -> tuple[jax.Array, jax.Array | None]:
+               attention_mask: ArrayLike | None = None,
+               segment_ids: ArrayLike | None = None) -> tuple[jax.Array, jax.Array | None]:
     """Full causal forward.
 
     Args:
       tokens: ``[B, T]`` int token ids (out-of-range ids are clipped into range).
       positions: ``[B, T]`` int RoPE positions; default
-        ``max(cumsum(attention_mask) - 1, 0)`` (or ``arange(T)`` without a mask).
-      attention_mask: ``[B, T]``, 1 = real token; default all ones.
+        ``max(cumsum(attention_mask) - 1, 0)`` (or ``arange(T)`` without a mask), and
+        :func:`segment_positions` with ``segment_ids``.
+      attention_mask: ``[B, T]``, 1 = real token; default all ones (with
+        ``segment_ids``: ``segment_ids > 0``).
+      segment_ids: ``[B, T]`` int, packed rows (several sequences a row, 0 = padding;
+        :mod:`jaxrl_llm.packing`): a token attends only to the earlier tokens of its
+        own segment, so each sequence's outputs equal its forward alone.
 
     Returns:
       ``(hidden, values)``: ``hidden`` ``[B, T, D]`` (``config.dtype``) after the final
@@ -725,26 +737,30 @@ class Transformer(nnx.Module):
       at padded positions.
     """
     _check_tokens(tokens, attention_mask, positions)
+    v.check_same_shape(("tokens", "segment_ids"), (tokens, segment_ids))
     b, t = tokens.shape
     if attention_mask is None:
-      mask = jnp.ones((b, t), jnp.float32)
+      mask = (jnp.ones((b, t), jnp.float32) if segment_ids is None
+              else v.as_f32(jnp.asarray(segment_ids) > 0))
     else:
       mask = v.as_f32(attention_mask)
+    seg = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
     if positions is None:
-      positions = _positions_from_mask(mask)
+      positions = _positions_from_mask(mask) if seg is None else segment_positions(seg)
     kv_valid: jax.Array | None = mask > 0
     c = self.config
     x = self._embed(tokens)
-    packed = attention_mask is not None and self.packs_padding(b, t)
+    packed = seg is None and attention_mask is not None and self.packs_padding(b, t)
     if packed:   # real tokens first: the padding trails, hidden by causality alone
       order, inverse = _pack_order(kv_valid)
       x, positions, kv_valid = _take_rows(x, order), _take_rows(positions, order), None
     if c.scan_layers and len(self.blocks) > 1:
-      x = _scan_blocks(list(self.blocks), x, positions, kv_valid, c.remat, c.remat_policy)
+      x = _scan_blocks(list(self.blocks), x, positions, kv_valid, c.remat, c.remat_policy,
+                       seg)
     else:
       block_fn = _remat_block_forward(c.remat_policy) if c.remat else _block_forward
       for block in self.blocks:
-        x = block_fn(block, x, positions, kv_valid)
+        x = block_fn(block, x, positions, kv_valid, seg)
     if packed:
       x = _take_rows(x, inverse)
     hidden = self.final_norm(x) * mask[..., None].astype(x.dtype)
@@ -884,7 +900,8 @@ def split_model(model: Transformer) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def make_apply_fn(graphdef: nnx.GraphDef) -> Callable:
-  """A pure forward ``apply(params, tokens, positions=None, attention_mask=None)``.
+  """A pure forward ``apply(params, tokens, positions=None, attention_mask=None,
+  segment_ids=None)`` (``segment_ids``: packed rows, see :class:`Transformer`).
 
   The returned function rebuilds the model from ``params`` (``nnx.merge``) and returns
   ``(hidden [B, T, D], values [B, T] or None, lm_head [D, V])``; it is a pure function
@@ -903,9 +920,9 @@ def make_apply_fn(graphdef: nnx.GraphDef) -> Callable:
     ((2, 8, 64), (2, 8), (64, 32))
   """
 
-  def apply(params, tokens, positions=None, attention_mask=None):
+  def apply(params, tokens, positions=None, attention_mask=None, segment_ids=None):
     model = nnx.merge(graphdef, params)
-    hidden, values = model(tokens, positions, attention_mask)
+    hidden, values = model(tokens, positions, attention_mask, segment_ids)
     return hidden, values, model.lm_head_weight()
 
   return apply

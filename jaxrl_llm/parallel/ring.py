@@ -128,13 +128,20 @@ def _case(s, idx, branches):
   return jnp.where(s == 0, 0, jnp.where(idx >= s, 1, 2)).astype(jnp.int32)
 
 
-def _block(q, k, val, m, causal, impl):
+def _block(q, k, val, m, causal, impl, qs=None):
   """``(o [b,t,N,H] f32, lse [b,t,N] f32)`` of queries ``q`` over one key chunk.
 
-  ``impl`` is ``(implementation, block_size)`` of :func:`attention_with_lse`.
+  ``impl`` is ``(implementation, block_size)`` of :func:`attention_with_lse`. With
+  packed rows ``qs`` holds the queries' segment ids and ``m`` the keys' (as float32,
+  0 on padding); without, ``qs`` is None and ``m`` the 0/1 key mask.
   """
+  if qs is None:
+    return attention_with_lse(q, k, val, key_mask=m, is_causal=causal,
+                              implementation=impl[0], block_size=impl[1])
   return attention_with_lse(q, k, val, key_mask=m, is_causal=causal,
-                            implementation=impl[0], block_size=impl[1])
+                            implementation=impl[0], block_size=impl[1],
+                            segment_ids=qs.astype(jnp.int32),
+                            key_segment_ids=m.astype(jnp.int32))
 
 
 def _skip(q):
@@ -142,14 +149,14 @@ def _skip(q):
   return (jnp.zeros(q.shape, jnp.float32), jnp.full((b, t, n), _EMPTY_LSE, jnp.float32))
 
 
-def _attend(part, impl, q, k, val, m):
+def _attend(part, impl, q, k, val, m, qs=None):
   """``(o, lse)`` of all local queries for one branch ``part`` (empty outside it)."""
   if part is None:
     return _skip(q)
   t = q.shape[1]
   (q0, q1), (k0, k1) = ((a * t // 2, b * t // 2) for a, b in (part.q, part.k))
   o, lse = _block(q[:, q0:q1], k[:, k0:k1], val[:, k0:k1], m[:, k0:k1], part.causal,
-                  impl)
+                  impl, None if qs is None else qs[:, q0:q1])
   if (q0, q1) == (0, t):
     return o, lse
   pieces = [x for x in (_skip(q[:, :q0]), (o, lse), _skip(q[:, q1:])) if x[0].shape[1]]
@@ -168,16 +175,16 @@ def _send(xs, axis, n):
   return tuple(lax.ppermute(x, axis, perm) for x in xs)
 
 
-def _ring_forward(q, k, val, m, axis, n, branches, impl):
+def _ring_forward(q, k, val, m, qs, axis, n, branches, impl):
   """``(out f32, lse f32)`` of this device's queries over all ``n`` chunks."""
   idx = lax.axis_index(axis)
   fns = [functools.partial(_attend, part, impl) for part in branches]
-  out, lse = fns[0](q, k, val, m)   # step 0: this device's own chunk
+  out, lse = fns[0](q, k, val, m, qs)   # step 0: this device's own chunk
 
   def step(carry, s):
     k_s, v_s, m_s, out, lse = carry
     k_s, v_s, m_s = _send((k_s, v_s, m_s), axis, n)
-    o_j, lse_j = lax.switch(_case(s, idx, branches), fns, q, k_s, v_s, m_s)
+    o_j, lse_j = lax.switch(_case(s, idx, branches), fns, q, k_s, v_s, m_s, qs)
     out, lse = _merge(out, lse, o_j, lse_j)
     return (k_s, v_s, m_s, out, lse), None
 
@@ -187,18 +194,18 @@ def _ring_forward(q, k, val, m, axis, n, branches, impl):
   return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ring(q, k, val, m, axis, n, branches, impl):
-  return _ring_forward(q, k, val, m, axis, n, branches, impl)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _ring(q, k, val, m, qs, axis, n, branches, impl):
+  return _ring_forward(q, k, val, m, qs, axis, n, branches, impl)[0]
 
 
-def _ring_fwd(q, k, val, m, axis, n, branches, impl):
-  out, lse = _ring_forward(q, k, val, m, axis, n, branches, impl)
-  return out, (q, k, val, m, out, lse)
+def _ring_fwd(q, k, val, m, qs, axis, n, branches, impl):
+  out, lse = _ring_forward(q, k, val, m, qs, axis, n, branches, impl)
+  return out, (q, k, val, m, qs, out, lse)
 
 
 def _ring_bwd(axis, n, branches, impl, res, g):
-  q, k, val, m, out, lse = res
+  q, k, val, m, qs, out, lse = res
   g = g.astype(jnp.float32)
   idx = lax.axis_index(axis)
 
@@ -208,7 +215,7 @@ def _ring_bwd(axis, n, branches, impl, res, g):
         return (jnp.zeros(q_.shape, jnp.float32), jnp.zeros(k_.shape, jnp.float32),
                 jnp.zeros(v_.shape, jnp.float32))
       (o_j, lse_j), vjp = jax.vjp(
-          lambda a, b, c: _attend(part, impl, a, b, c, m_), q_, k_, v_)
+          lambda a, b, c: _attend(part, impl, a, b, c, m_, qs), q_, k_, v_)
       w = jnp.exp(lse_j - lse)
       d_lse = w * jnp.sum(g * (o_j - out), axis=-1)
       return tuple(x.astype(jnp.float32) for x in vjp((w[..., None] * g, d_lse)))
@@ -226,7 +233,7 @@ def _ring_bwd(axis, n, branches, impl, res, g):
           jnp.zeros(val.shape, jnp.float32))
   (_, _, _, dq, dk, dv), _ = lax.scan(step, init, jnp.arange(n, dtype=jnp.int32))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(val.dtype),
-          jnp.zeros_like(m))
+          jnp.zeros_like(m), None if qs is None else jnp.zeros_like(qs))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -300,14 +307,16 @@ _LAYOUTS = {
 LAYOUTS = tuple(_LAYOUTS)
 
 
-def _ring_body(q, k, val, m, axis, n, layout, causal, impl):
+def _ring_body(q, k, val, m, axis, n, layout, causal, impl, qs=None):
   """The per-device ring in ``layout``; takes and returns contiguous chunks."""
   if not causal:
-    return _ring(q, k, val, m, axis, n, _NONCAUSAL_BRANCHES, impl)
+    return _ring(q, k, val, m, qs, axis, n, _NONCAUSAL_BRANCHES, impl)
   lay = _LAYOUTS[layout]
   # Outside the custom_vjp: JAX transposes the ppermutes (inverse permutations).
   q, k, val, m = (lay.enter(x, axis, n) for x in (q, k, val, m))
-  return lay.leave(_ring(q, k, val, m, axis, n, lay.branches, impl), axis, n)
+  if qs is not None:
+    qs = lay.enter(qs, axis, n)
+  return lay.leave(_ring(q, k, val, m, qs, axis, n, lay.branches, impl), axis, n)
 
 
 # ------------------------------------------------------------------------- public API
@@ -331,7 +340,8 @@ def ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, mesh: 
                    is_causal: bool = True, batch_axes: str | Sequence[str] | None = None,
                    head_axis: str | None = None, implementation: str = "blockwise",
                    block_size: int | tuple[int, int] | None = None,
-                   layout: str = "zigzag") -> jax.Array:
+                   layout: str = "zigzag",
+                   segment_ids: ArrayLike | None = None) -> jax.Array:
   r"""Self-attention with the sequence split over mesh axis ``axis`` (a ring).
 
   Same result as :func:`jaxrl_llm.dot_product_attention` on the whole sequence (up to
@@ -370,6 +380,9 @@ def ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, mesh: 
       :func:`jaxrl_llm.attention.attention_with_lse` (``"blockwise"``: O(T) memory).
     block_size: its block size (default: that function's default).
     layout: ``"zigzag"`` (balanced causal work) or ``"contiguous"``; same result.
+    segment_ids: optional ``[B, T]`` int, packed rows (0 = padding): a query sees only
+      the keys of its own segment. The keys' ids travel around the ring in place of
+      the key mask (as float32: exact for ids below :math:`2^{24}`), the queries' stay.
 
   Returns:
     ``[B, T, N, H]`` in the dtype of ``query``; 0 for a query with no visible key.
@@ -413,9 +426,20 @@ def ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, mesh: 
                      f"is not divisible by mesh axis {axis!r} of size {n}.")
   mask = (jnp.ones((b, s), jnp.float32) if key_mask is None
           else (jnp.asarray(key_mask) != 0).astype(jnp.float32))
+  qs = None
+  if segment_ids is not None:
+    if v.shape_of(segment_ids) != (b, t) or not jnp.issubdtype(
+        jnp.result_type(segment_ids), jnp.integer):
+      raise ValueError(f"`segment_ids` must be an int array of shape ({b}, {t}), got "
+                       f"{v.shape_of(segment_ids)} {jnp.result_type(segment_ids)}.")
+    qs = jnp.asarray(segment_ids).astype(jnp.float32)
+    mask = mask * qs          # the keys' segment ids, 0 on padding
   if n == 1:
+    extra = {} if qs is None else {"segment_ids": jnp.asarray(segment_ids, jnp.int32),
+                                   "key_segment_ids": mask.astype(jnp.int32)}
     out, _ = attention_with_lse(query, key, value, key_mask=mask, is_causal=is_causal,
-                                implementation=implementation, block_size=block_size)
+                                implementation=implementation, block_size=block_size,
+                                **extra)
     return out.astype(query.dtype)
   if batch_axes is None:
     rows = _axes_of(sizes, _BATCH_AXES, (b,))
@@ -431,18 +455,28 @@ def ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, mesh: 
   tok = PartitionSpec(_spec_part(rows), axis, _spec_part(heads), None)
   if t % (2 * n):
     layout = "contiguous"        # zig-zag splits each chunk in two halves
-  fn = jax.shard_map(
-      lambda q_, k_, v_, m_: _ring_body(q_, k_, v_, m_, axis, n, layout,
-                                        bool(is_causal), (implementation, block_size)),
-      mesh=mesh, in_specs=(tok, tok, tok, PartitionSpec(_spec_part(rows), axis)),
-      out_specs=tok, check_vma=False)
-  return fn(query, key, value, mask).astype(query.dtype)
+  row_tok = PartitionSpec(_spec_part(rows), axis)
+  if qs is None:
+    fn = jax.shard_map(
+        lambda q_, k_, v_, m_: _ring_body(q_, k_, v_, m_, axis, n, layout,
+                                          bool(is_causal), (implementation, block_size)),
+        mesh=mesh, in_specs=(tok, tok, tok, row_tok), out_specs=tok, check_vma=False)
+    return fn(query, key, value, mask).astype(query.dtype)
+  packed_fn = jax.shard_map(
+      lambda q_, k_, v_, m_, s_: _ring_body(q_, k_, v_, m_, axis, n, layout,
+                                            bool(is_causal), (implementation, block_size),
+                                            s_),
+      mesh=mesh, in_specs=(tok, tok, tok, row_tok, row_tok), out_specs=tok,
+      check_vma=False)
+  return packed_fn(query, key, value, mask, qs).astype(query.dtype)
 
 
 def ring_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
                                key_mask: ArrayLike | None = None, is_causal: bool = True,
                                query_offset: ArrayLike | None = None,
                                block_size: int | tuple[int, int] | None = None,
+                               segment_ids: ArrayLike | None = None,
+                               key_segment_ids: ArrayLike | None = None,
                                **unused: Any) -> jax.Array:
   """``dot_product_attention``'s signature over the ambient mesh's ``sequence`` axis.
 
@@ -453,17 +487,24 @@ def ring_dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Arra
   the train package's ``shard_train_step``). Without an ambient mesh holding a
   ``sequence`` axis, or for cross-length / offset attention (``S != T`` or a
   ``query_offset``: KV-cache prefill and decode), it is the plain blockwise attention.
-  The ring uses :func:`ring_attention`'s default (zig-zag) layout.
+  The ring uses :func:`ring_attention`'s default (zig-zag) layout. Packed rows
+  (``segment_ids``) are self-attention: ``key_segment_ids``, if given, must be the same
+  array.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if (mesh.empty or "sequence" not in mesh.axis_names or query_offset is not None
       or key.shape[1] != query.shape[1]):
+    extra = {} if segment_ids is None else {"segment_ids": segment_ids,
+                                            "key_segment_ids": key_segment_ids}
     out, _ = attention_with_lse(query, key, value, key_mask=key_mask,
                                 is_causal=is_causal, implementation="blockwise",
-                                block_size=block_size, query_offset=query_offset)
+                                block_size=block_size, query_offset=query_offset, **extra)
     return out.astype(query.dtype)
+  if key_segment_ids is not None and key_segment_ids is not segment_ids:
+    raise ValueError("ring attention over packed rows is self-attention: "
+                     "`key_segment_ids` must be `segment_ids` (or None).")
   return ring_attention(query, key, value, mesh=mesh, key_mask=key_mask,
-                        is_causal=is_causal, block_size=block_size)
+                        is_causal=is_causal, block_size=block_size, segment_ids=segment_ids)
 
 
 register_attention("ring", ring_dot_product_attention)

@@ -93,6 +93,13 @@ class TrainConfig:
   num_microbatches: int = setting(
       1, "gradient-accumulation chunks per minibatch (exact: changes nothing but "
       "rounding).", min_int=1)
+  max_tokens_per_microbatch: int | None = setting(
+      None, "token budget of a gradient-accumulation chunk (replaces "
+      "``num_microbatches``): a minibatch of M rows of width L is split into the fewest "
+      "chunks of whole rows holding at most this many token slots (rows x L; the row "
+      "count of a chunk divides M). Exact, like ``num_microbatches``; with packed rows "
+      "(``--pack``) a chunk holds this many tokens whatever the sequence lengths.",
+      min_int=1)
   policy_loss: str = setting(
       "ppo", "the registered policy loss (see "
       ":data:`jaxrl_llm.train.registry.POLICY_LOSS_REGISTRY`).",

@@ -174,6 +174,8 @@ class AdvantageInputs(NamedTuple):
     scores: per-sequence scores ``[B]``.
     greedy_scores: scores of the greedy completion of each row's prompt ``[B]``.
     group_size: completions per prompt (rows of one prompt are consecutive).
+    segment_ids: ``[B, T]`` int of a packed batch (:mod:`jaxrl_llm.packing`), or None.
+      Estimators that cannot take packed rows raise ``ValueError`` when it is set.
   """
   rewards: Any = None
   mask: Any = None
@@ -181,6 +183,7 @@ class AdvantageInputs(NamedTuple):
   scores: Any = None
   greedy_scores: Any = None
   group_size: int | None = None
+  segment_ids: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,11 +258,19 @@ def _f32(x):
 def _gae(x: AdvantageInputs, hp, *, gae_method=None):
   from jaxrl_llm import advantages as A
   return A.gae(x.rewards, x.values, x.mask, gamma=hp["gamma"], lam=hp["lam"],
-               method=gae_method)
+               method=gae_method, segment_ids=x.segment_ids)
+
+
+def _unpacked_only(name: str, x: AdvantageInputs) -> None:
+  if x.segment_ids is not None:
+    raise ValueError(f"advantage estimator {name!r} does not take packed rows "
+                     f"(segment_ids); use 'gae', 'decoupled_gae' or 'vapo_gae', or "
+                     f"give per-token advantages computed before packing.")
 
 
 def _hybrid(x: AdvantageInputs, hp, *, hybrid_n, gae_method=None):
   from jaxrl_llm import advantages as A
+  _unpacked_only("hybrid", x)
   return A.hybrid_advantages(x.rewards, x.values, x.mask, n=hybrid_n, gamma=hp["gamma"],
                              lam=hp["lam"], mix=hp["hybrid_mix"], method=gae_method)
 
@@ -268,21 +279,23 @@ def _decoupled_gae(x: AdvantageInputs, hp, *, gae_method=None):
   from jaxrl_llm import advantages as A
   return A.decoupled_gae(x.rewards, x.values, x.mask, gamma=hp["gamma"],
                          lam_policy=hp["lam"], lam_value=hp["lam_value"],
-                         method=gae_method)
+                         method=gae_method, segment_ids=x.segment_ids)
 
 
 def _vapo_gae(x: AdvantageInputs, hp, *, gae_method=None):
   from jaxrl_llm import advantages as A
+  lam_policy = A.length_adaptive_lambda(x.mask, alpha=hp["lam_alpha"],
+                                        segment_ids=x.segment_ids)
   return A.decoupled_gae(x.rewards, x.values, x.mask, gamma=hp["gamma"],
-                         lam_policy=A.length_adaptive_lambda(x.mask,
-                                                             alpha=hp["lam_alpha"]),
-                         lam_value=hp["lam_value"], method=gae_method)
+                         lam_policy=lam_policy, lam_value=hp["lam_value"],
+                         method=gae_method, segment_ids=x.segment_ids)
 
 
 def _group(name: str) -> Callable[..., Any]:
   """The estimator of the group baseline ``jaxrl_llm.advantages.<name>``."""
   def estimator(x: AdvantageInputs, hp):
     del hp
+    _unpacked_only(name, x)
     fn = getattr(importlib.import_module("jaxrl_llm.advantages"), name)
     return fn(_f32(x.scores), group_size=x.group_size), None
   estimator.__doc__ = f"{name} of the sequence scores."
@@ -292,11 +305,13 @@ def _group(name: str) -> Callable[..., Any]:
 def _self_critical(x: AdvantageInputs, hp):
   from jaxrl_llm import advantages as A
   del hp
+  _unpacked_only("self_critical", x)
   return A.self_critical_advantages(_f32(x.scores), _f32(x.greedy_scores)), None
 
 
 def _reinforce_pp(x: AdvantageInputs, hp):
   from jaxrl_llm import advantages as A
+  _unpacked_only("reinforce_pp", x)
   return A.reinforce_pp_advantages(x.rewards, x.mask, gamma=hp["gamma"]), None
 
 

@@ -68,11 +68,13 @@ def shard_apply_fn(apply_fn: Callable, mesh: MeshLike, rules: Rules | None = Non
     spec = batch_spec(np.shape(x), mesh, rules, where=f"model {name}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-  def apply(params, tokens, positions=None, attention_mask=None):
+  def apply(params, tokens, positions=None, attention_mask=None, segment_ids=None):
+    extra = ({} if segment_ids is None
+             else {"segment_ids": constrain("segment_ids", segment_ids)})
     with ambient_mesh(mesh, tokens):
       out = apply_fn(params, constrain("tokens", tokens),
                      constrain("positions", positions),
-                     constrain("attention_mask", attention_mask))
+                     constrain("attention_mask", attention_mask), **extra)
     out = as_model_output(out)
     if out.hidden is not None:
       return constrain("hidden", out.hidden), constrain("values", out.values), out.lm_head

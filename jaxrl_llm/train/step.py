@@ -21,8 +21,20 @@ key                 shape       meaning
 ``ref_logp``        [B, L]      reference-model log-probs (``kl_mode`` loss/reward)
 ``positions``       [B, L] int  optional; default ``cumsum(attention_mask) - 1``
 ``rollout_logp``    [B, L]      the sampler's log-probs (``rollout_correction``)
-``positive``        [B]         1 for correct responses (``pos_nll_coef``)
+``positive``        [B]/[B, L]  1 for correct responses (``pos_nll_coef``)
+``segment_ids``     [B, L] int  optional; packed rows (0 = padding), see below
 ==================  ==========  =====================================================
+
+Packed batches. With ``segment_ids`` (:func:`jaxrl_llm.packing.pack_batch` builds
+them from a padded batch) a row holds several sequences: the model attends within a
+segment only, ``positions`` default to each segment's own
+(:func:`jaxrl_llm.packing.segment_positions`), log-probs, entropies and values never
+read across a boundary (the first token of a segment gets 0, like column 0), GAE
+restarts at each segment, and the ``seq-*`` aggregation modes, GSPO/GMPO's sequence
+ratios, sequence-level rollout correction and the rollout KL of the adaptive KL
+controller reduce per segment. Per-sequence inputs (``advantages``, ``positive``) come
+per token (``[B, L]``). The update then equals the padded batch's (float rounding; with
+``seq-mean-token-sum-norm`` set ``norm_length``, whose default is the width).
 
 One step runs ``num_epochs`` x ``num_minibatches`` optimizer updates as nested
 ``lax.scan`` (a fresh permutation per epoch); each update accumulates gradients over
@@ -56,6 +68,7 @@ values, lm_head)`` are read as the same (:func:`as_model_output`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -68,6 +81,7 @@ from jaxrl_llm import losses as L
 from jaxrl_llm.control import adaptive_clip_update, adaptive_kl_update
 from jaxrl_llm.logprobs import token_logprobs, token_logprobs_from_hidden
 from jaxrl_llm.masked import explained_variance
+from jaxrl_llm.packing import segment_positions, segment_starts, segment_sum
 from jaxrl_llm.train.config import GRPO_DEFAULTS, TrainConfig
 from jaxrl_llm.train.registry import (
   AdvantageInputs,
@@ -78,7 +92,7 @@ from jaxrl_llm.train.registry import (
 from jaxrl_llm.train.train_state import TrainState, init_train_state
 
 TOKEN_KEYS = ("attention_mask", "loss_mask", "old_logp", "rewards", "old_values",
-              "returns", "ref_logp", "positions", "rollout_logp")
+              "returns", "ref_logp", "positions", "rollout_logp", "segment_ids")
 
 
 # ------------------------------------------------------------------------------ batch
@@ -127,17 +141,59 @@ def validate_batch(batch: dict, config: TrainConfig) -> None:
   if "advantages" in batch and v.shape_of(batch["advantages"]) not in (shape, shape[:1]):
     raise ValueError(f"batch['advantages'] must have shape {shape} or {shape[:1]}, got "
                      f"{v.shape_of(batch['advantages'])}.")
-  if "positive" in batch and v.shape_of(batch["positive"]) != shape[:1]:
-    raise ValueError(f"batch['positive'] must have shape {shape[:1]}, got "
+  if "positive" in batch and v.shape_of(batch["positive"]) not in (shape[:1], shape):
+    raise ValueError(f"batch['positive'] must have shape {shape[:1]} or {shape}, got "
                      f"{v.shape_of(batch['positive'])}.")
+  if "segment_ids" in batch:
+    if not jnp.issubdtype(jnp.result_type(batch["segment_ids"]), jnp.integer):
+      raise ValueError(f"batch['segment_ids'] must be an int array, got dtype "
+                       f"{jnp.result_type(batch['segment_ids'])}.")
+    for key in ("advantages", "positive"):
+      if key in batch and jnp.ndim(batch[key]) == 1:
+        raise ValueError(f"batch['{key}'] has shape {v.shape_of(batch[key])}, one value "
+                         f"per row, but a packed row (batch['segment_ids']) holds several "
+                         f"sequences: give it per token {shape} "
+                         f"(jaxrl_llm.packing.pack_batch broadcasts it).")
   if not config.use_value and "advantages" not in batch:
     raise ValueError("batch['advantages'] is required without a value model "
                      "(use_value=False): compute them with a group estimator.")
   b = shape[0]
+  if config.max_tokens_per_microbatch is not None:
+    if b % config.num_minibatches:
+      raise ValueError(f"batch size {b} (batch['tokens'] {shape}) is not divisible by "
+                       f"num_minibatches = {config.num_minibatches}.")
+    microbatch_count(b // config.num_minibatches, shape[1], config)   # raises if unfit
+    return
   per_update = config.num_minibatches * config.num_microbatches
   if b % per_update:
     raise ValueError(f"batch size {b} (batch['tokens'] {shape}) is not divisible by "
                      f"num_minibatches * num_microbatches = {per_update}.")
+
+
+def microbatch_count(rows: int, width: int, config: TrainConfig) -> int:
+  """Gradient-accumulation chunks of a minibatch of ``rows`` rows of ``width`` tokens.
+
+  ``config.num_microbatches``, or with ``config.max_tokens_per_microbatch`` the fewest
+  chunks of whole rows of at most that many token slots: chunks of ``r`` rows, ``r``
+  the largest divisor of ``rows`` with ``r * width <= max_tokens_per_microbatch``.
+
+  Examples:
+    >>> microbatch_count(8, 100, TrainConfig(max_tokens_per_microbatch=300))
+    4
+  """
+  budget = config.max_tokens_per_microbatch
+  if budget is None:
+    return config.num_microbatches
+  if width > budget:
+    raise ValueError(f"config.max_tokens_per_microbatch={budget} is smaller than one row "
+                     f"of {width} tokens (batch['tokens'] width): a row is never split.")
+  per = max(r for r in range(1, min(rows, budget // width) + 1) if rows % r == 0)
+  return rows // per
+
+
+def _same_segment_as_previous(segment_ids):
+  """``[B, L-1]`` bool: token t+1 continues the segment of token t."""
+  return segment_ids[:, 1:] == segment_ids[:, :-1]
 
 
 def default_positions(attention_mask: jax.Array) -> jax.Array:
@@ -206,11 +262,17 @@ def policy_forward(apply_fn: Callable, params: Any, batch: dict, *,
     raise ValueError(f"`batch` is missing key(s) {missing} (has {sorted(batch)}).")
   tokens, attn = batch["tokens"], batch["attention_mask"]
   positions = batch.get("positions")
+  seg = batch.get("segment_ids")
   if positions is None:
-    positions = default_positions(attn)
-  out = as_model_output(apply_fn(params, tokens, positions, attn))
+    positions = default_positions(attn) if seg is None else segment_positions(seg)
+  if seg is None:
+    out = as_model_output(apply_fn(params, tokens, positions, attn))
+  else:
+    out = as_model_output(apply_fn(params, tokens, positions, attn, segment_ids=seg))
   targets = tokens[:, 1:]
   target_mask = attn[:, 1:]
+  if seg is not None:   # a segment's last output never predicts the next segment
+    target_mask = jnp.where(_same_segment_as_previous(seg), target_mask, 0)
   values = out.values
   if out.hidden is not None:
     logp, ent = token_logprobs_from_hidden(
@@ -221,6 +283,8 @@ def policy_forward(apply_fn: Callable, params: Any, batch: dict, *,
                                return_entropy=True)
   pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)
   values = None if values is None else _shift_right(v.as_f32(values))
+  if values is not None and seg is not None:
+    values = jnp.where(segment_starts(seg), 0.0, values)
   return pad(logp), pad(ent), values
 
 
@@ -252,7 +316,7 @@ def _global_explained_variance(y_pred, y_true, mask, axis_name=None):
   return jnp.where(var_y > 0, 1.0 - var_res / jnp.where(var_y > 0, var_y, 1.0), 0.0)
 
 
-def _global_row_mean(x, mask, axis_name=None):
+def _global_row_mean(x, mask, axis_name=None, segment_ids=None):
   r"""Mean of the rows' masked means over the non-empty rows of all devices.
 
   .. math::
@@ -261,9 +325,15 @@ def _global_row_mean(x, mask, axis_name=None):
      \qquad n_i = \sum_t m_{it}
 
   verl's ``current_kl`` in ``apply_kl_penalty`` (``masked_mean(kld, mask, axis=-1)``,
-  then the batch mean): every response weighs the same, whatever its length.
+  then the batch mean): every response weighs the same, whatever its length. With
+  ``segment_ids`` the rows are the segments (sequences) of packed rows.
   """
   m = v.as_f32(mask)
+  if segment_ids is not None:
+    inv = jnp.where(m > 0, 1.0 / jnp.maximum(segment_sum(m, segment_ids), 1.0), 0.0)
+    total = jnp.sum(jnp.where(m > 0, v.as_f32(x), 0.0) * inv)
+    total, n_seq = _psum((total, jnp.sum(inv)), axis_name)
+    return total / jnp.maximum(n_seq, 1.0)
   count = jnp.sum(m, axis=-1)
   rows = jnp.sum(jnp.where(m > 0, v.as_f32(x), 0.0), axis=-1) / jnp.maximum(count, 1.0)
   total, n_rows = _psum((jnp.sum(rows), jnp.sum(v.as_f32(count > 0))), axis_name)
@@ -308,7 +378,8 @@ def prepare_batch(batch: dict, state: TrainState, config: TrainConfig,
     spec = get_advantage_estimator(config.advantage_estimator)
     adv, ret = compute_advantages(
         config.advantage_estimator,
-        AdvantageInputs(rewards=rewards, values=batch["old_values"], mask=mask), hp,
+        AdvantageInputs(rewards=rewards, values=batch["old_values"], mask=mask,
+                        segment_ids=batch.get("segment_ids")), hp,
         **{k: getattr(config, k) for k in spec.static})
     batch["advantages"] = adv
     batch.setdefault("returns", ret)
@@ -372,6 +443,8 @@ def _policy_loss(config, logp, mb, eps_low, eps_high, hp):
     kwargs["dual_clip"] = hp["dual_clip"]
   names = config.hparam_names()
   kwargs.update({k: hp[k] for k in spec.extra_hparams if k in names})
+  if "segment_ids" in mb and "segment_ids" in inspect.signature(spec.fn).parameters:
+    kwargs["segment_ids"] = mb["segment_ids"]   # a sequence-level loss: per segment
   return spec.fn(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], **kwargs)
 
 
@@ -383,7 +456,8 @@ def _denominators(mb, config, axis_name=None):
   mask = mb["loss_mask"]
   zeros = jnp.zeros(mask.shape, jnp.float32)
   _, pg = L.aggregate_parts(zeros, mask, config.loss_agg_mode,
-                            norm_length=config.norm_length)
+                            norm_length=config.norm_length,
+                            segment_ids=mb.get("segment_ids"))
   tokens = jnp.sum(v.as_f32(mask))
   pg, tokens = _psum(pg, axis_name), _psum(tokens, axis_name)
   out = {"pg": jnp.maximum(pg, 1.0), "tokens": jnp.maximum(tokens, 1.0),
@@ -396,7 +470,8 @@ def _denominators(mb, config, axis_name=None):
 
 def _positive_mask(mb):
   """``loss_mask`` on the rows marked ``positive`` (correct responses), else 0."""
-  positive = v.as_f32(mb["positive"])[:, None] > 0
+  positive = v.as_f32(mb["positive"])
+  positive = (positive if positive.ndim == 2 else positive[:, None]) > 0
   return jnp.where(positive, v.as_f32(mb["loss_mask"]), 0.0)
 
 
@@ -407,15 +482,17 @@ def _loss_fn(params, mb, denoms, state, config, apply_fn, eps_low, eps_high):
   logp, ent, values = policy_forward(apply_fn, params, mb,
                                      chunk_size=config.logprob_chunk_size,
                                      temperature=hp["temperature"])
+  seg = mb.get("segment_ids")
   agg = lambda x: L.aggregate_parts(x, mask, config.loss_agg_mode,
-                                    norm_length=config.norm_length)[0] / denoms["pg"]
+                                    norm_length=config.norm_length,
+                                    segment_ids=seg)[0] / denoms["pg"]
   pg_tok, pg_metrics = _policy_loss(config, logp, mb, eps_low, eps_high, hp)
   if config.rollout_correction is not None:
     lower = None if config.rollout_is_lower is None else hp["rollout_is_lower"]
     weights, is_metrics = L.rollout_correction_weights(
         v.as_f32(mb["old_logp"]) - v.as_f32(mb["rollout_logp"]), mask,
         level=config.rollout_correction, threshold=hp["rollout_is_threshold"],
-        lower=lower)
+        lower=lower, segment_ids=seg)
     pg_tok = pg_tok * weights
     # The ESS is a ratio of sums, not a token mean: the update rebuilds it from the
     # minibatch-wide token means of w and w^2 (:func:`_reduce_microbatches`).
@@ -616,7 +693,8 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
       """One optimizer update on a minibatch, gradients accumulated over microbatches."""
       params, opt_state = carry
       denoms = _denominators(mb, config, axis_name)
-      micro = jax.tree_util.tree_map(lambda x: _split(x, config.num_microbatches), mb)
+      n_micro = microbatch_count(mb["tokens"].shape[0], mb["tokens"].shape[1], config)
+      micro = jax.tree_util.tree_map(lambda x: _split(x, n_micro), mb)
 
       def accumulate(acc, micro_batch):
         grads, metrics = grad_fn(params, micro_batch, denoms)
@@ -679,10 +757,13 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
       # the batch mean of the per-response token means.
       rollout_kl = _global_row_mean(L.kl_penalty(batch["old_logp"], batch["ref_logp"],
                                                  config.reward_kl_kind, mask=mask),
-                                    mask, axis_name)
+                                    mask, axis_name, batch.get("segment_ids"))
       metrics["rollout_kl"] = rollout_kl
       # verl's n_steps is the number of sequences of the whole (global) batch.
-      n_seq = _psum(jnp.asarray(mask.shape[0], jnp.float32), axis_name)
+      seg = batch.get("segment_ids")
+      n_seq = (jnp.asarray(mask.shape[0], jnp.float32) if seg is None
+               else jnp.sum(v.as_f32(segment_starts(seg) & (seg > 0))))
+      n_seq = _psum(n_seq, axis_name)
       kl_ctrl = adaptive_kl_update(kl_ctrl, rollout_kl, n_seq)
     if config.adaptive_clip:
       observed = metrics["approx_kl" if config.adaptive_clip_metric == "kl"
