@@ -259,6 +259,14 @@ def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
                    eager_sharding=False)
 
 
+def _weight(param: Any, dtype: DTypeLike) -> Any:
+  """A matmul weight in ``dtype``; a weight qwix has quantised (QLoRA,
+  :mod:`jaxrl_llm.models.lora`) is passed as it is (qwix's product dequantises it)."""
+  if not isinstance(param, nnx.Variable):   # qwix's quantised weight: as stored
+    return param
+  return param[...].astype(dtype)
+
+
 def _normal(stddev):
   return nnx.initializers.normal(stddev=stddev)
 
@@ -360,9 +368,9 @@ class Attention(nnx.Module):
   def _project(self, x, positions):
     """Rotated queries ``[B, T, H, d]``, rotated keys and values ``[B, T, K, d]``."""
     dtype = x.dtype
-    q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
-    k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
-    val = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))
+    q = jnp.einsum("btd,dhk->bthk", x, _weight(self.wq, dtype))
+    k = jnp.einsum("btd,dhk->bthk", x, _weight(self.wk, dtype))
+    val = jnp.einsum("btd,dhk->bthk", x, _weight(self.wv, dtype))
     if hasattr(self, "bq"):   # config.qkv_bias
       q = q + self.bq[...].astype(dtype)
       k = k + self.bk[...].astype(dtype)
@@ -394,7 +402,7 @@ class Attention(nnx.Module):
     v_pages = v_pages.at[ids, pos % page].set(val.astype(v_pages.dtype), mode="drop")
     out = paged_attention(q, k_pages, v_pages, page_table, positions,
                           chunk_pages=chunk_pages)
-    out = jnp.einsum("bthk,hkd->btd", out.astype(dtype), self.wo[...].astype(dtype))
+    out = jnp.einsum("bthk,hkd->btd", out.astype(dtype), _weight(self.wo, dtype))
     return out, (k_pages, v_pages)
 
   def __call__(self, x: jax.Array, positions: jax.Array, kv_valid: jax.Array | None,
@@ -421,7 +429,7 @@ class Attention(nnx.Module):
     out = dot_product_attention(q, k.astype(dtype), val.astype(dtype), key_mask=kv_valid,
                                 is_causal=True, implementation=self.implementation,
                                 block_size=self.block_size, query_offset=query_offset)
-    out = jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dtype))
+    out = jnp.einsum("bthk,hkd->btd", out, _weight(self.wo, dtype))
     return out, (k, val)
 
 
@@ -441,9 +449,11 @@ class MLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dtype = x.dtype
-    gate = x @ self.w_gate[...].astype(dtype)
-    up = x @ self.w_up[...].astype(dtype)
-    return (jax.nn.silu(gate) * up) @ self.w_down[...].astype(dtype)
+    # einsum, not `@`: LoRA/QLoRA (jaxrl_llm.models.lora, through qwix) intercepts
+    # jnp.einsum, and sees each weight as the module's parameter (`@` is jitted inside).
+    gate = jnp.einsum("...d,df->...f", x, _weight(self.w_gate, dtype))
+    up = jnp.einsum("...d,df->...f", x, _weight(self.w_up, dtype))
+    return jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, _weight(self.w_down, dtype))
 
 
 class Block(nnx.Module):
