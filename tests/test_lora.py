@@ -8,13 +8,13 @@ import pytest
 
 pytest.importorskip("qwix")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
 
-from jaxrl_llm.models import Transformer, TransformerConfig, make_apply_fn, split_model  # noqa: E402
-from jaxrl_llm.models.lora import (  # noqa: E402
+from jaxrl_llm.models import Transformer, TransformerConfig, make_apply_fn, split_model
+from jaxrl_llm.models.lora import (
   apply_lora,
   base_graphdef,
   lora_reference_apply,
@@ -23,7 +23,7 @@ from jaxrl_llm.models.lora import (  # noqa: E402
   merge_lora,
   num_lora_params,
 )
-from jaxrl_llm.train import TrainConfig, make_train_step  # noqa: E402
+from jaxrl_llm.train import TrainConfig, make_train_step
 
 V = 32
 
@@ -82,7 +82,6 @@ def test_adapter_shapes_count_and_sharding_names():
   # Adapters carry the adapted weight's logical axes (None on the rank axis).
   assert attn.wq_lora_a.get_metadata()["out_sharding"] == ("embed", None)
   assert attn.wq_lora_b.get_metadata()["out_sharding"] == (None, "heads", "head_dim")
-  _, params = split_model(lora)
   n = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(lora, nnx.LoRAParam)))
   assert n == num_lora_params(c, lora.lora_spec) == 2 * 3 * (
       (64 + 64) + (64 + 64) + (128 + 64))
