@@ -24,3 +24,8 @@ MODEL_PRESETS = ("tiny", "small")
 # How the RL loop generates completions (RunConfig.rollout): the continuous-batching
 # engine (jaxrl_llm.rollout.RolloutEngine) or the rectangular sampler (sample).
 ROLLOUT_BACKENDS = ("engine", "simple")
+
+# LoRA targets (PEFT's `<name>_proj` modules) and the frozen base's storage
+# (jaxrl_llm.models.lora; `jaxrl-llm train --lora-targets / --lora-base-dtype`).
+LORA_TARGET_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+LORA_BASE_DTYPES = ("bf16", "int8", "nf4")

@@ -68,6 +68,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl_llm._names import LORA_BASE_DTYPES
 from jaxrl_llm.models.transformer import Transformer
 
 #: LoRA target names (PEFT's ``<name>_proj``) -> (module, weight) of the Transformer.
@@ -75,8 +76,6 @@ LORA_TARGETS: dict[str, tuple[str, str]] = {
     "q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
     "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down"),
 }
-#: The frozen base's storage: unquantised (the model's dtype), int8 or NormalFloat4.
-LORA_BASE_DTYPES = ("bf16", "int8", "nf4")
 _QTYPES = {"bf16": None, "int8": "int8", "nf4": "nf4"}
 _NF4_BLOCK = 64
 _MODULES = r".*(attn|mlp)"     # the qwix rule's module paths (Block.attn, Block.mlp)
