@@ -258,3 +258,35 @@ def test_bad_run_settings_name_the_flag(fields, match):
   with pytest.raises(ValueError, match=match) as e:
     RunConfig(**fields).validate()
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_peft_loads_our_adapters_onto_the_transformers_base(family, tmp_path):
+  pytest.importorskip("peft")
+  pytest.importorskip("safetensors")
+  torch = pytest.importorskip("torch")
+  import peft
+  import transformers
+
+  from jaxrl_llm.models import from_pretrained
+  from jaxrl_llm.models.lora import save_lora_adapters
+  from tests.test_hf import _hf_logits, _padded_batch, make_hf_model
+  path = str(tmp_path / "base")
+  make_hf_model(family).save_pretrained(path)
+  lora = apply_lora(from_pretrained(path, dtype=jnp.float32), rank=4, alpha=8.0,
+                    targets="q,k,v,o,gate,up,down", seed=3)
+  g, p = split_model(lora)
+  p = _perturb_b(p, value=0.1)
+  save_lora_adapters(p, lora.lora_spec, lora.config, str(tmp_path / "adapter"),
+                     base_model=path)
+  tokens, mask = _padded_batch()
+  model = nnx.merge(g, p)
+  ours = np.asarray(model.logits(model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask))[0]))
+  base = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+  peft_model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+  ref = _hf_logits(peft_model, tokens, mask)
+  real = mask.astype(bool)
+  base_logits = _hf_logits(make_hf_model(family), tokens, mask)
+  assert np.abs(ref[real] - base_logits[real]).max() > 1e-2     # the adapters matter
+  np.testing.assert_allclose(ours[real], ref[real], rtol=1e-4,
+                             atol=1e-4 * np.abs(ref[real]).max())
