@@ -290,3 +290,63 @@ def test_peft_loads_our_adapters_onto_the_transformers_base(family, tmp_path):
   assert np.abs(ref[real] - base_logits[real]).max() > 1e-2     # the adapters matter
   np.testing.assert_allclose(ours[real], ref[real], rtol=1e-4,
                              atol=1e-4 * np.abs(ref[real]).max())
+
+
+@pytest.mark.slow
+def test_lora_run_on_a_hf_checkpoint_exports_adapters_and_merged_model(tmp_path, capsys):
+  """train --lora-rank on a tiny Qwen3 folder writes adapter/ (PEFT); export --merge-lora
+  writes hf/, whose transformers logits equal the adapter model's; --merge-lora on a
+  run without adapters is refused before anything is written."""
+  pytest.importorskip("peft")
+  torch = pytest.importorskip("torch")
+  import json
+  import os
+  import shutil
+
+  import peft
+  import transformers
+
+  from jaxrl_llm import cli
+  from jaxrl_llm.loop.export import restore_run
+  from tests.test_hf import _hf_logits, _padded_batch, _tiny_hf_folder
+  model_dir, data = _tiny_hf_folder(tmp_path)
+  out = str(tmp_path / "run")
+  assert cli.main(["train", "--model", model_dir, "--dataset", data, "--reward", "math",
+                   "--algo", "grpo", "--steps", "2", "--prompts-per-step", "2",
+                   "--group-size", "2", "--max-new-tokens", "4", "--eval-size", "2",
+                   "--eval-every", "2", "--save-every", "2", "--out", out, "--no-progress",
+                   "--lr", "1e-2", "--lora-rank", "2", "--lora-targets", "q,v,down"]) == 0
+  assert "adapter" in capsys.readouterr().out
+  assert sorted(os.listdir(os.path.join(out, "adapter"))) == [
+      "adapter_config.json", "adapter_model.safetensors"]
+  assert not os.path.exists(os.path.join(out, "hf"))
+  dest = str(tmp_path / "exported")
+  assert cli.main(["export", out, "--out", dest, "--merge-lora"]) == 0
+  _, model, _, step = restore_run(out)
+  assert step == 2
+  tokens, mask = _padded_batch(seed=7, t=10)
+  tokens %= model.config.vocab_size
+  real = mask.astype(bool)
+  with jax.default_matmul_precision("highest"):
+    ours = np.asarray(model.logits(model(jnp.asarray(tokens),
+                                         attention_mask=jnp.asarray(mask))[0]))
+  merged = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(dest, "hf"))
+  base = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                           torch_dtype=torch.float32)
+  with_adapter = peft.PeftModel.from_pretrained(base, os.path.join(dest, "adapter"))
+  scale = np.abs(ours[real]).max()
+  for other in (merged, with_adapter):
+    np.testing.assert_allclose(_hf_logits(other.eval(), tokens, mask)[real], ours[real],
+                               rtol=1e-4, atol=1e-4 * scale)
+  # A run without adapters: --merge-lora is refused, nothing written.
+  plain = str(tmp_path / "plain")
+  shutil.copytree(out, plain)
+  with open(os.path.join(plain, "config.json")) as f:
+    cfg = json.load(f)
+  cfg.update(lora_rank=None, lora_targets="q,k,v,o,gate,up,down")
+  with open(os.path.join(plain, "config.json"), "w") as f:
+    json.dump(cfg, f)
+  dest2 = str(tmp_path / "refused")
+  assert cli.main(["export", plain, "--out", dest2, "--merge-lora"]) != 0
+  assert "no LoRA adapters" in capsys.readouterr().err
+  assert not os.path.exists(dest2)
