@@ -168,7 +168,7 @@ def _provider(spec: LoraSpec, config) -> Any:
     tile = _NF4_BLOCK
   weights = spec.weights
 
-  class TargetedLoraProvider(qwix.LoraProvider):
+  class TargetedLoraProvider(qwix.LoraProvider):  # type: ignore[name-defined]
     """qwix's LoRA, skipping the adapter on the weights of a matched module that are
     not targets (qwix rules match modules, not single weights)."""
 
@@ -236,7 +236,7 @@ def apply_lora(model: Transformer, *, rank: int, alpha: float | None = None,
     if quantizer is not None:
       base = qwix.quantize_model(model, quantizer, tokens)
       for _, module in nnx.iter_modules(base):   # the first pass left it a static None
-        module.qwix_rngs = nnx.data(None)
+        setattr(module, "qwix_rngs", nnx.data(None))  # noqa: B010 - a qwix attribute
     wrapped = qwix.apply_lora_to_model(base, provider, tokens, rngs=nnx.Rngs(seed))
   finally:
     model.config = config
