@@ -49,7 +49,7 @@ Examples:
   >>> from jaxrl_llm.models import Transformer, TransformerConfig
   >>> base = Transformer(TransformerConfig.tiny(32, n_layers=1), rngs=nnx.Rngs(0))
   >>> model = apply_lora(base, rank=2, targets=("q", "v"))
-  >>> sorted(k for k in vars(model.blocks[0].attn) if "lora" in k)
+  >>> sorted(k for k in vars(model.blocks[0].attn) if k.endswith(("_lora_a", "_lora_b")))
   ['wq_lora_a', 'wq_lora_b', 'wv_lora_a', 'wv_lora_b']
   >>> tokens = jnp.array([[1, 2, 3]])
   >>> bool(jnp.all(model(tokens)[0] == base(tokens)[0]))     # B = 0: the base exactly
@@ -61,7 +61,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -69,7 +69,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm._names import LORA_BASE_DTYPES
-from jaxrl_llm.models.transformer import Transformer
+from jaxrl_llm.models.transformer import Transformer, TransformerConfig
 
 #: LoRA target names (PEFT's ``<name>_proj``) -> (module, weight) of the Transformer.
 LORA_TARGETS: dict[str, tuple[str, str]] = {
@@ -154,7 +154,7 @@ def _import_qwix():
   return qwix
 
 
-def _provider(spec: LoraSpec, config) -> Any:
+def _provider(spec: LoraSpec, config: TransformerConfig) -> Any:
   """qwix's LoRA provider for ``spec``: one rule over the attention and MLP modules,
   adapters only on the targeted weights."""
   qwix = _import_qwix()
@@ -300,13 +300,13 @@ def _zero_b(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(zero, params, is_leaf=_is_var)
 
 
-def lora_reference_apply(apply_fn):
+def lora_reference_apply(apply_fn: Callable[..., Any]) -> Callable[..., Any]:
   """The KL reference of a LoRA model: ``apply_fn`` with every :math:`B` zeroed.
 
   The result is the base model's forward computed on the *same* parameters (the base
   is shared, nothing is copied; the zeros are adapter-sized and made inside the jit).
   """
-  def apply(params, *args, **kwargs):
+  def apply(params: Any, *args: Any, **kwargs: Any) -> Any:
     return apply_fn(_zero_b(params), *args, **kwargs)
   return apply
 
@@ -387,7 +387,7 @@ def _np(x):
   return np.asarray(jax.device_get(x), np.float32)
 
 
-def lora_state_dict(params: Any, spec: LoraSpec, config) -> dict[str, Any]:
+def lora_state_dict(params: Any, spec: LoraSpec, config: TransformerConfig) -> dict[str, Any]:
   """The adapters as PEFT tensors ``{name: float32 ndarray}``: for a weight whose
   Hugging Face tensor is ``X.weight`` ``[out, in]``, ``X.lora_A.weight`` ``[r, in]``
   (our :math:`A^T`) and ``X.lora_B.weight`` ``[out, r]`` (our :math:`B^T`), heads
@@ -409,7 +409,8 @@ def lora_state_dict(params: Any, spec: LoraSpec, config) -> dict[str, Any]:
   return out
 
 
-def save_lora_adapters(params: Any, spec: LoraSpec, config, path: str | os.PathLike, *,
+def save_lora_adapters(params: Any, spec: LoraSpec, config: TransformerConfig,
+                       path: str | os.PathLike, *,
                        base_model: str | None = None) -> None:
   """Writes the adapters as a PEFT folder: ``adapter_model.safetensors`` +
   ``adapter_config.json`` (``peft.PeftModel.from_pretrained(base, path)`` loads it
@@ -439,7 +440,7 @@ def save_lora_adapters(params: Any, spec: LoraSpec, config, path: str | os.PathL
     json.dump(cfg, f, indent=2, sort_keys=True)
 
 
-def num_lora_params(config, spec: LoraSpec) -> int:
+def num_lora_params(config: TransformerConfig, spec: LoraSpec) -> int:
   """Closed form of the adapter count: per layer, per target, :math:`r\\,(in + out)`.
 
   Examples:
