@@ -25,3 +25,8 @@ MODEL_PRESETS = ("tiny", "small")
 # engine (jaxrl_llm.rollout.RolloutEngine), the rectangular sampler (sample) or an
 # in-process vLLM (jaxrl_llm.rollout.vllm.VllmEngine, weights pushed every step).
 ROLLOUT_BACKENDS = ("engine", "simple", "vllm")
+
+# LoRA targets (PEFT's `<name>_proj` modules) and the frozen base's storage
+# (jaxrl_llm.models.lora; `jaxrl-llm train --lora-targets / --lora-base-dtype`).
+LORA_TARGET_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+LORA_BASE_DTYPES = ("bf16", "int8", "nf4")

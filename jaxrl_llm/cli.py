@@ -440,7 +440,7 @@ def cmd_export(args: argparse.Namespace) -> int:
   from jaxrl_llm.checkpoint import CheckpointError
   from jaxrl_llm.loop.export import export_run
   try:
-    result = export_run(args.run, args.out)
+    result = export_run(args.run, args.out, merge_lora=args.merge_lora)
   except (ValueError, OSError, CheckpointError) as e:
     return _fail("export", str(e))
   if "policy_weights" in result:
@@ -585,6 +585,10 @@ def build_parser() -> argparse.ArgumentParser:
   p_export.add_argument("run", help="the run folder")
   p_export.add_argument("--out", default=None, metavar="DEST",
                         help="where to write (default: the run folder)")
+  p_export.add_argument("--merge-lora", action="store_true",
+                        help="a --lora-rank run: also write DEST/hf, the policy with its "
+                        "adapters merged into the base weights (the adapters alone are "
+                        "always written to DEST/adapter in PEFT's format)")
   p_export.set_defaults(func=cmd_export)
   return parser
 

@@ -15,7 +15,12 @@ import dataclasses
 import os
 from typing import Any
 
-from jaxrl_llm._names import MODEL_PRESETS, ROLLOUT_BACKENDS
+from jaxrl_llm._names import (
+  LORA_BASE_DTYPES,
+  LORA_TARGET_NAMES,
+  MODEL_PRESETS,
+  ROLLOUT_BACKENDS,
+)
 from jaxrl_llm.train.config import TrainConfig, document_fields, setting
 
 # Fields that may differ between a run and its resumption.
@@ -191,6 +196,20 @@ class RunConfig:
   pack_tokens: int | None = setting(
       None, "with --pack: the token budget (width) of a packed row; None: the padded "
       "batch's width (prompt + response budget). Every sequence must fit.", min_int=1)
+  lora_rank: int | None = setting(
+      None, "LoRA (:mod:`jaxrl_llm.models.lora`, through qwix): train rank-R adapters on "
+      "--lora-targets instead of the full weights (the optimizer state is adapter-sized; "
+      "the frozen base is shared by the policy and the KL reference). None: full "
+      "fine-tuning.", min_int=1)
+  lora_alpha: float | None = setting(
+      None, "with --lora-rank: the adapters' scale numerator (update alpha / R * x A B); "
+      "None: R (scale 1).", low=0.0)
+  lora_targets: str = setting(
+      ",".join(LORA_TARGET_NAMES), "with --lora-rank: the weights that get adapters, a "
+      "comma list of q,k,v,o,gate,up,down (or all).")
+  lora_base_dtype: str = setting(
+      "bf16", "with --lora-rank: the frozen base's storage: bf16 (unquantised, in the "
+      "model's dtype), int8 or nf4 (QLoRA).", choices=LORA_BASE_DTYPES)
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
@@ -298,9 +317,28 @@ class RunConfig:
                        "add --async")
     if self.pack_tokens is not None and not self.pack:
       raise ValueError("--pack-tokens is the row budget of --pack; add --pack")
+    self._validate_lora()
     if self.token_budget is not None and not self.partial_rollouts:
       raise ValueError("--token-budget is the budget of --partial-rollouts; add "
                        "--partial-rollouts")
+
+  def _validate_lora(self) -> None:
+    default_targets = ",".join(LORA_TARGET_NAMES)
+    if self.lora_rank is None:
+      for name, default in (("lora_alpha", None), ("lora_targets", default_targets),
+                            ("lora_base_dtype", "bf16")):
+        if getattr(self, name) != default:
+          raise ValueError(f"{flag(name)} is a setting of --lora-rank; add --lora-rank")
+      return
+    names = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+    names = list(LORA_TARGET_NAMES) if names == ["all"] else names
+    bad = [t for t in names if t.removesuffix("_proj") not in LORA_TARGET_NAMES]
+    if bad or not names:
+      raise ValueError(f"--lora-targets {self.lora_targets!r}: {bad or 'nothing'} matches "
+                       f"no module; valid targets: {','.join(LORA_TARGET_NAMES)} or all")
+    if self.partial_rollouts:
+      raise ValueError("--partial-rollouts is not supported with --lora-rank yet (its "
+                       "engine would run the base weights)")
 
   def check_devices(self, device_count: int) -> None:
     """Raises ``ValueError`` unless the mesh flags fit ``device_count`` devices and the

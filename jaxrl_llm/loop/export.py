@@ -20,6 +20,13 @@ folder):
   model folder with its ``value_head.safetensors``: ``--critic dest/critic`` or
   ``from_pretrained(dest + "/critic", value_head=True)`` loads it).
 
+A LoRA run (``--lora-rank``): ``adapter/`` holds the adapters in PEFT's format
+(``adapter_model.safetensors`` + ``adapter_config.json``:
+``peft.PeftModel.from_pretrained(base, dest + "/adapter")`` on the original
+``--model``), and ``hf/`` is written only with ``merge_lora=True`` (``export
+--merge-lora``): the adapters merged into the (dequantised) base weights, a plain
+Hugging Face folder whose logits equal the adapter model's.
+
 ``jaxrl-llm train --model PATH`` calls it at the end of the run (the summary names
 the folders); ``jaxrl-llm export RUN [--out DEST]`` calls it on a finished or
 interrupted run (its latest checkpoint).
@@ -77,7 +84,17 @@ def _restore(run_dir: str) -> tuple[Any, Any, Any, int, bool]:
   task = make_task(run)
   resolved = resolve(run, task)
   graphdef, params, critic_graphdef = load_models(resolved, task)
-  state, step = restore_state(run_dir, resolved, params)
+  trainable = None
+  if run.lora_rank is not None:
+    from jaxrl_llm.loop.setup import lora_model
+    from jaxrl_llm.models.lora import lora_trainable
+    trainable = lora_trainable
+    if critic_graphdef is None:
+      graphdef, params = lora_model(run, graphdef, params)
+    else:
+      graphdef, policy_params = lora_model(run, graphdef, params[POLICY])
+      params = {**params, POLICY: policy_params}
+  state, step = restore_state(run_dir, resolved, params, trainable=trainable)
   start, params = params, state.params
   if critic_graphdef is None:
     unchanged = _same_leaves(drop_value_head(graphdef, start)[1],
@@ -88,13 +105,14 @@ def _restore(run_dir: str) -> tuple[Any, Any, Any, int, bool]:
           nnx.merge(critic_graphdef, params[CRITIC]), step, unchanged)
 
 
-def export_run(run_dir: str, dest: str | None = None) -> dict:
+def export_run(run_dir: str, dest: str | None = None, *, merge_lora: bool = False) -> dict:
   """Writes a run's latest checkpoint as Hugging Face folders (see the module doc).
 
   Args:
     run_dir: the run folder of a ``--model PATH`` run.
     dest: where to write (default ``run_dir``): ``dest/hf/`` and, with a value model,
       ``dest/value_head.safetensors`` or ``dest/critic/``.
+    merge_lora: a LoRA run: also write ``dest/hf/`` with the adapters merged.
 
   Returns:
     ``{"hf_model": ..., "value_model": ...}`` (paths; ``value_model`` only when the
@@ -103,7 +121,8 @@ def export_run(run_dir: str, dest: str | None = None) -> dict:
     learning signal: :mod:`jaxrl_llm.loop.signals`).
 
   Raises:
-    ValueError: as :func:`restore_run`.
+    ValueError: as :func:`restore_run`; ``merge_lora`` on a run without adapters
+      (before anything is written).
   """
   import jax
   from flax import nnx
@@ -117,6 +136,11 @@ def export_run(run_dir: str, dest: str | None = None) -> dict:
   )
   from jaxrl_llm.models.transformer import split_model
 
+  if merge_lora:
+    from jaxrl_llm.loop.setup import read_run
+    if read_run(run_dir).lora_rank is None:
+      raise ValueError(f"--merge-lora: the run in {run_dir} trained no LoRA adapters "
+                       "(no --lora-rank); export it without --merge-lora.")
   run, model, critic, step, unchanged = _restore(run_dir)
   dest = run_dir if dest is None else dest
   hf_dir = os.path.join(dest, "hf")
@@ -128,14 +152,27 @@ def export_run(run_dir: str, dest: str | None = None) -> dict:
   # The original config's ids, else the tokenizer's (the rule save_pretrained applies);
   # an original generation_config.json is copied over the written one below.
   extra = token_id_fields(tokenizer=tokenizer, config=original)
-  policy = nnx.merge(*drop_value_head(*split_model(model)))
-  save_pretrained(policy, hf_dir, extra_config=extra)
-  if jax.process_index() == 0:
-    for name in TOKENIZER_FILES:
-      src = os.path.join(run.model, name)
-      if os.path.isfile(src):
-        shutil.copyfile(src, os.path.join(hf_dir, name))
-  out = {"hf_model": f"{hf_dir} (step {step})"}
+  out: dict[str, str] = {}
+  if run.lora_rank is not None:
+    from jaxrl_llm.models.lora import base_graphdef, save_lora_adapters
+    from jaxrl_llm.models.lora import merge_lora as merged_params
+    graphdef, params = split_model(model)
+    adapter_dir = os.path.join(dest, "adapter")
+    if jax.process_index() == 0:
+      save_lora_adapters(params, model.lora_spec, model.config, adapter_dir,
+                         base_model=os.path.abspath(run.model))
+    out["adapter"] = f"{adapter_dir} (PEFT, step {step})"
+    model = nnx.merge(base_graphdef(model), jax.jit(merged_params, static_argnums=0)(
+        graphdef, params))
+  if run.lora_rank is None or merge_lora:
+    policy = nnx.merge(*drop_value_head(*split_model(model)))
+    save_pretrained(policy, hf_dir, extra_config=extra)
+    if jax.process_index() == 0:
+      for name in TOKENIZER_FILES:
+        src = os.path.join(run.model, name)
+        if os.path.isfile(src):
+          shutil.copyfile(src, os.path.join(hf_dir, name))
+    out["hf_model"] = f"{hf_dir} (step {step})"
   if unchanged:
     out["policy_weights"] = (
         f"UNCHANGED: bit-identical to {run.model} after {step} steps (every update was "

@@ -54,14 +54,27 @@ class Policy:
       reference keeps no value head or critic parameters (see :meth:`ref_params`).
     paged_decode_fns: the model's :class:`~jaxrl_llm.rollout.PagedDecodeFns`, for
       :meth:`use_engine` (None: the model generates through ``sample`` only).
+    rollout_params: ``params -> the parameters decode_fns take`` (default: all), applied
+      once per :meth:`generate` (a LoRA policy generates from merged weights).
+    trainable: what the train step trains (``make_train_step(..., trainable=)``; None:
+      all parameters).
+    ref_shares_params: the reference is a function of the *live* parameters (a LoRA
+      policy's frozen base with the adapters off): the loop passes
+      ``ref_params(state.params)`` each step instead of a frozen copy.
   """
 
   def __init__(self, apply_fn: Callable[..., Any], decode_fns: DecodeFns,
                init_params: Any, *, pad_id: int, temperature: float = _TEMPERATURE,
                ref_apply_fn: Callable[..., Any] | None = None,
                ref_part: Callable[[Any], Any] | None = None,
-               paged_decode_fns: PagedDecodeFns | None = None) -> None:
+               paged_decode_fns: PagedDecodeFns | None = None,
+               rollout_params: Callable[[Any], Any] | None = None,
+               trainable: Callable[[Any], Any] | None = None,
+               ref_shares_params: bool = False) -> None:
     self.apply = apply_fn
+    self.trainable = trainable
+    self.ref_shares_params = ref_shares_params
+    self._rollout_params = None if rollout_params is None else jax.jit(rollout_params)
     self.decode_fns = decode_fns
     self.paged_decode_fns = paged_decode_fns
     self.engine: Any = None      # a RolloutEngine, ReplicatedEngine or VllmEngine
@@ -165,6 +178,8 @@ class Policy:
     that a process generating rows ``[a, b)`` of a batch with ``first_request=a`` draws
     what one call over the whole batch draws for them (multi-host rollouts).
     """
+    if self._rollout_params is not None:
+      params = self._rollout_params(params)
     if self.engine is not None:
       return self._generate_with_engine(params, tokens, mask, rng, n=n,
                                         max_new_tokens=max_new_tokens, eos_id=eos_id,

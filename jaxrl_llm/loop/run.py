@@ -172,10 +172,13 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
   config = resolved.train
   if policy is None:
     policy = make_policy(resolved, task)
-  step_fn = make_train_step(policy.apply, resolved.optimizer.build(), config)
+  step_fn = make_train_step(policy.apply, resolved.optimizer.build(), config,
+                            trainable=policy.trainable)
   # A frozen copy of the policy's weights (no value head, no critic): the train step
-  # donates (and so invalidates) the state's buffers.
-  ref_params = jax.tree_util.tree_map(jnp.copy, policy.ref_params(policy.init_params))
+  # donates (and so invalidates) the state's buffers. A LoRA policy's reference is its
+  # frozen base inside the live parameters (no copy): ref_params(state.params).
+  ref_params = None if policy.ref_shares_params else jax.tree_util.tree_map(
+      jnp.copy, policy.ref_params(policy.init_params))
   init_params = policy.init_params
   if run.critic_init is not None:
     from jaxrl_llm.loop.setup import warm_start_value_params
@@ -251,8 +254,9 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
           rows, problems, extra = asynchronous.take(step)
           drawn = (rows, problems)
         scored: dict = {}
+        ref = policy.ref_params(state.params) if ref_params is None else ref_params
         batch, stats = build_batch(resolved, task, policy, procs.local(state.params),
-                                   ref_params, rng_np, key, drawn=drawn, share=share,
+                                   ref, rng_np, key, drawn=drawn, share=share,
                                    info=scored, packer=packer)
         if drawn is not None:
           from jaxrl_llm.loop.partial import behaviour_kl

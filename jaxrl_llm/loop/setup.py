@@ -146,6 +146,8 @@ def _policy(resolved: Resolved, task: Task) -> Policy:
   from jaxrl_llm.rollout import DecodeFns, PagedDecodeFns
   tok = task.tokenizer
   run, config, separate = resolved.run, resolved.train, resolved.separate_critic
+  if run.lora_rank is not None:
+    return _lora_policy(resolved, task)
   if not separate and not is_checkpoint(run.model):
     return Policy.reference(run.model, tok.vocab_size,
                             task.max_prompt_len + task.max_new_tokens, tok.pad_id,
@@ -172,6 +174,54 @@ def _policy(resolved: Resolved, task: Task) -> Policy:
                 ref_part=lambda p: p[POLICY], paged_decode_fns=paged_decode)
 
 
+def lora_model(run: RunConfig, graphdef: Any, params: Any) -> tuple[Any, Any]:
+  """``(graphdef, params)`` of the model ``(graphdef, params)`` with the run's LoRA
+  adapters (:func:`jaxrl_llm.models.lora.apply_lora`; seeded by ``run.seed``)."""
+  from flax import nnx
+
+  from jaxrl_llm.models import split_model
+  from jaxrl_llm.models.lora import apply_lora
+  assert run.lora_rank is not None
+  model = apply_lora(nnx.merge(graphdef, params), rank=run.lora_rank, alpha=run.lora_alpha,
+                     targets=run.lora_targets, base_dtype=run.lora_base_dtype, seed=run.seed)
+  return split_model(model)
+
+
+def _lora_policy(resolved: Resolved, task: Task) -> Policy:
+  """The run's policy with LoRA adapters: the train forward adds them, the KL
+  reference is the same parameters with the adapters off (the base is shared), and
+  generation runs on merged weights. A separate critic is trained in full."""
+  from flax import nnx
+
+  from jaxrl_llm.models import make_apply_fn, make_decode_fns, make_paged_decode_fns
+  from jaxrl_llm.models.critic import POLICY, actor_critic_apply
+  from jaxrl_llm.models.lora import (
+    base_graphdef,
+    lora_reference_apply,
+    lora_trainable,
+    merge_lora,
+  )
+  run, config = resolved.run, resolved.train
+  graphdef, params, critic_graphdef = load_models(resolved, task)
+  separate = critic_graphdef is not None
+  graphdef, policy_params = lora_model(run, graphdef,
+                                       params[POLICY] if separate else params)
+  base = base_graphdef(nnx.merge(graphdef, policy_params))
+  part = (lambda p: p[POLICY]) if separate else (lambda p: p)
+  apply = make_apply_fn(graphdef)
+  if separate:
+    params = {**params, POLICY: policy_params}
+    apply = actor_critic_apply(graphdef, critic_graphdef)
+  else:
+    params = policy_params
+  return Policy(apply, make_decode_fns(base), params, pad_id=task.tokenizer.pad_id,
+                temperature=config.temperature,
+                ref_apply_fn=lora_reference_apply(make_apply_fn(graphdef)), ref_part=part,
+                paged_decode_fns=make_paged_decode_fns(base),
+                rollout_params=lambda p: merge_lora(graphdef, part(p)),
+                trainable=lora_trainable, ref_shares_params=True)
+
+
 def restore_latest(run_dir: str) -> tuple[Resolved, Task, Policy, Any, int]:
   """``(resolved, task, policy, state, step)``: the run folder ``run_dir`` rebuilt from its
   ``config.json`` and its newest checkpoint restored into that policy's
@@ -186,7 +236,8 @@ def restore_latest(run_dir: str) -> tuple[Resolved, Task, Policy, Any, int]:
   task = make_task(run)
   resolved = resolve(run, task)
   policy = make_policy(resolved, task)
-  state, step = restore_state(run_dir, resolved, policy.init_params)
+  state, step = restore_state(run_dir, resolved, policy.init_params,
+                              trainable=policy.trainable)
   return resolved, task, policy, state, step
 
 
@@ -200,16 +251,18 @@ def read_run(run_dir: str) -> RunConfig:
   return RunConfig.from_dict(rf.read_json(os.path.join(run_dir, rf.CONFIG_FILE)))
 
 
-def restore_state(run_dir: str, resolved: Resolved, params: Any) -> tuple[Any, int]:
+def restore_state(run_dir: str, resolved: Resolved, params: Any, *,
+                  trainable: Any = None) -> tuple[Any, int]:
   """``(state, step)``: the newest checkpoint of ``run_dir`` restored into a
-  :class:`~jaxrl_llm.train.TrainState` template built on ``params``."""
+  :class:`~jaxrl_llm.train.TrainState` template built on ``params`` (``trainable``: the
+  policy's, e.g. a LoRA policy's adapters)."""
   import jax
 
   from jaxrl_llm import run_folder as rf
   from jaxrl_llm.checkpoint import Checkpointer
   from jaxrl_llm.train import init_train_state
   template = init_train_state(params, resolved.optimizer.build(), resolved.train,
-                              rng=jax.random.PRNGKey(resolved.run.seed))
+                              rng=jax.random.PRNGKey(resolved.run.seed), trainable=trainable)
   with Checkpointer(os.path.join(run_dir, rf.CHECKPOINTS_DIR)) as ckpt:
     state, extra = ckpt.restore(template)
   return state, int(extra["step"])

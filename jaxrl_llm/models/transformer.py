@@ -273,6 +273,14 @@ def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
                    eager_sharding=False)
 
 
+def _weight(param: Any, dtype: DTypeLike) -> Any:
+  """A matmul weight in ``dtype``; a weight qwix has quantised (QLoRA,
+  :mod:`jaxrl_llm.models.lora`) is passed as it is (qwix's product dequantises it)."""
+  if not isinstance(param, nnx.Variable):   # qwix's quantised weight: as stored
+    return param
+  return param[...].astype(dtype)
+
+
 def _normal(stddev):
   return nnx.initializers.normal(stddev=stddev)
 
@@ -374,9 +382,9 @@ class Attention(nnx.Module):
   def _project(self, x, positions):
     """Rotated queries ``[B, T, H, d]``, rotated keys and values ``[B, T, K, d]``."""
     dtype = x.dtype
-    q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
-    k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
-    val = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))
+    q = jnp.einsum("btd,dhk->bthk", x, _weight(self.wq, dtype))
+    k = jnp.einsum("btd,dhk->bthk", x, _weight(self.wk, dtype))
+    val = jnp.einsum("btd,dhk->bthk", x, _weight(self.wv, dtype))
     if hasattr(self, "bq"):   # config.qkv_bias
       q = q + self.bq[...].astype(dtype)
       k = k + self.bk[...].astype(dtype)
@@ -408,7 +416,7 @@ class Attention(nnx.Module):
     v_pages = v_pages.at[ids, pos % page].set(val.astype(v_pages.dtype), mode="drop")
     out = paged_attention(q, k_pages, v_pages, page_table, positions,
                           chunk_pages=chunk_pages)
-    out = jnp.einsum("bthk,hkd->btd", out.astype(dtype), self.wo[...].astype(dtype))
+    out = jnp.einsum("bthk,hkd->btd", out.astype(dtype), _weight(self.wo, dtype))
     return out, (k_pages, v_pages)
 
   def __call__(self, x: jax.Array, positions: jax.Array, kv_valid: jax.Array | None,
@@ -437,14 +445,18 @@ class Attention(nnx.Module):
                                 is_causal=True, implementation=self.implementation,
                                 block_size=self.block_size, query_offset=query_offset,
                                 segment_ids=segment_ids)
-    out = jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dtype))
+    out = jnp.einsum("bthk,hkd->btd", out, _weight(self.wo, dtype))
     return out, (k, val)
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
   r""":math:`(\mathrm{silu}(x W_{gate}) \odot x W_{up}) W_{down}` over the last axis of
   ``x`` (``[..., D]``; weights ``[D, F]``, ``[D, F]``, ``[F, D]``)."""
-  return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+  # einsum, not `@`: LoRA/QLoRA (jaxrl_llm.models.lora, through qwix) intercepts
+  # jnp.einsum and sees each weight as the module's parameter (`@` is jitted inside).
+  gate = jnp.einsum("...d,df->...f", x, w_gate)
+  up = jnp.einsum("...d,df->...f", x, w_up)
+  return jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, w_down)
 
 
 def _sequence_shards() -> int:
@@ -517,9 +529,8 @@ class MLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dtype = x.dtype
-    w = (self.w_gate[...].astype(dtype), self.w_up[...].astype(dtype),
-         self.w_down[...].astype(dtype))
-    return chunked_swiglu(x, *w, self.chunk_size, _sequence_shards())
+    return chunked_swiglu(x, _weight(self.w_gate, dtype), _weight(self.w_up, dtype),
+                          _weight(self.w_down, dtype), self.chunk_size, _sequence_shards())
 
 
 class Block(nnx.Module):

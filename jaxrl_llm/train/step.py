@@ -89,7 +89,12 @@ from jaxrl_llm.train.registry import (
   get_advantage_estimator,
   get_policy_loss,
 )
-from jaxrl_llm.train.train_state import TrainState, init_train_state
+from jaxrl_llm.train.train_state import (
+  TrainState,
+  init_train_state,
+  merge_trainable,
+  split_trainable,
+)
 
 TOKEN_KEYS = ("attention_mask", "loss_mask", "old_logp", "rewards", "old_values",
               "returns", "ref_logp", "positions", "rollout_logp", "segment_ids")
@@ -636,7 +641,8 @@ class TrainStep(Protocol):
 
 
 def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
-                    config: TrainConfig, *, axis_name: str | None = None) -> TrainStep:
+                    config: TrainConfig, *, axis_name: str | None = None,
+                    trainable: Callable[[Any], Any] | None = None) -> TrainStep:
   """Returns a pure ``train_step(state, batch) -> (state, metrics)``; jit it yourself.
 
   The step and its state come from one config: ``train_step.init(params, rng=None)``
@@ -651,6 +657,11 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
   so every device applies the same update as one device on the whole batch would
   (minibatch shuffling is per device). Not needed with ``jax.jit`` shardings, where
   the step is written for the global batch.
+
+  ``trainable``: ``params -> pytree of bools`` (a prefix of ``params``) marking what
+  is trained (e.g. :func:`jaxrl_llm.models.lora.lora_trainable`: LoRA adapters and the
+  value head); gradients, the optimizer and its state then see only those parameters,
+  and the others pass through the step untouched (bit-identical). None: all.
 
   ``jax.jit(step, donate_argnums=0)`` is the usual wrapping. Metrics (float32 scalars)
   are averaged over the applied ones of the ``num_epochs * num_minibatches`` updates
@@ -685,8 +696,12 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
     adv_raw_var = batch.pop("adv_raw_var")
     eps_low, eps_high = _clip_range(state, config)
     mask = batch["loss_mask"]
+    # Only the trainable part is differentiated and updated; the frozen rest (e.g. a
+    # LoRA base) is closed over and passed through.
+    train_mask, train_params, frozen = split_trainable(state.params, trainable)
     grad_fn = jax.grad(
-        lambda params, mb, denoms: _loss_fn(params, mb, denoms, state, config, apply_fn,
+        lambda params, mb, denoms: _loss_fn(merge_trainable(train_mask, params, frozen),
+                                            mb, denoms, state, config, apply_fn,
                                             eps_low, eps_high), has_aux=True)
 
     def update(carry, mb):
@@ -737,8 +752,9 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
         shuffled = jax.tree_util.tree_map(lambda x: x[None], batch)
       return jax.lax.scan(update, carry, shuffled)
 
-    carry = (state.params, state.opt_state)
+    carry = (train_params, state.opt_state)
     (params, opt_state), metrics = jax.lax.scan(epoch, carry, keys)
+    params = merge_trainable(train_mask, params, frozen)
     metrics, applied = _mean_over_applied(metrics)   # applied: any update of the step
     _, metrics["adv_mean"], adv_var = _global_moments(batch["advantages"], mask,
                                                       axis_name)
@@ -781,7 +797,7 @@ def make_train_step(apply_fn: Callable, optimizer: optax.GradientTransformation,
 
   def init(params: Any, rng: jax.Array | None = None) -> TrainState:
     """The :class:`TrainState` of this step (same optimizer and config)."""
-    return init_train_state(params, optimizer, config, rng=rng)
+    return init_train_state(params, optimizer, config, rng=rng, trainable=trainable)
 
   step = cast(TrainStep, train_step)
   step.init = init  # type: ignore[method-assign]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -41,9 +42,44 @@ class TrainState:
   rng: jax.Array
 
 
+def split_trainable(params: Any, trainable: Callable[[Any], Any] | None
+                    ) -> tuple[Any, Any, Any]:
+  """``(mask, train, frozen)``: ``params`` split by ``trainable(params)``, a pytree of
+  bools that is a prefix of ``params`` (e.g. :func:`jaxrl_llm.models.lora.lora_trainable`).
+
+  ``train`` keeps the marked subtrees (None elsewhere), ``frozen`` the others;
+  :func:`merge_trainable` puts them back. ``trainable=None``: everything is trained
+  (``mask`` and ``frozen`` are None, ``train`` is ``params``).
+
+  Examples:
+    >>> mask, train, frozen = split_trainable({"a": 1.0, "b": 2.0},
+    ...                                       lambda p: {"a": True, "b": False})
+    >>> train, frozen, merge_trainable(mask, train, frozen)
+    ({'a': 1.0, 'b': None}, {'a': None, 'b': 2.0}, {'a': 1.0, 'b': 2.0})
+  """
+  if trainable is None:
+    return None, params, None
+  mask = trainable(params)
+  train = jax.tree_util.tree_map(lambda m, p: p if m else None, mask, params)
+  frozen = jax.tree_util.tree_map(lambda m, p: None if m else p, mask, params)
+  return mask, train, frozen
+
+
+def merge_trainable(mask: Any, train: Any, frozen: Any) -> Any:
+  """The inverse of :func:`split_trainable`."""
+  if mask is None:
+    return train
+  return jax.tree_util.tree_map(lambda m, t, f: t if m else f, mask, train, frozen,
+                                is_leaf=lambda x: x is None)
+
+
 def init_train_state(params: Any, optimizer: optax.GradientTransformation,
-                     config: TrainConfig, rng: jax.Array | None = None) -> TrainState:
+                     config: TrainConfig, rng: jax.Array | None = None, *,
+                     trainable: Callable[[Any], Any] | None = None) -> TrainState:
   """Builds the initial :class:`TrainState` for ``params``.
+
+  ``trainable``: as in :func:`jaxrl_llm.train.make_train_step` (the optimizer state
+  then covers the trainable parameters alone, e.g. LoRA adapters).
 
   Use the same ``config`` (and optimizer) as the train step; ``step.init(params)`` of a
   step from :func:`jaxrl_llm.train.make_train_step` does exactly that.
@@ -60,7 +96,7 @@ def init_train_state(params: Any, optimizer: optax.GradientTransformation,
       "target": config.adaptive_clip_target}
   return TrainState(
       params=params,
-      opt_state=optimizer.init(params),
+      opt_state=optimizer.init(split_trainable(params, trainable)[1]),
       step=jnp.zeros((), jnp.int32),
       hparams=config.hparams(),
       kl_ctrl=adaptive_kl_init(max(config.kl_coef, 1e-8), target=config.kl_target,

@@ -1,0 +1,470 @@
+r"""LoRA and QLoRA on the reference :class:`~jaxrl_llm.models.Transformer` through ``qwix``.
+
+:func:`apply_lora` wraps a loaded model (a preset, or any Hugging Face family that
+:func:`~jaxrl_llm.models.from_pretrained` loads: they are all this ``Transformer``) with
+qwix's own LoRA (``qwix.LoraProvider`` / ``qwix.apply_lora_to_model``; no LoRA layer is
+written here). Each targeted weight :math:`W` gets two ``nnx.LoRAParam`` adapters
+:math:`A` (``[fan_in..., r]``, He-uniform) and :math:`B` (``[r, fan_out...]``, zeros), and
+its product becomes
+
+.. math::  y = x W + \frac{\alpha}{r}\, (x A) B,
+
+so the wrapped model starts exactly at the base (:math:`B = 0`). With
+``base_dtype="nf4"`` / ``"int8"`` (QLoRA) qwix stores the frozen base of the attention
+and MLP weights quantised (NormalFloat4 in blocks of 64 inputs where the sizes allow,
+else per output channel; int8 per output channel) and dequantises it inside the
+product; the adapters stay in the compute dtype. ``"bf16"`` keeps the base
+unquantised in the model's own dtype (bf16 for a bf16 checkpoint).
+
+Targets (``q,k,v,o,gate,up,down``, PEFT's ``*_proj`` names) map to ``attn.wq``,
+``attn.wk``, ``attn.wv``, ``attn.wo``, ``mlp.w_gate``, ``mlp.w_up``, ``mlp.w_down``.
+qwix matches rules by module (``attn``, ``mlp``); weights of a matched module that are
+not targets are passed through qwix's base (PTQ) product, so they are quantised with
+the rest under QLoRA but get no adapter.
+
+Training only the adapters: :func:`lora_trainable` marks the ``nnx.LoRAParam`` leaves
+(and the value head, when the model has one) for ``make_train_step(...,
+trainable=lora_trainable)``; gradients and the optimizer state then exist for those
+alone and the base is passed through the step untouched (bit-identical). The KL
+reference is the same parameters with every :math:`B` set to zero
+(:func:`lora_reference_apply`): the base is shared by the policy and the reference,
+never copied. Critic setups: a value head on the LoRA policy (trained in full, it is
+small); a separate critic trained in full (``{"policy": LoRA, "critic": full}``) or
+LoRA'd as well (both parts wrapped): :func:`lora_trainable` trains a part's adapters
+when it has any, else the whole part.
+
+Rollouts (the sampler and the paged engine) run on merged weights:
+:func:`merge_lora` gives the base model's parameters with :math:`W + \frac{\alpha}{r}AB`
+(dequantised under QLoRA), once per generation; :func:`save_lora_adapters` writes the
+adapters in PEFT's format (``adapter_model.safetensors`` + ``adapter_config.json``).
+
+Adapters carry the logical axis names of the weight they adapt (qwix transposes the
+weight's ``out_sharding`` metadata, ``None`` on the rank axis), so the mesh rules of
+:mod:`jaxrl_llm.parallel` shard :math:`A` like :math:`W`'s input axes and :math:`B` like
+its output axes.
+
+Examples:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxrl_llm.models import Transformer, TransformerConfig
+  >>> base = Transformer(TransformerConfig.tiny(32, n_layers=1), rngs=nnx.Rngs(0))
+  >>> model = apply_lora(base, rank=2, targets=("q", "v"))
+  >>> sorted(k for k in vars(model.blocks[0].attn) if k.endswith(("_lora_a", "_lora_b")))
+  ['wq_lora_a', 'wq_lora_b', 'wv_lora_a', 'wv_lora_b']
+  >>> tokens = jnp.array([[1, 2, 3]])
+  >>> bool(jnp.all(model(tokens)[0] == base(tokens)[0]))     # B = 0: the base exactly
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_llm._names import LORA_BASE_DTYPES
+from jaxrl_llm.models.transformer import MLP, Transformer, TransformerConfig
+
+#: LoRA target names (PEFT's ``<name>_proj``) -> (module, weight) of the Transformer.
+LORA_TARGETS: dict[str, tuple[str, str]] = {
+    "q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
+    "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down"),
+}
+_QTYPES = {"bf16": None, "int8": "int8", "nf4": "nf4"}
+_NF4_BLOCK = 64
+_MODULES = r".*(attn|mlp)"     # the qwix rule's module paths (Block.attn, Block.mlp)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+  """What :func:`apply_lora` did (kept on the model as ``model.lora_spec``).
+
+  Attributes:
+    rank: r.
+    alpha: :math:`\\alpha`; the update is scaled by ``alpha / rank``.
+    targets: the target names (keys of :data:`LORA_TARGETS`), in that table's order.
+    base_dtype: one of :data:`LORA_BASE_DTYPES`.
+  """
+
+  rank: int
+  alpha: float
+  targets: tuple[str, ...]
+  base_dtype: str
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+  @property
+  def weights(self) -> frozenset[str]:
+    return frozenset(LORA_TARGETS[t][1] for t in self.targets)
+
+
+def parse_targets(targets: str | Sequence[str], *, flag: str = "targets") -> tuple[str, ...]:
+  """Target names from ``"q,k,v"`` or a sequence; ``"all"`` = every target.
+
+  Examples:
+    >>> parse_targets("v, q"), parse_targets("all")[-1]
+    (('q', 'v'), 'down')
+  """
+  if isinstance(targets, str):
+    targets = [t.strip() for t in targets.split(",") if t.strip()]
+  names = list(targets)
+  if names == ["all"]:
+    names = list(LORA_TARGETS)
+  names = [n[:-len("_proj")] if n.endswith("_proj") else n for n in names]
+  bad = [n for n in names if n not in LORA_TARGETS]
+  if bad or not names:
+    raise ValueError(f"`{flag}` must name LoRA targets among {sorted(LORA_TARGETS)} "
+                     f"(or 'all'), got {list(targets)!r}: {bad or 'none'} match no module.")
+  return tuple(n for n in LORA_TARGETS if n in names)
+
+
+def lora_spec(rank: int, alpha: float | None = None,
+              targets: str | Sequence[str] = tuple(LORA_TARGETS),
+              base_dtype: str = "bf16") -> LoraSpec:
+  """A validated :class:`LoraSpec` (``alpha`` defaults to ``rank``: scale 1, PEFT's
+  default ratio). Bad values raise ``ValueError`` naming the argument.
+
+  Examples:
+    >>> lora_spec(8, targets="q,v")
+    LoraSpec(rank=8, alpha=8.0, targets=('q', 'v'), base_dtype='bf16')
+  """
+  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    raise ValueError(f"`rank` must be an int >= 1, got {rank!r}.")
+  alpha = float(rank) if alpha is None else alpha
+  if not isinstance(alpha, int | float) or not alpha > 0:
+    raise ValueError(f"`alpha` must be > 0, got {alpha!r}.")
+  if base_dtype not in LORA_BASE_DTYPES:
+    raise ValueError(f"`base_dtype` must be one of {LORA_BASE_DTYPES}, got {base_dtype!r}.")
+  return LoraSpec(rank, float(alpha), parse_targets(targets), base_dtype)
+
+
+def _import_qwix():
+  try:
+    import qwix
+  except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("LoRA needs qwix: pip install 'jaxrl_llm[lora]'") from e
+  return qwix
+
+
+def _provider(spec: LoraSpec, config: TransformerConfig) -> Any:
+  """qwix's LoRA provider for ``spec``: one rule over the attention and MLP modules,
+  adapters only on the targeted weights."""
+  qwix = _import_qwix()
+  from qwix._src.providers import ptq
+  from qwix._src.utils import flax_util
+
+  qtype = _QTYPES[spec.base_dtype]
+  tile = None
+  if qtype == "nf4" and all(n % _NF4_BLOCK == 0 for n in
+                            (config.d_model, config.dim_per_head, config.d_ff)):
+    tile = _NF4_BLOCK
+  weights = spec.weights
+
+  class TargetedLoraProvider(qwix.LoraProvider):  # type: ignore[name-defined]
+    """qwix's LoRA, skipping the adapter on the weights of a matched module that are
+    not targets (qwix rules match modules, not single weights)."""
+
+    def _skip(self, rhs) -> bool:
+      name = flax_util.find_param(rhs, ptq.WithAux)
+      return name is not None and name not in weights
+
+    def einsum(self, einsum_str, *operands, **kwargs):
+      if len(operands) == 2 and self._skip(operands[1]):
+        return ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
+      return super().einsum(einsum_str, *operands, **kwargs)
+
+    def dot_general(self, lhs, rhs, *args, **kwargs):
+      if self._skip(rhs):
+        return ptq.PtqProvider.dot_general(self, lhs, rhs, *args, **kwargs)
+      return super().dot_general(lhs, rhs, *args, **kwargs)
+
+  lora = TargetedLoraProvider(module_path=_MODULES, op_names=("einsum",), rank=spec.rank,
+                              alpha=spec.alpha, weight_qtype=qtype, tile_size=tile)
+  if qtype is None:
+    return None, lora
+  # QLoRA: quantise the base first (qwix's PTQ), then add the adapters. In one pass
+  # qwix finds the weight behind an einsum operand by its shape once the module's
+  # attribute has been replaced by the quantised one, which is ambiguous for
+  # same-shaped weights (k and v): the adapter of one of them would be dropped.
+  ptq_provider = qwix.PtqProvider([qwix.QuantizationRule(
+      module_path=_MODULES, op_names=("einsum",), weight_qtype=qtype, tile_size=tile)])
+  return ptq_provider, lora
+
+
+def apply_lora(model: Transformer, *, rank: int, alpha: float | None = None,
+               targets: str | Sequence[str] = tuple(LORA_TARGETS),
+               base_dtype: str = "bf16", seed: int = 0) -> Transformer:
+  """``model`` with qwix LoRA adapters on ``targets`` (a new model; ``model`` is kept).
+
+  Args:
+    model: a :class:`~jaxrl_llm.models.Transformer` (a preset or
+      :func:`~jaxrl_llm.models.from_pretrained`).
+    rank: r >= 1.
+    alpha: scale numerator (update ``alpha / rank * x A B``); default ``rank``.
+    targets: names among ``q,k,v,o,gate,up,down`` (a comma list or a sequence).
+    base_dtype: ``"bf16"`` (base unquantised), ``"int8"`` or ``"nf4"`` (QLoRA).
+    seed: seeds the He-uniform init of the :math:`A` adapters.
+
+  Returns:
+    The wrapped model: its forward (``__call__``, so :func:`make_apply_fn`) adds the
+    adapters; ``model.lora_spec`` is the :class:`LoraSpec`. Its cached-decoding methods
+    are the base's: generate from :func:`merge_lora`'s parameters. Its MLP runs
+    unchunked (``mlp_chunk_size`` is ignored: qwix cannot adapt a weight inside the
+    chunks' scan), so at long ``T`` its ``[B, T, d_ff]`` intermediates are whole.
+  """
+  if not isinstance(model, Transformer):
+    raise ValueError(f"`model` must be a jaxrl_llm.models.Transformer, got "
+                     f"{type(model).__name__}.")
+  if hasattr(model, "lora_spec"):
+    raise ValueError("`model` already has LoRA adapters.")
+  spec = lora_spec(rank, alpha, targets, base_dtype)
+  qwix = _import_qwix()
+  config = model.config
+  quantizer, provider = _provider(spec, config)
+  # qwix creates the adapters on a first (eager) call: run it with the blocks unrolled
+  # (the scanned forward rebuilds blocks from stacked, traced parameters).
+  model.config = dataclasses.replace(config, scan_layers=False, remat=False)
+  try:
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    base = model
+    if quantizer is not None:
+      base = qwix.quantize_model(model, quantizer, tokens)
+      for _, module in nnx.iter_modules(base):   # the first pass left it a static None
+        setattr(module, "qwix_rngs", nnx.data(None))  # noqa: B010 - a qwix attribute
+    wrapped = qwix.apply_lora_to_model(base, provider, tokens, rngs=nnx.Rngs(seed))
+  finally:
+    model.config = config
+  wrapped.config = config
+  wrapped.lora_spec = spec
+  for _, module in nnx.iter_modules(wrapped):
+    if isinstance(module, MLP):
+      # qwix adapts a weight in an einsum of the module's own call; the chunked MLP
+      # (mlp_chunk_size) multiplies inside a scan, out of its reach: run it whole.
+      module.chunk_size = None
+  return wrapped
+
+
+# ----------------------------------------------------------------------------------
+# Trainable parts, reference, merged weights
+# ----------------------------------------------------------------------------------
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _has_lora(tree) -> bool:
+  return any(isinstance(x, nnx.LoRAParam)
+             for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_var))
+
+
+def lora_trainable(params: Any) -> Any:
+  """Which parameters a LoRA run trains: a pytree of bools, a prefix of ``params``.
+
+  A model's ``nnx.LoRAParam`` adapters and its value head (``value_w`` / ``value_b``);
+  for actor-critic parameters ``{"policy": ..., "critic": ...}`` each part by the
+  same rule, a part without adapters (a fully trained critic) entirely.
+
+  Examples:
+    >>> from jaxrl_llm.models import Transformer, TransformerConfig, split_model
+    >>> m = apply_lora(Transformer(TransformerConfig.tiny(32, n_layers=1)), rank=2,
+    ...                targets="q")
+    >>> _, params = split_model(m)
+    >>> mask = lora_trainable(params)
+    >>> mask["blocks"][0]["attn"]["wq_lora_b"], mask["blocks"][0]["attn"]["wq"]
+    (True, False)
+    >>> bool(mask["value_w"])
+    True
+  """
+  from jaxrl_llm.models.critic import CRITIC, POLICY, VALUE_HEAD_PARAMS
+  if isinstance(params, dict) and set(params) == {POLICY, CRITIC}:
+    return {k: lora_trainable(part) if _has_lora(part) else
+            jax.tree_util.tree_map(lambda _: True, part, is_leaf=_is_var)
+            for k, part in params.items()}
+
+  def mark(path, leaf):
+    first = path[0] if path else None
+    name = getattr(first, "key", getattr(first, "name", None))
+    return isinstance(leaf, nnx.LoRAParam) or name in VALUE_HEAD_PARAMS
+
+  return jax.tree_util.tree_map_with_path(mark, params, is_leaf=_is_var)
+
+
+def _zero_b(params: Any) -> Any:
+  def zero(path, leaf):
+    last = path[-1] if path else None
+    name = str(getattr(last, "key", getattr(last, "name", "")))
+    if isinstance(leaf, nnx.LoRAParam) and name.endswith("_lora_b"):
+      return leaf.replace(value=jnp.zeros_like(leaf.get_value()))
+    return leaf
+  return jax.tree_util.tree_map_with_path(zero, params, is_leaf=_is_var)
+
+
+def lora_reference_apply(apply_fn: Callable[..., Any]) -> Callable[..., Any]:
+  """The KL reference of a LoRA model: ``apply_fn`` with every :math:`B` zeroed.
+
+  The result is the base model's forward computed on the *same* parameters (the base
+  is shared, nothing is copied; the zeros are adapter-sized and made inside the jit).
+  """
+  def apply(params: Any, *args: Any, **kwargs: Any) -> Any:
+    return apply_fn(_zero_b(params), *args, **kwargs)
+  return apply
+
+
+def _dequantize(x: Any, dtype: Any) -> jax.Array:
+  """A weight's value as an array of ``dtype`` (qwix's QLoRA base dequantised)."""
+  if isinstance(x, jax.Array):
+    return x.astype(dtype)
+  qwix = _import_qwix()
+  return qwix.dequantize(getattr(x, "array", x)).astype(dtype)
+
+
+def lora_delta(a: jax.Array, b: jax.Array, shape: Sequence[int], scale: float) -> jax.Array:
+  r"""The weight update :math:`\frac{\alpha}{r} A B` of adapters ``a`` ``[in..., r]``
+  and ``b`` ``[r, out...]``, in the weight's ``shape`` (float32).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> lora_delta(jnp.ones((2, 1)), jnp.ones((1, 3)), (2, 3), 0.5).tolist()
+    [[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]
+  """
+  d = jnp.tensordot(a.astype(jnp.float32), b.astype(jnp.float32), axes=1)
+  return (scale * d).reshape(tuple(shape))
+
+
+def merge_lora(graphdef: nnx.GraphDef, params: Any) -> Any:
+  r"""The base model's parameters with the adapters merged in:
+  :math:`W \leftarrow W + \frac{\alpha}{r} A B` (the base dequantised under QLoRA),
+  in the model's ``config.dtype``, without the adapter entries. Pure (jit it); the tree
+  is that of the model before :func:`apply_lora`, so ``nnx.merge(base_graphdef(model),
+  merged)`` is a plain Transformer (what the rollout engines and ``save_pretrained``
+  take).
+
+  Args:
+    graphdef: the LoRA model's graphdef (``split_model`` of :func:`apply_lora`'s model).
+    params: its parameters.
+  """
+  model = nnx.merge(graphdef, params)
+  spec, config = model.lora_spec, model.config
+  pure = nnx.to_pure_dict(params)
+  for i, block in enumerate(model.blocks):
+    for module_name in ("attn", "mlp"):
+      module = getattr(block, module_name)
+      entry = pure["blocks"][i][module_name]
+      for key in [k for k in entry if "_lora_" in k]:
+        del entry[key]
+      for weight in {w for m, w in LORA_TARGETS.values() if m == module_name}:
+        w = getattr(module, weight)
+        w = _dequantize(w.get_value() if _is_var(w) else w, config.dtype)
+        a = getattr(module, f"{weight}_lora_a", None)
+        if a is not None:
+          b = getattr(module, f"{weight}_lora_b")
+          w = (w.astype(jnp.float32) + lora_delta(a.get_value(), b.get_value(), w.shape,
+                                                  spec.scale)).astype(config.dtype)
+        entry[weight] = w
+  state = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
+  nnx.replace_by_pure_dict(state, pure)
+  return state
+
+
+def base_graphdef(model: Transformer) -> nnx.GraphDef:
+  """The graphdef of ``model``'s base (no adapters): what :func:`merge_lora`'s output
+  merges into."""
+  from jaxrl_llm.models.transformer import split_model
+  config = model.config
+  return split_model(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[0]
+
+
+# ----------------------------------------------------------------------------------
+# PEFT format
+# ----------------------------------------------------------------------------------
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def _np(x):
+  import numpy as np
+  return np.asarray(jax.device_get(x), np.float32)
+
+
+def lora_state_dict(params: Any, spec: LoraSpec, config: TransformerConfig) -> dict[str, Any]:
+  """The adapters as PEFT tensors ``{name: float32 ndarray}``: for a weight whose
+  Hugging Face tensor is ``X.weight`` ``[out, in]``, ``X.lora_A.weight`` ``[r, in]``
+  (our :math:`A^T`) and ``X.lora_B.weight`` ``[out, r]`` (our :math:`B^T`), heads
+  flattened in Hugging Face's order; names prefixed ``base_model.model.``."""
+  from jaxrl_llm.models.hf import hf_layout
+  layout = hf_layout(config)
+  out = {}
+  r = spec.rank
+  for i in range(config.n_layers):
+    block = params["blocks"][i]
+    for target in spec.targets:
+      module, weight = LORA_TARGETS[target]
+      a = _np(block[module][f"{weight}_lora_a"].get_value())
+      b = _np(block[module][f"{weight}_lora_b"].get_value())
+      hf_name = layout[f"blocks.{i}.{module}.{weight}"].name
+      stem = _PEFT_PREFIX + hf_name[:-len(".weight")]
+      out[f"{stem}.lora_A.weight"] = a.reshape(-1, r).T.copy()
+      out[f"{stem}.lora_B.weight"] = b.reshape(r, -1).T.copy()
+  return out
+
+
+def save_lora_adapters(params: Any, spec: LoraSpec, config: TransformerConfig,
+                       path: str | os.PathLike, *,
+                       base_model: str | None = None) -> None:
+  """Writes the adapters as a PEFT folder: ``adapter_model.safetensors`` +
+  ``adapter_config.json`` (``peft.PeftModel.from_pretrained(base, path)`` loads it
+  onto the ``transformers`` base checkpoint).
+
+  Args:
+    params: the LoRA model's parameters.
+    spec: its :class:`LoraSpec`.
+    config: its :class:`~jaxrl_llm.models.TransformerConfig`.
+    path: the folder (created).
+    base_model: ``base_model_name_or_path`` recorded in the config.
+  """
+  from safetensors.numpy import save_file
+  os.makedirs(path, exist_ok=True)
+  tensors = lora_state_dict(params, spec, config)
+  save_file(tensors, os.path.join(path, "adapter_model.safetensors"),
+            metadata={"format": "pt"})
+  cfg = {
+      "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank,
+      "lora_alpha": spec.alpha, "lora_dropout": 0.0, "bias": "none",
+      "target_modules": sorted(f"{t}_proj" for t in spec.targets),
+      "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+      "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+      "base_model_name_or_path": base_model, "revision": None,
+  }
+  with open(os.path.join(path, "adapter_config.json"), "w") as f:
+    json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def num_lora_params(config: TransformerConfig, spec: LoraSpec) -> int:
+  """Closed form of the adapter count: per layer, per target, :math:`r\\,(in + out)`.
+
+  Examples:
+    >>> from jaxrl_llm.models import TransformerConfig
+    >>> c = TransformerConfig.tiny(32)
+    >>> num_lora_params(c, lora_spec(2, targets="q")) == c.n_layers * 2 * (
+    ...     c.d_model + c.n_heads * c.dim_per_head)
+    True
+  """
+  c = config
+  d, hq, hk, f = c.d_model, c.n_heads * c.dim_per_head, c.n_kv_heads * c.dim_per_head, c.d_ff
+  sizes = {"q": d + hq, "k": d + hk, "v": d + hk, "o": hq + d, "gate": d + f, "up": d + f,
+           "down": f + d}
+  return c.n_layers * spec.rank * sum(sizes[t] for t in spec.targets)
+
+
+__all__ = ["LORA_TARGETS", "LORA_BASE_DTYPES", "LoraSpec", "lora_spec", "parse_targets",
+           "apply_lora", "lora_trainable", "lora_reference_apply", "lora_delta",
+           "merge_lora", "base_graphdef", "lora_state_dict", "save_lora_adapters",
+           "num_lora_params"]
