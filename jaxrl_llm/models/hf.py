@@ -688,6 +688,13 @@ def hf_tensors(config: TransformerConfig, params: Any, *,
     True
   """
   out_dtype = jnp.dtype(config.dtype if dtype is None else dtype)
+  for entry, leaf in _hf_entries(config, params):
+    yield entry.name, np.ascontiguousarray(_to_hf(entry, _host(leaf).astype(out_dtype)))
+
+
+def _hf_entries(config: TransformerConfig, params: Any) -> Iterator[tuple[Any, Any]]:
+  """``(layout entry, leaf)`` of each policy parameter of ``params`` (the value head
+  skipped); ``ValueError`` for a parameter the layout of ``config`` does not name."""
   layout = hf_layout(config)
   for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     name = _path_str(key_path)
@@ -696,8 +703,7 @@ def hf_tensors(config: TransformerConfig, params: Any, *,
     if name not in layout:
       raise ValueError(f"parameter {name!r} has no Hugging Face name in the "
                        f"{config_model_type(config)!r} layout.")
-    entry = layout[name]
-    yield entry.name, np.ascontiguousarray(_to_hf(entry, _host(leaf).astype(out_dtype)))
+    yield layout[name], leaf
 
 
 def hf_shapes(config: TransformerConfig, params: Any) -> dict[str, tuple[int, ...]]:
@@ -714,17 +720,8 @@ def hf_shapes(config: TransformerConfig, params: Any) -> dict[str, tuple[int, ..
     >>> hf_shapes(cfg, params)["model.layers.0.mlp.down_proj.weight"]   # [D, F] <- [F, D]
     (64, 128)
   """
-  layout = hf_layout(config)
-  out = {}
-  for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    name = _path_str(key_path)
-    if name in _VALUE_NAMES:
-      continue
-    if name not in layout:
-      raise ValueError(f"parameter {name!r} has no Hugging Face name in the "
-                       f"{config_model_type(config)!r} layout.")
-    out[layout[name].name] = tuple(_hf_shape(layout[name], tuple(np.shape(leaf))))
-  return out
+  return {entry.name: tuple(_hf_shape(entry, tuple(np.shape(leaf))))
+          for entry, leaf in _hf_entries(config, params)}
 
 
 def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
