@@ -197,7 +197,9 @@ class _Recorder:
 
   def __call__(self, resolved, task, policy, params, ref_params, rng_np, key, **kwargs):
     t0 = time.perf_counter()
-    info: dict = {}
+    info: dict | None = kwargs.pop("info", None)    # the loop's own, when it passes one
+    if info is None:
+      info = {}
     batch, stats = self._orig(resolved, task, policy, params, ref_params, rng_np, key,
                               info=info, **kwargs)
     t1 = time.perf_counter()

@@ -215,12 +215,18 @@ def test_a_step_counts_as_skipped_only_when_all_its_updates_were(
     return _FakeState({"w": state.params["w"] + 1.0}), metrics
 
   fake_step.init = lambda params, rng=None: _FakeState(params)  # type: ignore[attr-defined]
-  monkeypatch.setattr(T, "make_train_step", lambda apply, opt, config: fake_step)
-  monkeypatch.setattr(T, "build_batch", lambda *a, **k: ({"x": np.zeros(1)}, {"reward": 0.0}))
+  monkeypatch.setattr(T, "make_train_step", lambda apply, opt, config, **kw: fake_step)
+  def fake_batch(*a, info=None, **k):
+    if info is not None:         # the scores the loop's learning-signal watch reads
+      info.update(scores=np.array([0.0, 1.0], np.float32), exact=np.zeros(2, np.float32))
+    return {"x": np.zeros(1)}, {"reward": 0.0}
+
+  monkeypatch.setattr(T, "build_batch", fake_batch)
   monkeypatch.setattr(T, "evaluate", lambda *a: {"eval_accuracy": 0.0, "eval_reward": 0.0})
   monkeypatch.setattr(T, "Checkpointer", _FakeCheckpointer)
   policy = argparse.Namespace(init_params={"w": jnp.zeros(2)}, apply=None,
-                              ref_params=lambda params: params)
+                              ref_params=lambda params: params, trainable=None,
+                              ref_shares_params=False, rollout_stats=dict)
   run = RunConfig(out=str(tmp_path / "run"), max_consecutive_skips=max_skips,
                   train={"num_minibatches": 2}, **SMALL)
   if error is None:
