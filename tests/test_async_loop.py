@@ -78,8 +78,9 @@ def _train(out, *flags):
     (["--max-staleness", "2"], "error: --max-staleness 2 is a setting of --async"),
     (["--async", "--partial-rollouts"], "error: --async and --partial-rollouts are exclusive"),
     (["--async", "--algo", "dapo"], "error: --async generates the batches outside the step"),
-    (["--async", "--rollout-devices", "1"], "error: --rollout-devices 1 leaves no device to "
-     "train on: this host has 1 devices"),
+    # more rollout devices than any test host has (1, or 8 forced CPU devices)
+    (["--async", "--rollout-devices", "4096"], "error: --rollout-devices 4096 leaves no "
+     "device to train on: this host has "),
     (["--rollout-devices", "1"], "error: --rollout-devices 1 is a setting of --async"),
     (["--async", "--rollout-devices", "1", "--rollout", "simple"],
      "error: --rollout-devices needs --rollout engine"),
