@@ -48,25 +48,37 @@ def _rollout(sampling: SamplingSettings, task: Task, policy: Policy, params: Any
     out = policy.generate(params, prompts, prompt_mask, key, n=sampling.group_size,
                           max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
                           temperature=config.temperature, first_request=first)
-  texts = decode(tok, out.completion, out.completion_mask)
   group_problems = [p for p in mine for _ in range(sampling.group_size)]
-  prompt_len = prompts.shape[1]
+  rows = completion_rows(task, out, group_problems, rep(np.arange(first, last)),
+                         rollout_logp=config.rollout_correction is not None)
+  if share is not None:
+    rows = share.procs.gather(rows)
+  return rows, problems
+
+
+def completion_rows(task: Task, out: Any, group_problems: list, problem: np.ndarray, *,
+                    rollout_logp: bool) -> dict:
+  """The per-row arrays of the completions ``out`` (a
+  :class:`~jaxrl_llm.rollout.SampleOutput`: one row per completion, its prompt first)
+  of ``group_problems`` (one per row): ``tokens``, ``attention_mask``, ``loss_mask`` (0
+  on prompt positions), the task's ``scores`` and ``exact``, ``lengths``, ``problem``
+  and, with ``rollout_logp``, ``rollout_logp`` (the sampler's log-probs of the
+  distribution it drew from, aligned with ``tokens``)."""
+  texts = decode(task.tokenizer, out.completion, out.completion_mask)
   completion_mask = np.asarray(out.completion_mask, np.float32)
-  pad = np.zeros((len(texts), prompt_len), np.float32)
+  pad = np.zeros((len(texts), np.shape(out.tokens)[1] - completion_mask.shape[1]),
+                 np.float32)
   rows = {"tokens": np.asarray(out.tokens, np.int32),
           "attention_mask": np.asarray(out.mask, np.float32),
           "loss_mask": np.concatenate([pad, completion_mask], axis=1),
           "scores": np.asarray(task.score(group_problems, texts), np.float32),
           "exact": np.asarray(task.exact(group_problems, texts), np.float32),
           "lengths": np.asarray(out.lengths, np.int32),
-          "problem": rep(np.arange(first, last))}
-  if config.rollout_correction is not None:
-    # The sampler's log-probs of the distribution it drew from, aligned with tokens.
+          "problem": problem}
+  if rollout_logp:
     rows["rollout_logp"] = np.concatenate(
         [pad, np.asarray(out.sampling_logprobs, np.float32) * completion_mask], axis=1)
-  if share is not None:
-    rows = share.procs.gather(rows)
-  return rows, problems
+  return rows
 
 
 @dataclasses.dataclass(frozen=True)

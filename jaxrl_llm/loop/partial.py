@@ -56,7 +56,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm.loop.evaluation import decode, stop_ids
+from jaxrl_llm.loop.batch import completion_rows
+from jaxrl_llm.loop.evaluation import stop_ids
 from jaxrl_llm.loop.policy import Policy, completions_to_sample_output
 from jaxrl_llm.loop.resolve import SamplingSettings
 from jaxrl_llm.rollout import Completion, Request
@@ -145,25 +146,16 @@ class PartialRollouts:
     out = completions_to_sample_output(
         completions, np.repeat(prompts, g, axis=0), np.repeat(prompt_mask, g, axis=0),
         max_new_tokens=task.max_new_tokens, pad_id=self.policy.pad_id)
-    texts = decode(tok, out.completion, out.completion_mask)
     group_problems = [q for q in problems for _ in range(g)]
+    rows = completion_rows(task, out, group_problems, np.repeat(np.arange(p), g),
+                           rollout_logp=self.config.rollout_correction is not None)
     completion_mask = np.asarray(out.completion_mask, np.float32)
-    pad = np.zeros((len(texts), prompts.shape[1]), np.float32)
     versions = np.full(completion_mask.shape, -1, np.int32)
     for r, c in enumerate(completions):
       if c.versions is not None:
         versions[r, :len(c.tokens)] = c.versions
-    rows = {"tokens": np.asarray(out.tokens, np.int32),
-            "attention_mask": np.asarray(out.mask, np.float32),
-            "loss_mask": np.concatenate([pad, completion_mask], axis=1),
-            "scores": np.asarray(task.score(group_problems, texts), np.float32),
-            "exact": np.asarray(task.exact(group_problems, texts), np.float32),
-            "lengths": np.asarray(out.lengths, np.int32),
-            "problem": np.repeat(np.arange(p), g),
-            "versions": np.concatenate([pad.astype(np.int32) - 1, versions], axis=1)}
-    if self.config.rollout_correction is not None:
-      rows["rollout_logp"] = np.concatenate(
-          [pad, np.asarray(out.sampling_logprobs, np.float32) * completion_mask], axis=1)
+    rows["versions"] = np.concatenate(          # -1 on prompt positions
+        [np.full((len(completions), prompts.shape[1]), -1, np.int32), versions], axis=1)
     lag = (version - versions)[completion_mask > 0]
     stats = {"staleness_mean": float(lag.mean()) if lag.size else 0.0,
              "staleness_max": float(lag.max()) if lag.size else 0.0,
