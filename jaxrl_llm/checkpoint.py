@@ -575,7 +575,16 @@ class _DropAbandonedOrbaxTasks(logging.Filter):
   def filter(self, record: logging.LogRecord) -> bool:
     exc = record.exc_info
     return not ("exception was never retrieved" in str(record.msg) and exc is not None
-                and exc[2] is not None and _through_orbax(exc[2]))
+                and _abandoned_write(exc[1], exc[2]))
+
+
+def _abandoned_write(exc: BaseException | None, tb: Any) -> bool:
+  """A failure of one of orbax's writes: raised through orbax's code (a ``Task``), or
+  set on a bare ``Future`` by tensorstore (no traceback) with the path of orbax's
+  temporary step folder in its message."""
+  if tb is not None and _through_orbax(tb):
+    return True
+  return exc is not None and _TMP_SUFFIX in str(exc)
 
 
 def _quiet_unraisable(previous: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -596,7 +605,8 @@ def _silence_abandoned_writes() -> None:
   later, from a tensorstore thread: its completion callback finds the loop closed
   (an unraisable ``RuntimeError: Event loop is closed``, printed as a bare
   traceback), and its task, garbage-collected, logs "Task exception was never
-  retrieved". The failure itself is reported once by :meth:`Checkpointer.save`; these
+  retrieved" (a bare ``Future`` that tensorstore failed says "Future exception ...", with
+  no traceback). The failure itself is reported once by :meth:`Checkpointer.save`; these
   echoes are dropped (only these: the unraisable hook and the ``asyncio`` logger pass
   everything else on). Installed by the first save (the echoes can come before orbax
   reports the failure, and after); the hook only over Python's default one.

@@ -297,6 +297,27 @@ def test_a_write_refused_by_the_os_mid_save_is_one_line_with_its_cause(tmp_path)
                    "large (EFBIG)"], lines
 
 
+def test_the_echoes_of_abandoned_orbax_writes_are_dropped_and_nothing_else():
+  """CI saw a failed write's sibling logged as "Future exception was never retrieved": a
+  bare asyncio Future that tensorstore failed, so no traceback through orbax."""
+  import logging
+
+  from jaxrl_llm.checkpoint import _DropAbandonedOrbaxTasks
+
+  def record(msg, exc):
+    return logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1, msg, None,
+                             (type(exc), exc, None))
+
+  sibling = ValueError('OUT_OF_RANGE: Error writing "w26/0.0" in OCDBT database at local '
+                       'file "/x/ckpt/1.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/"'
+                       ": Failed to write 889289 bytes: File too large [os_error_code='27']")
+  keep = _DropAbandonedOrbaxTasks().filter
+  assert not keep(record("Future exception was never retrieved\nfuture: <Future>", sibling))
+  assert not keep(record("Task exception was never retrieved", sibling))
+  assert keep(record("Future exception was never retrieved", ValueError("someone else's")))
+  assert keep(record("Unclosed client session", sibling))
+
+
 _CTRL_C_MID_SAVE = r"""
 import os, signal, sys
 import jax.numpy as jnp, numpy as np
