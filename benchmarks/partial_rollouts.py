@@ -140,6 +140,9 @@ def rollout_phase(args) -> list[dict]:
       r["decode_steps"].append(steps)
       r["util"].append(tokens / (engine.max_slots * max(steps, 1)))
       r["recompute_s"].append(recompute)
+      for name in ("decode_s", "prefill_s", "total_s", "decode_calls", "prefill_calls",
+                   "admit_calls"):
+        r.setdefault(name, []).append(sum(c.get(name, 0) for c in stats_calls))
       r["lengths"].extend(np.asarray(rows["lengths"]).tolist())
   out = []
   for mode in modes:
@@ -149,6 +152,9 @@ def rollout_phase(args) -> list[dict]:
                 "decode_steps": float(np.mean(r["decode_steps"])),
                 "slot_utilisation": float(np.mean(r["util"])),
                 "recompute_s": float(np.mean(r["recompute_s"])),
+                **{name: float(np.mean(r[name])) for name in (
+                    "total_s", "decode_s", "prefill_s", "decode_calls", "prefill_calls",
+                    "admit_calls")},
                 "length_p10": float(np.percentile(lengths, 10)),
                 "length_p50": float(np.percentile(lengths, 50)),
                 "length_p90": float(np.percentile(lengths, 90))})

@@ -37,7 +37,7 @@ def test_partial_rollouts_train_on_complete_groups_with_their_versions():
   partial = PartialRollouts(policy, task, resolved.sampling, resolved.train,
                             token_budget=run.token_budget)
   params = policy.init_params
-  lags = []
+  lags, unsents = [], []
   for version in range(4):
     rng = np.random.default_rng([0, version + 1])
     rows, problems, stats = partial.rollout(params, version, rng,
@@ -57,14 +57,44 @@ def test_partial_rollouts_train_on_complete_groups_with_their_versions():
     assert stats["staleness_mean"] == pytest.approx(lag.mean())
     assert stats["staleness_max"] == lag.max()
     assert stats["in_flight"] == partial.engine.in_flight
-    # 2 x 4 groups outstanding before the batch, 4 trained: 4 left (in flight or done)
-    assert partial.outstanding == 4
-    assert stats["in_flight"] + 2 * stats["groups_waiting"] <= 8
+    # 8 slots (a step's samples); topped up to 8 / 2 + 4 = 8 incomplete groups, 4 of
+    # them trained: the groups left are in flight or complete and waiting.
+    assert partial.engine.max_slots == 8
+    incomplete = partial.outstanding - stats["groups_waiting"]
+    unfinished = sum(g - len(done) for done in partial.finished.values())
+    unsent = sum(r.n for r in partial.unsent)
+    assert stats["in_flight"] + unsent == unfinished and incomplete <= 8
     lags.append(stats["staleness_max"])
+    unsents.append(unsent)
   assert lags == [0, 1, 1, 1]                   # samples did span steps (seeded)
+  assert unsents == [0, 0, 0, 0]
   assert (stats["staleness_mean"], stats["in_flight"], stats["groups_waiting"]) == (
-      0.6875, 5, 1)
+      0.6875, 9, 1)
   assert partial.engine.reset() == stats["in_flight"] and partial.engine.pages_in_use == 0
+
+
+def test_new_groups_of_a_step_that_made_no_engine_call_are_sent_next_step():
+  """A budget that finishes every sample in one call: step 0 completes 8 groups and
+  trains 4; step 1 trains the 4 waiting ones without an engine call, so the groups it
+  tops up with are sent at step 2's call (before the fix they were never sent, and
+  their groups never completed)."""
+  run = RunConfig(**{**SMALL, "token_budget": 10_000})
+  task = make_task(run)
+  resolved = resolve(run, task)
+  policy = make_policy(resolved, task)
+  partial = PartialRollouts(policy, task, resolved.sampling, resolved.train,
+                            token_budget=run.token_budget)
+  calls, sent = [], []
+  for version in range(3):
+    rows, problems, stats = partial.rollout(policy.init_params, version,
+                                            np.random.default_rng([1, version]),
+                                            jax.random.PRNGKey(version))
+    calls.append(stats["engine_calls"])
+    sent.append(sum(r.n for r in partial.unsent))
+    assert len(problems) == 4 and np.all(rows["loss_mask"].sum(axis=1) > 0)
+  assert calls == [1.0, 0.0, 1.0] and sent == [0, 16, 0]
+  assert partial.outstanding == 4 and stats["groups_waiting"] == 4  # all came back
+  assert partial.engine.in_flight == 0
 
 
 @pytest.mark.slow

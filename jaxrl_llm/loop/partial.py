@@ -9,14 +9,18 @@ continue in the next step, under the new weights.
 One step of :class:`PartialRollouts`:
 
 1. **Top up.** New groups (``group_size`` samples of a new prompt, drawn with the
-   step's ``rng_np``) are submitted until ``2 * prompts_per_step`` groups are
-   outstanding (in flight or finished and waiting to be trained on): the engine
-   always has about one batch more work than the step needs.
+   step's ``rng_np``) are submitted until ``ceil(slots / group_size) +
+   prompts_per_step`` groups are incomplete (some sample still decoding or queued):
+   enough to fill every slot and to refill the slots a step's batch frees, so the
+   engine never idles a slot for lack of work (slime's over-sampling). New groups
+   of a step that needed no engine call (enough complete groups were waiting) are
+   submitted at the next step's first call.
 2. **Generate** through the run's own :class:`~jaxrl_llm.rollout.RolloutEngine`
-   (separate from the one evaluation uses) in calls of ``token_budget`` tokens
-   (:meth:`RolloutEngine.generate`'s ``token_budget``; default: one device call at
-   full slots, ``slots * steps_per_call``), with ``version`` = the number of train
-   steps applied so far, until ``prompts_per_step`` groups are **complete**.
+   (separate from the one evaluation uses; as many slots, ``--rollout-slots``) in
+   calls of ``token_budget`` tokens (:meth:`RolloutEngine.generate`'s ``token_budget``;
+   default: one device call at full slots, ``slots * steps_per_call``), with
+   ``version`` = the number of train steps applied so far, until ``prompts_per_step``
+   groups are **complete**.
    A group trains only when all its ``group_size`` samples finished: the group
    baselines (GRPO, RLOO, ...) need the whole group, and a group's samples are never
    split over steps.
@@ -90,6 +94,7 @@ class PartialRollouts:
     self.problems: dict[int, Any] = {}                  # group id -> problem
     self.finished: dict[int, list[Completion]] = {}     # group id -> its samples
     self.next_group = 0
+    self.unsent: list[Request] = []
 
   @property
   def outstanding(self) -> int:
@@ -104,8 +109,9 @@ class PartialRollouts:
     """
     task, tok = self.task, self.task.tokenizer
     p, g = self.sampling.prompts_per_step, self.sampling.group_size
-    requests = []
-    new = 2 * p - self.outstanding
+    requests, self.unsent = self.unsent, []     # groups of a step that made no call
+    incomplete = sum(len(done) < g for done in self.finished.values())
+    new = -(-self.engine.max_slots // g) + p - incomplete
     eos = stop_ids(tok)
     eos_ids = tuple(np.atleast_1d(eos).tolist())
     if new > 0:
@@ -136,6 +142,7 @@ class PartialRollouts:
       requests, calls = [], calls + 1
       recompute_s += self.engine.stats.get("recompute_s", 0.0)
       recomputed += self.engine.stats.get("recomputed_tokens", 0)
+    self.unsent = requests     # enough groups were complete: submitted next step
     generate_s = time.perf_counter() - start
     take = sorted(complete())[:p]
     completions = [c for gid in take
