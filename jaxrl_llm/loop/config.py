@@ -352,10 +352,12 @@ class RunConfig:
                                  flag="--lora-init")
       ours = lora_spec(self.lora_rank, self.lora_alpha, self.lora_targets,
                        self.lora_base_dtype)
-      bad = lora_spec_mismatch(ours, adapter)
-      if bad is not None:
-        name, mine, theirs = bad
-        show = lambda x: ",".join(x) if isinstance(x, tuple) else f"{x:g}"
+      differ = lora_spec_mismatch(ours, adapter)
+      if differ is not None:
+        name, mine, theirs = differ
+
+        def show(x: Any) -> str:
+          return ",".join(x) if isinstance(x, tuple) else f"{x:g}"
         raise ValueError(f"--lora-init {self.lora_init!r}: the adapter has {name} "
                          f"{show(theirs)}, the run {flag('lora_' + name)} {show(mine)}; "
                          f"pass {flag('lora_' + name)} {show(theirs)}")

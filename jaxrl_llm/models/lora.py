@@ -36,7 +36,13 @@ when it has any, else the whole part.
 Rollouts (the sampler and the paged engine) run on merged weights:
 :func:`merge_lora` gives the base model's parameters with :math:`W + \frac{\alpha}{r}AB`
 (dequantised under QLoRA), once per generation; :func:`save_lora_adapters` writes the
-adapters in PEFT's format (``adapter_model.safetensors`` + ``adapter_config.json``).
+adapters in PEFT's format (``adapter_model.safetensors`` + ``adapter_config.json``), and
+:func:`load_lora_adapters` reads such a folder back onto a model (ours, or one written by
+``peft``'s ``save_pretrained``, e.g. an SFT adapter from TRL; ``jaxrl-llm train
+--lora-init DIR``). Both name the tensors through
+:func:`~jaxrl_llm.models.hf.hf_layout`, the table the checkpoints are read with:
+``lora_A.weight`` ``[r, in]`` is :math:`A^T`, ``lora_B.weight`` ``[out, r]`` is
+:math:`B^T`, heads flattened in Hugging Face's order.
 
 Adapters carry the logical axis names of the weight they adapt (qwix transposes the
 weight's ``out_sharding`` metadata, ``None`` on the rank axis), so the mesh rules of
@@ -751,8 +757,10 @@ def load_lora_adapters(model: Transformer, path: str | os.PathLike, *,
   if not isinstance(model, Transformer):
     raise ValueError(f"`model` must be a jaxrl_llm.models.Transformer, got "
                      f"{type(model).__name__}.")
+  spec = adapter                    # the spec of the model with the adapters
   if hasattr(model, "lora_spec"):
-    bad = lora_spec_mismatch(model.lora_spec, adapter)
+    spec = model.lora_spec
+    bad = lora_spec_mismatch(spec, adapter)
     if bad is not None:
       name, ours, theirs = bad
       raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE} has {_PEFT_FIELDS[name]}="
@@ -767,7 +775,7 @@ def load_lora_adapters(model: Transformer, path: str | os.PathLike, *,
   except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
     raise ValueError(f"{where}: {ADAPTER_WEIGHTS_FILE} cannot be read ({e}).") from None
   graphdef, params = split_model(model)
-  params = _load_state_dict(params, tensors, model.lora_spec, model.config,
+  params = _load_state_dict(params, tensors, spec, model.config,
                             f"{where}: {ADAPTER_WEIGHTS_FILE}")
   return nnx.merge(graphdef, params)
 
