@@ -50,16 +50,21 @@ def _exported(folder, *, rank=2, alpha=4.0, targets="q,v", seed=1, **overrides):
 # ------------------------------------------------------------------------ round trip
 
 
-@pytest.mark.parametrize("wrapped", [True, False])
-def test_our_export_loads_back_bit_identical(tmp_path, wrapped):
+@pytest.mark.parametrize("wrapped, base_dtype", [(True, "bf16"), (False, "bf16"),
+                                                 (False, "nf4")])
+def test_our_export_loads_back_bit_identical(tmp_path, wrapped, base_dtype):
   """Every target (GQA k/v, the head-split o): save -> load gives the same adapters
   bit for bit and the same logits, onto a model wrapped with another seed or onto
-  the bare base (wrapped from adapter_config.json)."""
+  the bare base (wrapped from adapter_config.json; QLoRA nf4 too)."""
   folder = str(tmp_path / "adapter")
-  trained = _exported(folder, rank=3, alpha=6.0, targets="all", seed=1, qkv_bias=True)
   base = _model(qkv_bias=True)
+  trained = apply_lora(base, rank=3, alpha=6.0, targets="all", seed=1,
+                       base_dtype=base_dtype)
+  g, p = split_model(trained)
+  trained = nnx.merge(g, _perturb_b(p))
+  save_lora_adapters(split_model(trained)[1], trained.lora_spec, trained.config, folder)
   target = apply_lora(base, rank=3, alpha=6.0, targets="all", seed=2) if wrapped else base
-  loaded = load_lora_adapters(target, folder, seed=2)
+  loaded = load_lora_adapters(target, folder, seed=2, base_dtype=base_dtype)
   assert loaded.lora_spec == trained.lora_spec
   want, got = _leaves(split_model(trained)[1]), _leaves(split_model(loaded)[1])
   assert want.keys() == got.keys()
@@ -301,3 +306,40 @@ def test_cli_train_starts_from_the_adapter_and_resumes(tmp_path):
     assert np.abs(fresh[name] - x).max() > 1e-2, name          # not a fresh init
   assert cli.main(flags + ["--steps", "2", "--resume"]) == 0
   assert restore_latest(out)[4] == 2
+
+
+@pytest.mark.parametrize("critic", [None, "policy"])
+def test_the_run_policy_starts_from_the_adapter(tmp_path, critic):
+  """make_policy with lora_init (a preset model; a shared value head or a separate,
+  fully trained critic): the policy's initial adapters are the folder's, bit for bit;
+  the base and the critic are the run's own."""
+  import dataclasses
+
+  from jaxrl_llm.loop.config import RunConfig
+  from jaxrl_llm.loop.resolve import resolve
+  from jaxrl_llm.loop.setup import make_policy, make_task
+  from jaxrl_llm.models import get_config
+  from jaxrl_llm.models.critic import POLICY
+  from jaxrl_llm.models.lora import lora_spec
+  run = RunConfig(algo="ppo", critic=critic, lora_rank=2, lora_alpha=4.0,
+                  lora_targets="q,v,down", rollout="simple")
+  task = make_task(run)
+  plain = make_policy(resolve(run, task), task).init_params
+  part = plain[POLICY] if critic else plain
+  trained = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.01 if "_lora_" in jax.tree_util.keystr(path) else x, part)
+  folder = str(tmp_path / "adapter")
+  config = get_config("tiny", task.tokenizer.vocab_size, value_head=not critic,
+                      max_seq_len=max(task.max_prompt_len + task.max_new_tokens, 8))
+  save_lora_adapters(trained, lora_spec(2, 4.0, "q,v,down"), config, folder)
+  run = dataclasses.replace(run, lora_init=folder)
+  run.validate()
+  seeded = make_policy(resolve(run, task), task).init_params
+  want, got, before = _leaves(trained), _leaves(seeded), _leaves(plain)
+  for name, x in got.items():
+    if critic is not None and not name.startswith(f"['{POLICY}']"):
+      ref = before[name]                                      # the critic: untouched
+    else:
+      key = name[len(f"['{POLICY}']"):] if critic else name
+      ref = want[key]                         # adapters from the folder, base as before
+    assert x.tobytes() == ref.tobytes(), name
