@@ -210,6 +210,13 @@ class RunConfig:
   lora_base_dtype: str = setting(
       "bf16", "with --lora-rank: the frozen base's storage: bf16 (unquantised, in the "
       "model's dtype), int8 or nf4 (QLoRA).", choices=LORA_BASE_DTYPES)
+  lora_init: str | None = setting(
+      None, "with --lora-rank: a PEFT LoRA adapter folder (adapter_config.json + "
+      "adapter_model.safetensors: an SFT adapter saved by peft / TRL, or a run's "
+      "adapter/) the adapters start from instead of B = 0; its r, lora_alpha and "
+      "target_modules must equal --lora-rank, --lora-alpha and --lora-targets. It seeds "
+      "step 0 only (a resumed run continues from its checkpoint; the folder is read "
+      "again when the run is rebuilt).")
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
@@ -326,7 +333,7 @@ class RunConfig:
     default_targets = ",".join(LORA_TARGET_NAMES)
     if self.lora_rank is None:
       for name, default in (("lora_alpha", None), ("lora_targets", default_targets),
-                            ("lora_base_dtype", "bf16")):
+                            ("lora_base_dtype", "bf16"), ("lora_init", None)):
         if getattr(self, name) != default:
           raise ValueError(f"{flag(name)} is a setting of --lora-rank; add --lora-rank")
       return
@@ -339,6 +346,21 @@ class RunConfig:
     if self.partial_rollouts:
       raise ValueError("--partial-rollouts is not supported with --lora-rank yet (its "
                        "engine would run the base weights)")
+    if self.lora_init is not None:
+      from jaxrl_llm.models.lora import lora_spec, lora_spec_mismatch, read_lora_config
+      adapter = read_lora_config(self.lora_init, base_dtype=self.lora_base_dtype,
+                                 flag="--lora-init")
+      ours = lora_spec(self.lora_rank, self.lora_alpha, self.lora_targets,
+                       self.lora_base_dtype)
+      differ = lora_spec_mismatch(ours, adapter)
+      if differ is not None:
+        name, mine, theirs = differ
+
+        def show(x: Any) -> str:
+          return ",".join(x) if isinstance(x, tuple) else f"{x:g}"
+        raise ValueError(f"--lora-init {self.lora_init!r}: the adapter has {name} "
+                         f"{show(theirs)}, the run {flag('lora_' + name)} {show(mine)}; "
+                         f"pass {flag('lora_' + name)} {show(theirs)}")
 
   def check_devices(self, device_count: int) -> None:
     """Raises ``ValueError`` unless the mesh flags fit ``device_count`` devices and the

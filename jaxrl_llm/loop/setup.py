@@ -190,7 +190,9 @@ def lora_model(run: RunConfig, graphdef: Any, params: Any) -> tuple[Any, Any]:
 def _lora_policy(resolved: Resolved, task: Task) -> Policy:
   """The run's policy with LoRA adapters: the train forward adds them, the KL
   reference is the same parameters with the adapters off (the base is shared), and
-  generation runs on merged weights. A separate critic is trained in full."""
+  generation runs on merged weights. A separate critic is trained in full. With
+  ``run.lora_init`` the adapters start from that PEFT folder
+  (:func:`jaxrl_llm.models.lora.load_lora_adapters`)."""
   from flax import nnx
 
   from jaxrl_llm.models import make_apply_fn, make_decode_fns, make_paged_decode_fns
@@ -206,6 +208,11 @@ def _lora_policy(resolved: Resolved, task: Task) -> Policy:
   separate = critic_graphdef is not None
   graphdef, policy_params = lora_model(run, graphdef,
                                        params[POLICY] if separate else params)
+  if run.lora_init is not None:      # the adapters' start (step 0; --resume restores)
+    from jaxrl_llm.models import split_model
+    from jaxrl_llm.models.lora import load_lora_adapters
+    graphdef, policy_params = split_model(load_lora_adapters(
+        nnx.merge(graphdef, policy_params), run.lora_init, flag="--lora-init"))
   base = base_graphdef(nnx.merge(graphdef, policy_params))
   part = (lambda p: p[POLICY]) if separate else (lambda p: p)
   apply = make_apply_fn(graphdef)

@@ -36,7 +36,13 @@ when it has any, else the whole part.
 Rollouts (the sampler and the paged engine) run on merged weights:
 :func:`merge_lora` gives the base model's parameters with :math:`W + \frac{\alpha}{r}AB`
 (dequantised under QLoRA), once per generation; :func:`save_lora_adapters` writes the
-adapters in PEFT's format (``adapter_model.safetensors`` + ``adapter_config.json``).
+adapters in PEFT's format (``adapter_model.safetensors`` + ``adapter_config.json``), and
+:func:`load_lora_adapters` reads such a folder back onto a model (ours, or one written by
+``peft``'s ``save_pretrained``, e.g. an SFT adapter from TRL; ``jaxrl-llm train
+--lora-init DIR``). Both name the tensors through
+:func:`~jaxrl_llm.models.hf.hf_layout`, the table the checkpoints are read with:
+``lora_A.weight`` ``[r, in]`` is :math:`A^T`, ``lora_B.weight`` ``[out, r]`` is
+:math:`B^T`, heads flattened in Hugging Face's order.
 
 Adapters carry the logical axis names of the weight they adapt (qwix transposes the
 weight's ``out_sharding`` metadata, ``None`` on the rank axis), so the mesh rules of
@@ -60,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -387,6 +394,9 @@ def base_graphdef(model: Transformer) -> nnx.GraphDef:
 # ----------------------------------------------------------------------------------
 
 _PEFT_PREFIX = "base_model.model."
+#: The two files of a PEFT adapter folder.
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def _np(x):
@@ -394,25 +404,36 @@ def _np(x):
   return np.asarray(jax.device_get(x), np.float32)
 
 
+def _peft_stems(spec: LoraSpec, config: TransformerConfig) -> dict[tuple[int, str, str], str]:
+  """``{(layer, module, weight): PEFT tensor stem}`` of every adapter of ``spec``: the
+  Hugging Face name of the adapted weight (:func:`~jaxrl_llm.models.hf.hf_layout`, the
+  table the checkpoints are read and written with) less ``.weight``, prefixed
+  ``base_model.model.``; the stem's ``.lora_A.weight`` / ``.lora_B.weight`` are the
+  adapters."""
+  from jaxrl_llm.models.hf import hf_layout
+  layout = hf_layout(config)
+  out = {}
+  for i in range(config.n_layers):
+    for target in spec.targets:
+      module, weight = LORA_TARGETS[target]
+      hf_name = layout[f"blocks.{i}.{module}.{weight}"].name
+      out[(i, module, weight)] = _PEFT_PREFIX + hf_name[:-len(".weight")]
+  return out
+
+
 def lora_state_dict(params: Any, spec: LoraSpec, config: TransformerConfig) -> dict[str, Any]:
   """The adapters as PEFT tensors ``{name: float32 ndarray}``: for a weight whose
   Hugging Face tensor is ``X.weight`` ``[out, in]``, ``X.lora_A.weight`` ``[r, in]``
   (our :math:`A^T`) and ``X.lora_B.weight`` ``[out, r]`` (our :math:`B^T`), heads
   flattened in Hugging Face's order; names prefixed ``base_model.model.``."""
-  from jaxrl_llm.models.hf import hf_layout
-  layout = hf_layout(config)
   out = {}
   r = spec.rank
-  for i in range(config.n_layers):
+  for (i, module, weight), stem in _peft_stems(spec, config).items():
     block = params["blocks"][i]
-    for target in spec.targets:
-      module, weight = LORA_TARGETS[target]
-      a = _np(block[module][f"{weight}_lora_a"].get_value())
-      b = _np(block[module][f"{weight}_lora_b"].get_value())
-      hf_name = layout[f"blocks.{i}.{module}.{weight}"].name
-      stem = _PEFT_PREFIX + hf_name[:-len(".weight")]
-      out[f"{stem}.lora_A.weight"] = a.reshape(-1, r).T.copy()
-      out[f"{stem}.lora_B.weight"] = b.reshape(r, -1).T.copy()
+    a = _np(block[module][f"{weight}_lora_a"].get_value())
+    b = _np(block[module][f"{weight}_lora_b"].get_value())
+    out[f"{stem}.lora_A.weight"] = a.reshape(-1, r).T.copy()
+    out[f"{stem}.lora_B.weight"] = b.reshape(r, -1).T.copy()
   return out
 
 
@@ -433,8 +454,7 @@ def save_lora_adapters(params: Any, spec: LoraSpec, config: TransformerConfig,
   from safetensors.numpy import save_file
   os.makedirs(path, exist_ok=True)
   tensors = lora_state_dict(params, spec, config)
-  save_file(tensors, os.path.join(path, "adapter_model.safetensors"),
-            metadata={"format": "pt"})
+  save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
   cfg = {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank,
       "lora_alpha": spec.alpha, "lora_dropout": 0.0, "bias": "none",
@@ -443,8 +463,321 @@ def save_lora_adapters(params: Any, spec: LoraSpec, config: TransformerConfig,
       "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
       "base_model_name_or_path": base_model, "revision": None,
   }
-  with open(os.path.join(path, "adapter_config.json"), "w") as f:
+  with open(os.path.join(path, ADAPTER_CONFIG_FILE), "w") as f:
     json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+# adapter_config.json fields that do not change what the loaded adapters compute
+# (besides those checked one by one: peft_type, r, lora_alpha, target_modules, bias,
+# fan_in_fan_out, init_lora_weights). Any other field set to a true value is a PEFT
+# feature this loader would silently drop, so it is refused.
+_PEFT_NEUTRAL = frozenset({
+    "task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path",
+    "revision", "inference_mode", "r", "target_modules", "lora_alpha", "lora_dropout",
+    "fan_in_fan_out", "bias", "init_lora_weights", "layers_pattern", "megatron_config",
+    "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+    "qalora_group_size", "runtime_config", "ensure_weight_tying"})
+# Features refused with their own message.
+_PEFT_UNSUPPORTED = {
+    "use_dora": "DoRA (a learned magnitude per output)",
+    "use_rslora": "rsLoRA (the scale alpha / sqrt(r))",
+    "rank_pattern": "per-module ranks",
+    "alpha_pattern": "per-module alphas",
+    "modules_to_save": "fully trained modules saved beside the adapters",
+    "layers_to_transform": "adapters on some layers only",
+    "exclude_modules": "modules excluded from the targets",
+    "lora_bias": "a trained bias on lora_B",
+    "trainable_token_indices": "trained embedding rows",
+    "layer_replication": "replicated layers",
+    "target_parameters": "adapters on parameters (not modules)",
+    "use_qalora": "QALoRA (pooled inputs to lora_A)",
+    "alora_invocation_tokens": "activated LoRA (adapters from an invocation token on)",
+}
+# init_lora_weights that also rewrite the base weights (the adapters then belong to a
+# modified base, not to the checkpoint's): PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA.
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+# LoraSpec attribute -> its adapter_config.json field.
+_PEFT_FIELDS = {"rank": "r", "alpha": "lora_alpha", "targets": "target_modules"}
+
+
+def _arg(flag: str) -> str:
+  """How a message names the argument ``flag``: a command-line flag as is, a Python
+  argument in backquotes."""
+  return flag if flag.startswith("-") else f"`{flag}`"
+
+
+def _adapter_targets(target_modules: Any, path: str, where: str) -> list[str]:
+  """PEFT's ``target_modules`` as our target names (``"x_proj"`` -> ``"x"``): a list of
+  module names (PEFT matches their dotted suffix), ``"all-linear"``, or a regular
+  expression over the full module names (PEFT's ``re.fullmatch``), resolved against
+  the modules that have tensors in the folder."""
+  if target_modules == "all-linear":
+    return list(LORA_TARGETS)
+  if isinstance(target_modules, str):
+    import re
+
+    from safetensors import safe_open
+    suffix = ".lora_A.weight"
+    try:
+      with safe_open(os.path.join(path, ADAPTER_WEIGHTS_FILE), framework="numpy") as f:
+        keys = list(f.keys())  # noqa: SIM118 - a safetensors handle, not a dict
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+      raise ValueError(f"{where}: {ADAPTER_WEIGHTS_FILE} cannot be read ({e}).") from None
+    modules = [k[len(_PEFT_PREFIX):-len(suffix)] for k in keys
+               if k.startswith(_PEFT_PREFIX) and k.endswith(suffix)]
+    try:
+      names = sorted({m.split(".")[-1] for m in modules if re.fullmatch(target_modules, m)})
+    except re.error as e:
+      raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE}'s target_modules "
+                       f"{target_modules!r} is not a regular expression ({e}).") from None
+  elif isinstance(target_modules, list | tuple) and all(
+      isinstance(n, str) for n in target_modules):
+    names = [n.split(".")[-1] for n in target_modules]
+  else:
+    raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE}'s target_modules must be a list of "
+                     f"module names, 'all-linear' or a regular expression, got "
+                     f"{target_modules!r}.")
+  bad = [n for n in names if n.removesuffix("_proj") not in LORA_TARGETS]
+  if bad or not names:
+    raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE}'s target_modules "
+                     f"{target_modules!r}: {bad or 'nothing'} matches no LoRA target "
+                     f"(the linear layers {', '.join(t + '_proj' for t in LORA_TARGETS)}).")
+  return [n.removesuffix("_proj") for n in names]
+
+
+def read_lora_config(path: str | os.PathLike, *, base_dtype: str = "bf16",
+                     flag: str = "path") -> LoraSpec:
+  """The :class:`LoraSpec` of a PEFT LoRA adapter folder (``adapter_config.json``'s
+  ``r``, ``lora_alpha`` and ``target_modules``; ``base_dtype`` is the caller's).
+
+  The folder must hold ``adapter_config.json`` and ``adapter_model.safetensors``, and
+  the config must describe plain LoRA on the linear layers of the blocks: features
+  that change the forward (DoRA, rsLoRA, a ``bias`` other than ``"none"``,
+  ``rank_pattern`` / ``alpha_pattern``, ``modules_to_save``, an initialisation that
+  rewrites the base such as PiSSA, ...) are refused.
+
+  Args:
+    path: the adapter folder.
+    base_dtype: the spec's ``base_dtype`` (:func:`lora_spec`).
+    flag: how errors name ``path`` (a command-line flag such as ``"--lora-init"``).
+
+  Raises:
+    ValueError: one line naming ``path`` (or ``flag``) and the file or field.
+
+  Examples:
+    >>> import tempfile
+    >>> from jaxrl_llm.models import Transformer, TransformerConfig, split_model
+    >>> m = apply_lora(Transformer(TransformerConfig.tiny(32, n_layers=1)), rank=2,
+    ...                alpha=4.0, targets="q,v")
+    >>> folder = tempfile.mkdtemp()
+    >>> save_lora_adapters(split_model(m)[1], m.lora_spec, m.config, folder)
+    >>> read_lora_config(folder)
+    LoraSpec(rank=2, alpha=4.0, targets=('q', 'v'), base_dtype='bf16')
+  """
+  path = os.fspath(path)
+  where = f"{_arg(flag)} {path!r}"
+  if not os.path.isdir(path):
+    raise ValueError(f"{where} is not a folder (a PEFT adapter folder holds "
+                     f"{ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE}).")
+  for name in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
+    if not os.path.isfile(os.path.join(path, name)):
+      hint = (" (it has adapter_model.bin, a torch pickle: save the adapter with "
+              "safe_serialization=True)" if name == ADAPTER_WEIGHTS_FILE and os.path.isfile(
+                  os.path.join(path, "adapter_model.bin")) else "")
+      raise ValueError(f"{where} has no {name}{hint}.")
+  file = os.path.join(path, ADAPTER_CONFIG_FILE)
+  with open(file, encoding="utf-8") as f:
+    try:
+      cfg = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE} is not valid JSON ({e.msg} at line "
+                       f"{e.lineno}).") from None
+  if not isinstance(cfg, dict):
+    raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE} is not a JSON object.")
+  if cfg.get("peft_type") != "LORA":
+    raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE} has peft_type="
+                     f"{cfg.get('peft_type')!r}; only LoRA adapters ('LORA') load here.")
+  for key, what in _PEFT_UNSUPPORTED.items():
+    if cfg.get(key):
+      raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE} sets {key}={cfg[key]!r}: {what} "
+                       "is not supported (plain LoRA only).")
+  if cfg.get("bias", "none") != "none":
+    raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE} has bias={cfg['bias']!r}: trained "
+                     "biases are not supported (bias='none' only).")
+  if cfg.get("fan_in_fan_out"):
+    raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE} has fan_in_fan_out=true (Conv1D "
+                     "layers, e.g. GPT-2); the families loaded here use Linear layers.")
+  init = cfg.get("init_lora_weights", True)
+  if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+    raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE} has init_lora_weights={init!r}, "
+                     "which rewrites the base weights too: convert the adapter to plain "
+                     "LoRA first (PEFT's path_initial_model_for_weight_conversion).")
+  for key, value in cfg.items():
+    if key not in _PEFT_NEUTRAL and key not in _PEFT_UNSUPPORTED and value:
+      raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE} sets {key}={value!r}, a PEFT "
+                       "setting this loader does not reproduce.")
+  rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
+  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE}'s r must be an int >= 1, got "
+                     f"{rank!r}.")
+  if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+    raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE}'s lora_alpha must be a number > 0, "
+                     f"got {alpha!r}.")
+  targets = _adapter_targets(cfg.get("target_modules"), path, where)
+  return lora_spec(rank, float(alpha), targets, base_dtype)
+
+
+def lora_spec_mismatch(spec: LoraSpec, adapter: LoraSpec) -> tuple[str, Any, Any] | None:
+  """``(attribute, spec's value, adapter's value)`` of the first of ``rank``, ``alpha``,
+  ``targets`` on which ``spec`` and ``adapter`` differ (None when they agree).
+
+  Examples:
+    >>> lora_spec_mismatch(lora_spec(4, targets="q,v"), lora_spec(4, 8.0, targets="v,q"))
+    ('alpha', 4.0, 8.0)
+  """
+  for name in _PEFT_FIELDS:
+    ours, theirs = getattr(spec, name), getattr(adapter, name)
+    if ours != theirs:
+      return name, ours, theirs
+  return None
+
+
+def load_lora_state_dict(params: Any, tensors: dict[str, Any], spec: LoraSpec,
+                         config: TransformerConfig, *, flag: str = "tensors") -> Any:
+  """``params`` with its adapters taken from the PEFT tensors ``tensors`` (the inverse
+  of :func:`lora_state_dict`: :math:`A` is ``lora_A.weight`` ``[r, in]`` transposed
+  and unflattened to ``[in..., r]``, :math:`B` is ``lora_B.weight`` ``[out, r]`` to
+  ``[r, out...]``; Hugging Face's head order, names from
+  :func:`~jaxrl_llm.models.hf.hf_layout`). Pure: the base weights are ``params``'
+  own, the adapters keep their dtype and sharding.
+
+  Args:
+    params: a LoRA model's parameters (``split_model`` of :func:`apply_lora`'s model).
+    tensors: ``{PEFT name: array}`` (e.g. ``safetensors.numpy.load_file``), any float
+      dtype.
+    spec: the model's :class:`LoraSpec`.
+    config: its :class:`~jaxrl_llm.models.TransformerConfig`.
+    flag: how errors name ``tensors``.
+
+  Raises:
+    ValueError: a tensor missing, of the wrong shape, or not an adapter of ``spec``
+      on this model (one line naming the first).
+  """
+  return _load_state_dict(params, tensors, spec, config, _arg(flag))
+
+
+def _load_state_dict(params: Any, tensors: dict[str, Any], spec: LoraSpec,
+                     config: TransformerConfig, where: str) -> Any:
+  """:func:`load_lora_state_dict`, its errors starting with ``where``."""
+  import numpy as np
+  wanted: dict[tuple[str, ...], str] = {}
+  for (i, module, weight), stem in _peft_stems(spec, config).items():
+    wanted[("blocks", str(i), module, f"{weight}_lora_a")] = f"{stem}.lora_A.weight"
+    wanted[("blocks", str(i), module, f"{weight}_lora_b")] = f"{stem}.lora_B.weight"
+  extra = sorted(set(tensors) - set(wanted.values()))
+  if extra:
+    raise ValueError(f"{where}: tensor {extra[0]!r} is not an adapter of targets "
+                     f"{','.join(spec.targets)} on this {config.n_layers}-layer model "
+                     f"({len(extra)} such tensors).")
+  missing = sorted(set(wanted.values()) - set(tensors))
+  if missing:
+    raise ValueError(f"{where}: tensor {missing[0]!r} is missing ({len(missing)} adapter "
+                     f"tensors of targets {','.join(spec.targets)} missing).")
+  found = set()
+
+  def put(path, leaf):
+    key = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                for k in path)
+    if key not in wanted or not isinstance(leaf, nnx.LoRAParam):
+      return leaf
+    name, value = wanted[key], leaf.get_value()
+    x = np.asarray(tensors[name])
+    r = spec.rank
+    if key[-1].endswith("_a"):
+      expected = (r, math.prod(value.shape[:-1]))
+    else:
+      expected = (math.prod(value.shape[1:]), r)
+    if tuple(x.shape) != expected:
+      raise ValueError(f"{where}: tensor {name!r} has shape {list(x.shape)}, expected "
+                       f"{list(expected)} (rank {r} on this model's weight).")
+    new = x.astype(np.float32).T.reshape(value.shape).astype(value.dtype)
+    found.add(key)
+    return leaf.replace(value=jax.device_put(new, value.sharding))
+
+  out = jax.tree_util.tree_map_with_path(put, params, is_leaf=_is_var)
+  if len(found) != len(wanted):
+    lost = sorted(set(wanted) - found)[0]
+    raise ValueError(f"`params` has no adapter {'.'.join(lost)}: it is not the LoRA model "
+                     f"of `spec` {spec}.")
+  return out
+
+
+def load_lora_adapters(model: Transformer, path: str | os.PathLike, *,
+                       base_dtype: str = "bf16", seed: int = 0,
+                       flag: str = "path") -> Transformer:
+  """``model`` with the adapters of the PEFT LoRA folder ``path`` (a new model).
+
+  The inverse of :func:`save_lora_adapters`: it loads what ``export`` writes and
+  what ``peft``'s ``save_pretrained`` writes for a Llama / Qwen2 / Qwen3 model (e.g. an
+  SFT adapter trained with TRL), onto the same base checkpoint
+  (:func:`~jaxrl_llm.models.from_pretrained`).
+
+  Args:
+    model: a :class:`~jaxrl_llm.models.Transformer`. With adapters
+      (:func:`apply_lora`), its rank, alpha and targets must equal the folder's
+      ``r``, ``lora_alpha`` and ``target_modules``; without, it is first wrapped by
+      :func:`apply_lora` with those (and ``base_dtype``, ``seed``).
+    path: the adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+    base_dtype: the frozen base's storage when ``model`` is wrapped here.
+    seed: :func:`apply_lora`'s seed when ``model`` is wrapped here (every adapter is
+      then overwritten by the folder's).
+    flag: how errors name ``path``.
+
+  Raises:
+    ValueError: one line naming ``path`` (or ``flag``) or ``model``: what
+      :func:`read_lora_config` refuses, a rank / alpha / targets that differ from the
+      model's adapters, a missing, extra or wrongly shaped tensor.
+
+  Examples:
+    >>> import tempfile
+    >>> import jax.numpy as jnp
+    >>> from jaxrl_llm.models import Transformer, TransformerConfig, split_model
+    >>> base = Transformer(TransformerConfig.tiny(32, n_layers=1))
+    >>> trained = apply_lora(base, rank=2, targets="q,v", seed=1)
+    >>> folder = tempfile.mkdtemp()
+    >>> save_lora_adapters(split_model(trained)[1], trained.lora_spec, trained.config,
+    ...                    folder)
+    >>> loaded = load_lora_adapters(base, folder)          # wrapped per the folder
+    >>> bool(jnp.all(loaded.blocks[0].attn.wq_lora_a[...] == trained.blocks[0].attn.wq_lora_a[...]))
+    True
+  """
+  from jaxrl_llm.models.transformer import split_model
+  adapter = read_lora_config(path, base_dtype=base_dtype, flag=flag)
+  where = f"{_arg(flag)} {os.fspath(path)!r}"
+  if not isinstance(model, Transformer):
+    raise ValueError(f"`model` must be a jaxrl_llm.models.Transformer, got "
+                     f"{type(model).__name__}.")
+  spec = adapter                    # the spec of the model with the adapters
+  if hasattr(model, "lora_spec"):
+    spec = model.lora_spec
+    bad = lora_spec_mismatch(spec, adapter)
+    if bad is not None:
+      name, ours, theirs = bad
+      raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE} has {_PEFT_FIELDS[name]}="
+                       f"{theirs!r}, but `model`'s adapters have {name}={ours!r} (wrap the "
+                       "model with the adapter's settings, or pass it unwrapped).")
+  else:
+    model = apply_lora(model, rank=adapter.rank, alpha=adapter.alpha,
+                       targets=adapter.targets, base_dtype=base_dtype, seed=seed)
+  from safetensors.numpy import load_file
+  try:
+    tensors = load_file(os.path.join(os.fspath(path), ADAPTER_WEIGHTS_FILE))
+  except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+    raise ValueError(f"{where}: {ADAPTER_WEIGHTS_FILE} cannot be read ({e}).") from None
+  graphdef, params = split_model(model)
+  params = _load_state_dict(params, tensors, spec, model.config,
+                            f"{where}: {ADAPTER_WEIGHTS_FILE}")
+  return nnx.merge(graphdef, params)
 
 
 def num_lora_params(config: TransformerConfig, spec: LoraSpec) -> int:
@@ -467,4 +800,6 @@ def num_lora_params(config: TransformerConfig, spec: LoraSpec) -> int:
 __all__ = ["LORA_TARGETS", "LORA_BASE_DTYPES", "LoraSpec", "lora_spec", "parse_targets",
            "apply_lora", "lora_trainable", "lora_reference_apply", "lora_delta",
            "merge_lora", "base_graphdef", "lora_state_dict", "save_lora_adapters",
+           "ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "read_lora_config",
+           "lora_spec_mismatch", "load_lora_state_dict", "load_lora_adapters",
            "num_lora_params"]
