@@ -42,7 +42,7 @@ def one_run(mode: str, seed: int, args) -> dict:
   with tempfile.TemporaryDirectory() as out:
     run = RunConfig(task=args.task, algo=args.algo, steps=args.steps,
                     prompts_per_step=args.prompts, group_size=args.group, seed=seed,
-                    eval_every=args.steps, eval_size=args.eval_size,
+                    eval_every=args.eval_every or args.steps, eval_size=args.eval_size,
                     save_every=args.steps, out=out, progress=False,
                     partial_rollouts=mode.startswith("partial"),
                     token_budget=args.budget if mode.startswith("partial") else None,
@@ -71,6 +71,12 @@ def one_run(mode: str, seed: int, args) -> dict:
          "eval_reward_end": summary["eval_reward_end"],
          "eval_accuracy_end": summary["eval_accuracy_end"],
          "train_reward_last10": summary["train_reward_last10"]}
+  elapsed, curve = 0.0, []            # greedy eval reward against the steps' time
+  for r in rows:
+    elapsed += r.get("time_s", 0.0)
+    if "eval_reward" in r:
+      curve.append((r["step"], round(elapsed, 1), round(r["eval_reward"], 4)))
+  out["eval_curve"] = curve
   if mode != "sync":
     out["staleness_mean"] = float(np.mean([r["staleness_mean"] for r in warm]))
     out["staleness_max"] = float(np.max([r["staleness_max"] for r in warm]))
@@ -172,6 +178,7 @@ def main(argv=None):
   p.add_argument("--group", type=int, default=4)
   p.add_argument("--budget", type=int, default=None, help="--token-budget (None: default)")
   p.add_argument("--eval-size", type=int, default=32)
+  p.add_argument("--eval-every", type=int, default=None, help="(None: at the end only)")
   p.add_argument("--modes", default="sync,partial,partial-keep,async1,async2",
                  help="sync, partial (recompute the cache), partial-keep (stale cache), "
                  "asyncK (--async --max-staleness K)")
@@ -197,6 +204,9 @@ def main(argv=None):
            for r in runs]
   if runs:
     print(markdown_table(shown, [c for c in cols if any(c in r for r in runs)]))
+    print("\neval reward curves (step, seconds of steps so far, greedy eval reward):")
+    for r in runs:
+      print(f"  {r['mode']} seed {r['seed']}: {r['eval_curve']}")
   if phase:
     print(f"\nrollout phase alone at the initial weights ({args.phase_steps - 2} steps "
           "after 2 compiling ones; trained lengths of the step's batch):\n")

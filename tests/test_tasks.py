@@ -448,6 +448,24 @@ def test_repeat_task_long_answer_and_rewards():
     get_task("repeat", answer_len=2)
 
 
+def test_mixed_repeat_task_has_heavy_tailed_lengths_the_input_announces():
+  task = get_task("repeat_mixed")
+  problems = task.sample_prompts(np.random.default_rng(5), 400)
+  lengths = np.array([len(p.answer) for p in problems])
+  inputs = np.array([len(p.prompt) - 1 for p in problems])
+  assert set(lengths) == {20, 200} and np.all((lengths == 200) == (inputs == 4))
+  assert int((lengths == 200).sum()) == 58          # about 1 in 8 (seeded)
+  for p in problems[:20]:
+    s = p.prompt[:-1]
+    assert all(p.answer[i] == s[i % len(s)] for i in range(len(p.answer)))
+  assert task.max_new_tokens == 201 and task.reward(problems[0], problems[0].answer) == 1.0
+  for kwargs, name in (({"short_len": 0}, "short_len"), ({"short_len": 300}, "short_len"),
+                       ({"long_share": 1.5}, "long_share"),
+                       ({"min_len": 4, "max_len": 4}, "min_len")):
+    with pytest.raises(ValueError, match=name):
+      get_task("repeat_mixed", **kwargs)
+
+
 def test_docstring_examples():
   for mod in (tasks_pkg, tokenizer, base, strings, arithmetic, countdown):
     res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)

@@ -28,7 +28,14 @@ from jaxrl_llm.tasks.arithmetic import AddTask
 from jaxrl_llm.tasks.base import Problem, Task, position_match, random_baseline
 from jaxrl_llm.tasks.countdown import CountdownTask, parse_expression
 from jaxrl_llm.tasks.jsonl import JsonlTask, load_jsonl
-from jaxrl_llm.tasks.strings import CopyTask, RepeatTask, ReverseTask, SortTask, StringTask
+from jaxrl_llm.tasks.strings import (
+    CopyTask,
+    MixedRepeatTask,
+    RepeatTask,
+    ReverseTask,
+    SortTask,
+    StringTask,
+)
 from jaxrl_llm.tasks.tokenizer import CharTokenizer
 from jaxrl_llm.tasks.verifiers import REWARDS, get_reward, register_reward
 
@@ -39,9 +46,10 @@ TASKS: dict[str, Callable[..., Task]] = {
     "add": AddTask,
     "countdown": CountdownTask,
     "repeat": RepeatTask,
+    "repeat_mixed": MixedRepeatTask,
 }
 
-LONG_TASKS = ("repeat",)
+LONG_TASKS = ("repeat", "repeat_mixed")
 """Tasks whose answers are long (200+ tokens): credit assignment over length."""
 
 DEFAULT_TASK = "reverse"
@@ -64,7 +72,8 @@ def get_task(name: str = DEFAULT_TASK, **kwargs: Any) -> Task:
 
 __all__ = [
     "AddTask", "CharTokenizer", "CopyTask", "CountdownTask", "DEFAULT_TASK", "Problem",
-    "RepeatTask", "ReverseTask", "SortTask", "LONG_TASKS", "StringTask", "TASKS", "Task",
+    "MixedRepeatTask", "RepeatTask", "ReverseTask", "SortTask", "LONG_TASKS", "StringTask",
+    "TASKS", "Task",
     "get_task",
     "parse_expression", "position_match", "random_baseline",
     "JsonlTask", "load_jsonl", "REWARDS", "get_reward", "register_reward",

@@ -164,3 +164,52 @@ class RepeatTask(StringTask):
 
   def transform(self, s: str) -> str:
     return (s * (-(-self.answer_len // len(s))))[: self.answer_len]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixedRepeatTask(RepeatTask):
+  """:class:`RepeatTask` with heavy-tailed answer lengths: a ``max_len``-character input
+  (drawn with probability ``long_share``) is repeated
+  to ``answer_len`` characters, a shorter one to ``short_len``. The input's length tells
+  the model which, so the lengths stay heavy-tailed as it learns (on ``repeat`` every
+  trained response grows towards the cap): the workload of partial rollouts, where a
+  synchronous step waits for its few long answers.
+
+  Attributes:
+    short_len: answer length of the short inputs (``min_len .. max_len - 1`` chars).
+    long_share: probability that a prompt is long (``max_len`` characters).
+
+  Examples:
+    >>> task = MixedRepeatTask(answer_len=12, short_len=4)
+    >>> task.transform("384"), task.transform("3841"), task.max_new_tokens
+    ('3843', '384138413841', 13)
+    >>> lengths = [len(p.answer) for p in task.sample_prompts(np.random.default_rng(0), 800)]
+    >>> lengths.count(12), lengths.count(4)      # about 1 in 8 long
+    (125, 675)
+  """
+
+  name = "repeat_mixed"
+  short_len: int = 20
+  long_share: float = 0.125
+
+  def __post_init__(self) -> None:
+    super().__post_init__()
+    if self.min_len >= self.max_len:
+      raise ValueError(f"`min_len` must be below `max_len` (short inputs are "
+                       f"min_len..max_len - 1 characters), got {self.min_len}, "
+                       f"{self.max_len}.")
+    if not isinstance(self.short_len, int) or not 1 <= self.short_len <= self.answer_len:
+      raise ValueError(f"`short_len` must be an int in [1, answer_len], got "
+                       f"{self.short_len!r}.")
+    if not 0.0 <= self.long_share <= 1.0:
+      raise ValueError(f"`long_share` must be in [0, 1], got {self.long_share!r}.")
+
+  def draw(self, rng: np.random.Generator) -> Problem:
+    n = (self.max_len if rng.random() < self.long_share
+         else int(rng.integers(self.min_len, self.max_len)))
+    s = "".join(self.chars[i] for i in rng.integers(0, len(self.chars), size=n))
+    return Problem(prompt=s + "=", answer=self.transform(s))
+
+  def transform(self, s: str) -> str:
+    length = self.answer_len if len(s) == self.max_len else self.short_len
+    return (s * (-(-length // len(s))))[:length]
