@@ -87,7 +87,8 @@ def test_long_sequence_compile_case_tiny():
   import optax
   from flax import nnx
 
-  from benchmarks.long_sequence import GIB, compile_case, model_config
+  from benchmarks._aot import GIB
+  from benchmarks.long_sequence import compile_case, model_config
   from jaxrl_llm.models.transformer import Transformer, split_model
   from jaxrl_llm.train import TrainConfig, init_train_state
 
