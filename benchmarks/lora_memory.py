@@ -20,8 +20,9 @@ the PPO config and, for LoRA, ``trainable=lora_trainable``; value head, GAE from
   the value head only, no base gradient);
 * ``qlora``: the same adapters over an nf4 base (blocks of 64 inputs; qwix).
 
-Models: ``1b`` (d 2048, 16 layers, 16/8 heads, d_ff 5632, vocab 32000) and ``8b``
-(Llama-3-8B shapes: d 4096, 32 layers, 32/8 heads, d_ff 14336, vocab 128256), bf16.
+Models: ``tiny`` (``TransformerConfig.tiny(256)``, float32; for tests), ``1b`` (d 2048,
+16 layers, 16/8 heads, d_ff 5632, vocab 32000) and ``8b`` (Llama-3-8B shapes: d 4096, 32
+layers, 32/8 heads, d_ff 14336, vocab 128256), bf16.
 ``devices=8`` compiles for 8 forced CPU devices on ``make_mesh(fsdp=8)`` as a sharded
 run does (:func:`benchmarks._aot.compile_ppo_step`, shared with
 ``benchmarks/long_sequence.py``): parameters, adapters and optimizer state sharded by
@@ -53,7 +54,9 @@ def model_config(name: str):
   import jax.numpy as jnp
 
   from jaxrl_llm.models.transformer import TransformerConfig
-  common = dict(max_seq_len=32768, dtype=jnp.bfloat16, remat=True, value_head=True)
+  common = dict(max_seq_len=262144, dtype=jnp.bfloat16, remat=True, value_head=True)
+  if name == "tiny":   # the tests' size (float32)
+    return TransformerConfig.tiny(256, max_seq_len=4096, remat=True, value_head=True)
   if name == "1b":
     return TransformerConfig(vocab_size=32000, d_model=2048, n_layers=16, n_heads=16,
                              n_kv_heads=8, d_ff=5632, **common)
@@ -61,7 +64,7 @@ def model_config(name: str):
     return TransformerConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
                              n_kv_heads=8, d_ff=14336, rope_theta=500000.0,
                              tie_embeddings=False, **common)
-  raise ValueError(f"`model` must be '1b' or '8b', got {name!r}.")
+  raise ValueError(f"`model` must be 'tiny', '1b' or '8b', got {name!r}.")
 
 
 def compile_case(name: str, mode: str, devices: int, length: int) -> dict:
