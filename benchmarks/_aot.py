@@ -90,16 +90,18 @@ def compile_ppo_step(apply_fn: Callable, optimizer: Any, config: Any, state: Any
     step = make_train_step(apply_fn, optimizer, config, trainable=trainable)
     jitted = jax.jit(step, donate_argnums=0)
   else:
-    mesh = make_mesh(**{"data": 1, **mesh_axes})
+    axes = {"data": 1, **mesh_axes}
+    mesh = make_mesh(data=axes["data"], fsdp=axes.get("fsdp", 1),
+                     tensor=axes.get("tensor", 1), sequence=axes.get("sequence", 1))
     inner = make_train_step(shard_apply_fn(apply_fn, mesh), optimizer, config,
                             trainable=trainable)
 
-    def step(state, batch):
+    def sharded_step(state, batch):
       with ambient_mesh(mesh, batch):   # what shard_train_step does
         return inner(state, batch)
 
     s_shard = state_shardings(state, mesh)
-    jitted = jax.jit(step, in_shardings=(s_shard, batch_shardings(batch, mesh)),
+    jitted = jax.jit(sharded_step, in_shardings=(s_shard, batch_shardings(batch, mesh)),
                      out_shardings=(s_shard, NamedSharding(mesh, PartitionSpec())),
                      donate_argnums=0)
   compiled = jitted.lower(state, batch).compile()
