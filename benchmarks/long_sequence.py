@@ -58,11 +58,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
+
+from benchmarks._aot import forced_device_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-GIB = 2.0 ** 30
 LENGTHS = (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 QUICK_LENGTHS = (2048, 8192, 32768)
 GOALS = (  # (model, mesh, T, GiB per device): the issue's targets
@@ -127,14 +127,12 @@ def compile_case(name: str, mesh_spec: str | int, length: int, **overrides) -> d
   ``overrides``: :class:`~jaxrl_llm.models.transformer.TransformerConfig` fields.
   """
   import jax
-  import jax.numpy as jnp
   import optax
   from flax import nnx
-  from jax.sharding import NamedSharding, PartitionSpec
 
+  from benchmarks._aot import compile_ppo_step, memory_gib, num_elements, ppo_batch
   from jaxrl_llm.models.transformer import Transformer, make_apply_fn, split_model
-  from jaxrl_llm.parallel import ambient_mesh, batch_shardings, make_mesh, state_shardings
-  from jaxrl_llm.train import TrainConfig, init_train_state, make_ppo_train_step, shard_apply_fn
+  from jaxrl_llm.train import TrainConfig, init_train_state
 
   if isinstance(mesh_spec, int):
     mesh_spec = "1" if mesh_spec == 1 else f"sequence={mesh_spec}"
@@ -147,40 +145,12 @@ def compile_case(name: str, mesh_spec: str | int, length: int, **overrides) -> d
   optimizer = optax.adam(1e-5)
   config = TrainConfig(logprob_chunk_size=1024)
   state = jax.eval_shape(lambda p: init_train_state(p, optimizer, config), params)
-  f32 = lambda: jax.ShapeDtypeStruct((rows, length), jnp.float32)
-  batch = {"tokens": jax.ShapeDtypeStruct((rows, length), jnp.int32),
-           "attention_mask": f32(), "loss_mask": f32(), "old_logp": f32(),
-           "old_values": f32(), "rewards": f32()}
-  apply_fn = make_apply_fn(graphdef)
-  start = time.perf_counter()
-  if not axes:
-    step = make_ppo_train_step(apply_fn, optimizer, config)
-    jitted = jax.jit(step, donate_argnums=0)
-  else:
-    mesh = make_mesh(**{"data": 1, **axes})
-    inner = make_ppo_train_step(shard_apply_fn(apply_fn, mesh), optimizer, config)
-
-    def step(state, batch):
-      with ambient_mesh(mesh, batch):   # what shard_train_step does
-        return inner(state, batch)
-
-    s_shard = state_shardings(state, mesh)
-    jitted = jax.jit(step, in_shardings=(s_shard, batch_shardings(batch, mesh)),
-                     out_shardings=(s_shard, NamedSharding(mesh, PartitionSpec())),
-                     donate_argnums=0)
-  compiled = jitted.lower(state, batch).compile()
-  seconds = time.perf_counter() - start
-  mem = compiled.memory_analysis()
-  total = (mem.argument_size_in_bytes + mem.output_size_in_bytes
-           + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+  compiled, seconds = compile_ppo_step(make_apply_fn(graphdef), optimizer, config, state,
+                                       ppo_batch(rows, length), axes)
   hlo = compiled.as_text()
-  n_params = int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
-  return {"model": name, "params": n_params, "mesh": mesh_spec, "devices": devices,
-          "B": rows, "T": length, "total_gib": total / GIB,
-          "temp_gib": mem.temp_size_in_bytes / GIB,
-          "args_gib": mem.argument_size_in_bytes / GIB,
-          "output_gib": mem.output_size_in_bytes / GIB,
-          "alias_gib": mem.alias_size_in_bytes / GIB, "compile_s": seconds,
+  return {"model": name, "params": num_elements(params), "mesh": mesh_spec,
+          "devices": devices, "B": rows, "T": length, **memory_gib(compiled),
+          "compile_s": seconds,
           "collective_permutes": hlo.count("collective-permute-start")
           or hlo.count("collective-permute("),
           "all_gathers": hlo.count("all-gather-start") or hlo.count("all-gather(")}
@@ -215,13 +185,9 @@ def run_group(model: str, mesh: str, lengths, max_compile_s: float,
               pipeline: str = "default") -> list:
   """Runs one (model, mesh, pipeline) group in a subprocess with its XLA flags."""
   out = os.path.join(tempfile.mkdtemp(), "rows.json")
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  flags.append(f"--xla_force_host_platform_device_count={mesh_devices(mesh)}")
-  if pipeline == "reduced" and not any("backend_optimization_level" in f for f in flags):
-    flags.append(REDUCED_FLAGS)
-  env["XLA_FLAGS"] = " ".join(flags)
+  flags = ([REDUCED_FLAGS] if pipeline == "reduced" and "backend_optimization_level"
+           not in os.environ.get("XLA_FLAGS", "") else [])
+  env = forced_device_env(mesh_devices(mesh), ROOT, flags)
   cmd = [sys.executable, "-m", "benchmarks.long_sequence", "--worker", "--models", model,
          "--meshes", mesh, "--lengths", ",".join(map(str, lengths)),
          "--max-compile-s", str(max_compile_s), "--json", out, "--pipeline", pipeline]

@@ -10,7 +10,8 @@ outputs and temporaries; ``total = arguments + outputs + temporaries - aliased``
 donated state is aliased to the output). The models are built abstractly
 (``nnx.eval_shape``; qwix's LoRA init runs traced), so an 8B model needs no memory.
 
-The step is :func:`jaxrl_llm.make_ppo_train_step` (value head, GAE from rewards, Adam,
+The step is :func:`jaxrl_llm.make_ppo_train_step` (built by ``make_train_step`` with
+the PPO config and, for LoRA, ``trainable=lora_trainable``; value head, GAE from rewards, Adam,
 ``remat=True``, ``logprob_chunk_size=1024``), one sequence of ``T`` tokens per device:
 
 * ``full``: every weight trained (Adam state for all);
@@ -19,11 +20,17 @@ The step is :func:`jaxrl_llm.make_ppo_train_step` (value head, GAE from rewards,
   the value head only, no base gradient);
 * ``qlora``: the same adapters over an nf4 base (blocks of 64 inputs; qwix).
 
-Models: ``1b`` (d 2048, 16 layers, 16/8 heads, d_ff 5632, vocab 32000) and ``8b``
-(Llama-3-8B shapes: d 4096, 32 layers, 32/8 heads, d_ff 14336, vocab 128256), bf16.
-``devices=8`` compiles for 8 forced CPU devices on ``make_mesh(fsdp=8)`` (parameters,
-adapters and optimizer state sharded by the mesh rules; batch 8, one row per device).
-Each (model, devices) group runs in its own subprocess.
+Models: ``tiny`` (``TransformerConfig.tiny(256)``, float32; for tests), ``1b`` (d 2048,
+16 layers, 16/8 heads, d_ff 5632, vocab 32000) and ``8b`` (Llama-3-8B shapes: d 4096, 32
+layers, 32/8 heads, d_ff 14336, vocab 128256), bf16.
+``devices=8`` compiles for 8 forced CPU devices on ``make_mesh(fsdp=8)`` as a sharded
+run does (:func:`benchmarks._aot.compile_ppo_step`, shared with
+``benchmarks/long_sequence.py``): parameters, adapters and optimizer state sharded by
+the mesh rules, batch 8 (one row per device), the forward wrapped by
+:func:`jaxrl_llm.train.shard_apply_fn` so the activations stay batch-sharded. Each
+(model, devices) group runs in its own subprocess. The longest measured ``T`` within
+24 and 80 GiB per device is reported per (model, mode, devices), with the shortest
+measured ``T`` that did not fit (the bracket).
 """
 
 from __future__ import annotations
@@ -34,19 +41,22 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
+
+from benchmarks._aot import forced_device_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-GIB = 2.0 ** 30
 RANK, ALPHA = 16, 32.0
+MODES = ("full", "lora", "qlora")
 
 
 def model_config(name: str):
   import jax.numpy as jnp
 
   from jaxrl_llm.models.transformer import TransformerConfig
-  common = dict(max_seq_len=32768, dtype=jnp.bfloat16, remat=True, value_head=True)
+  common = dict(max_seq_len=262144, dtype=jnp.bfloat16, remat=True, value_head=True)
+  if name == "tiny":   # the tests' size (float32)
+    return TransformerConfig.tiny(256, max_seq_len=4096, remat=True, value_head=True)
   if name == "1b":
     return TransformerConfig(vocab_size=32000, d_model=2048, n_layers=16, n_heads=16,
                              n_kv_heads=8, d_ff=5632, **common)
@@ -54,22 +64,29 @@ def model_config(name: str):
     return TransformerConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
                              n_kv_heads=8, d_ff=14336, rope_theta=500000.0,
                              tie_embeddings=False, **common)
-  raise ValueError(f"`model` must be '1b' or '8b', got {name!r}.")
+  raise ValueError(f"`model` must be 'tiny', '1b' or '8b', got {name!r}.")
 
 
 def compile_case(name: str, mode: str, devices: int, length: int) -> dict:
-  """AOT-compiles one step; its per-device memory (nothing runs)."""
+  """AOT-compiles one step; its per-device memory (nothing runs).
+
+  ``devices`` > 1: ``make_mesh(fsdp=devices)`` with one row per device, compiled as a
+  sharded run does (:func:`benchmarks._aot.compile_ppo_step`: ``shard_apply_fn``
+  anchors the activations to the batch sharding, so every device holds one row).
+  """
+  import resource
+
   import jax
-  import jax.numpy as jnp
   import optax
   from flax import nnx
-  from jax.sharding import NamedSharding, PartitionSpec
 
+  from benchmarks._aot import compile_ppo_step, memory_gib, num_elements, ppo_batch
   from jaxrl_llm.models.lora import apply_lora, lora_trainable
   from jaxrl_llm.models.transformer import Transformer, make_apply_fn, split_model
-  from jaxrl_llm.parallel import batch_shardings, make_mesh, state_shardings
-  from jaxrl_llm.train import TrainConfig, init_train_state, make_ppo_train_step
+  from jaxrl_llm.train import TrainConfig, init_train_state
 
+  if mode not in MODES:
+    raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
   cfg = model_config(name)
 
   def build():
@@ -85,35 +102,14 @@ def compile_case(name: str, mode: str, devices: int, length: int) -> dict:
   config = TrainConfig(logprob_chunk_size=1024)
   state = jax.eval_shape(lambda p: init_train_state(p, optimizer, config,
                                                     trainable=trainable), params)
-  rows = devices
-  f32 = lambda: jax.ShapeDtypeStruct((rows, length), jnp.float32)
-  batch = {"tokens": jax.ShapeDtypeStruct((rows, length), jnp.int32),
-           "attention_mask": f32(), "loss_mask": f32(), "old_logp": f32(),
-           "old_values": f32(), "rewards": f32()}
-  step = make_ppo_train_step(make_apply_fn(graphdef), optimizer, config)
-  if trainable is not None:
-    from jaxrl_llm.train.step import make_train_step
-    step = make_train_step(make_apply_fn(graphdef), optimizer, step.config,
-                           trainable=trainable)
-  start = time.perf_counter()
-  if devices == 1:
-    jitted = jax.jit(step, donate_argnums=0)
-  else:
-    mesh = make_mesh(fsdp=devices)
-    s_shard = state_shardings(state, mesh)
-    jitted = jax.jit(step, in_shardings=(s_shard, batch_shardings(batch, mesh)),
-                     out_shardings=(s_shard, NamedSharding(mesh, PartitionSpec())),
-                     donate_argnums=0)
-  compiled = jitted.lower(state, batch).compile()
-  seconds = time.perf_counter() - start
-  mem = compiled.memory_analysis()
-  total = (mem.argument_size_in_bytes + mem.output_size_in_bytes
-           + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
-  size = lambda tree: int(sum(x.size for x in jax.tree_util.tree_leaves(tree)))
+  compiled, seconds = compile_ppo_step(make_apply_fn(graphdef), optimizer, config, state,
+                                       ppo_batch(devices, length),
+                                       {"fsdp": devices} if devices > 1 else None,
+                                       trainable=trainable)
+  rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2.0 ** 20
   return {"model": name, "mode": mode, "devices": devices, "T": length,
-          "params": size(params), "opt_state_elems": size(state.opt_state),
-          "total_gib": total / GIB, "args_gib": mem.argument_size_in_bytes / GIB,
-          "temp_gib": mem.temp_size_in_bytes / GIB, "compile_s": seconds}
+          "params": num_elements(params), "opt_state_elems": num_elements(state.opt_state),
+          **memory_gib(compiled), "compile_s": seconds, "peak_rss_gib": rss_gb}
 
 
 def worker(args) -> None:
@@ -133,30 +129,34 @@ def worker(args) -> None:
 
 
 def fits(rows: list[dict], gib: float) -> dict:
-  """``{(model, mode, devices): longest measured T whose total fits gib}``."""
-  best: dict = {}
+  """``{(model, mode, devices): (longest measured T whose total fits gib or 0, shortest
+  measured T that does not fit or None)}``."""
+  out: dict = {}
   for r in rows:
     if "total_gib" not in r:
       continue
     key = (r["model"], r["mode"], r["devices"])
+    fit, over = out.get(key, (0, None))
     if r["total_gib"] <= gib:
-      best[key] = max(best.get(key, 0), r["T"])
+      fit = max(fit, r["T"])
     else:
-      best.setdefault(key, 0)
-  return best
+      over = r["T"] if over is None else min(over, r["T"])
+    out[key] = (fit, over)
+  return out
 
 
 def table(rows: list[dict]) -> str:
   lines = ["| model | devices | mode | T | total GiB/dev | args GiB/dev | temp GiB/dev | "
            "Adam state elems | compile s |", "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
+    devices = "1" if r["devices"] == 1 else f"{r['devices']} (fsdp={r['devices']})"
+    head = f"| {r['model']} | {devices} | {r['mode']} | {r['T']} | "
     if "total_gib" in r:
-      lines.append(f"| {r['model']} | {r['devices']} | {r['mode']} | {r['T']} | "
-                   f"{r['total_gib']:.2f} | {r['args_gib']:.2f} | {r['temp_gib']:.2f} | "
-                   f"{r['opt_state_elems']:.3g} | {r['compile_s']:.0f} |")
+      lines.append(head + f"{r['total_gib']:.2f} | {r['args_gib']:.2f} | "
+                   f"{r['temp_gib']:.2f} | {r['opt_state_elems']:.3g} | "
+                   f"{r['compile_s']:.0f} |")
     else:
-      lines.append(f"| {r['model']} | {r['devices']} | {r['mode']} | {r['T']} | "
-                   f"not compiled: {r['skipped']} | | | | |")
+      lines.append(head + f"not compiled: {r['skipped']} | | | | |")
   return "\n".join(lines)
 
 
@@ -180,11 +180,7 @@ def main(argv=None) -> None:
   for devices in args.devices:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
       out = tmp.name
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    flags.append(f"--xla_force_host_platform_device_count={devices}")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags),
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = forced_device_env(devices, ROOT, platforms="cpu")
     cmd = [sys.executable, "-m", "benchmarks.lora_memory", "--worker",
            "--models", ",".join(args.models), "--modes", ",".join(args.modes),
            "--lengths", ",".join(map(str, args.lengths)), "--devices", str(devices),
@@ -195,8 +191,9 @@ def main(argv=None) -> None:
         rows.extend(json.load(f))
   print(table(rows))
   for gib in (24.0, 80.0):
-    print(f"longest measured T within {gib:g} GiB/device:",
-          {f"{m}/{mode}/{d}dev": t for (m, mode, d), t in fits(rows, gib).items()})
+    for (m, mode, d), (fit, over) in fits(rows, gib).items():
+      print(f"{m} {mode} {d} device(s): longest measured T within {gib:g} GiB/device: "
+            f"{fit or 'none'}" + (f" ({over} does not fit)" if over else ""))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=1)

@@ -87,7 +87,8 @@ def test_long_sequence_compile_case_tiny():
   import optax
   from flax import nnx
 
-  from benchmarks.long_sequence import GIB, compile_case, model_config
+  from benchmarks._aot import GIB
+  from benchmarks.long_sequence import compile_case, model_config
   from jaxrl_llm.models.transformer import Transformer, split_model
   from jaxrl_llm.train import TrainConfig, init_train_state
 
@@ -128,3 +129,43 @@ def test_long_sequence_cli_tiny_meshes(tmp_path):
       ("1", 1, 1, "default"), ("fsdp=2,sequence=2", 4, 2, "default")]
   assert all(r["total_gib"] > 0 for r in rows)
   assert rows[1]["collective_permutes"] > 0   # the ring over sequence=2
+
+
+def test_lora_memory_fits_brackets_and_table():
+  from benchmarks.lora_memory import fits, table
+  rows = [{"model": "8b", "mode": "lora", "devices": 1, "T": t, "total_gib": g,
+           "args_gib": 1.0, "temp_gib": g - 1.0, "opt_state_elems": 3, "compile_s": 1.0}
+          for t, g in ((8192, 20.0), (16384, 30.0), (32768, 90.0))]
+  rows.append({"model": "8b", "mode": "full", "devices": 8, "T": 8192, "skipped": "x"})
+  assert fits(rows, 24.0) == {("8b", "lora", 1): (8192, 16384)}
+  assert fits(rows, 80.0) == {("8b", "lora", 1): (16384, 32768)}
+  assert fits(rows, 10.0) == {("8b", "lora", 1): (0, 8192)}
+  text = table(rows)
+  assert "| 8b | 1 | lora | 16384 | 30.00 | 1.00 | 29.00 | 3 | 1 |" in text
+  assert "| 8b | 8 (fsdp=8) | full | 8192 | not compiled: x |" in text
+
+
+@pytest.mark.slow
+def test_lora_memory_cli_tiny_fsdp_rows_are_batch_sharded(tmp_path):
+  # The command end to end on the tiny config, full and LoRA, on 1 device and on
+  # fsdp=4 (4 forced CPU devices, B = 4 rows, one per device). Per device, the fsdp
+  # rows' arguments shrink and their temporaries are not larger than one device's:
+  # each device holds one row of activations (without shard_apply_fn's anchors XLA
+  # kept all 4 rows on every device: ~1.6-1.7x the 1-device temporaries here).
+  out = tmp_path / "lm.json"
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.lora_memory", "--models", "tiny",
+                         "--modes", "full,lora", "--lengths", "256", "--devices", "1,4",
+                         "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  rows = {(r["mode"], r["devices"]): r for r in json.loads(out.read_text())}
+  assert set(rows) == {("full", 1), ("lora", 1), ("full", 4), ("lora", 4)}
+  # Adam state: mu + nu + count; LoRA: 2 x (32,768 adapters (rank 16, 7 targets,
+  # 2 layers) + 65 value head) + 1.
+  assert rows["lora", 1]["opt_state_elems"] == 2 * (32_768 + 65) + 1
+  assert rows["full", 1]["opt_state_elems"] == 2 * rows["full", 1]["params"] + 1
+  for mode in ("full", "lora"):
+    one, four = rows[mode, 1], rows[mode, 4]
+    assert four["args_gib"] < one["args_gib"]
+    assert 0 < four["temp_gib"] <= 1.05 * one["temp_gib"], (mode, four, one)
+  assert "longest measured T within 24 GiB/device: 256" in proc.stdout
