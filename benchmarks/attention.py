@@ -57,24 +57,36 @@ def _memory_bytes() -> int:
     return 16 * 2**30
 
 
-def _grad_fn(impl: str, block: int | None):
+def _grad_fn(impl: str, block: int | None, segments=None, skip: bool = True):
+  """``segments`` ``[B, T]``: packed rows. ``skip=False`` passes them as explicit key
+  ids too, which makes ``"blockwise"`` visit (and mask) every causal block."""
+  extra = {}
+  if segments is not None:
+    extra = {"segment_ids": segments, "key_segment_ids": None if skip else segments + 0}
+
   def loss(q, k, v, w):
     out = dot_product_attention(q, k, v, is_causal=True, implementation=impl,
-                                block_size=block)
+                                block_size=block, **extra)
     return jnp.sum(out * w)
 
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
 def bench_one_length(t: int, *, b: int, n: int, kh: int, h: int, block_sizes, repeats: int,
-                     dtype, max_temp_bytes: int | None = None) -> list[dict]:
+                     dtype, max_temp_bytes: int | None = None,
+                     segments: int | None = None) -> list[dict]:
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
   k = jnp.asarray(rng.normal(size=(b, t, kh, h)), dtype)
   v = jnp.asarray(rng.normal(size=(b, t, kh, h)), dtype)
   w = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
   args = (q, k, v, w)
+  seg = None
   variants = [("xla", None)] + [("blockwise", bs) for bs in block_sizes]
+  if segments:    # packed rows of `segments` equal sequences: blockwise masked vs skipping
+    seg = jnp.asarray(np.repeat(np.arange(1, segments + 1), -(-t // segments))[:t][None]
+                      .repeat(b, 0), jnp.int32)
+    variants += [("blockwise (masked)", bs) for bs in block_sizes]
   if select_implementation(q, k) == "cudnn":
     variants.append(("cudnn", None))
   rows, runnable = [], []
@@ -87,7 +99,8 @@ def bench_one_length(t: int, *, b: int, n: int, kh: int, h: int, block_sizes, re
       # Not even compiled: a GPU compile autotunes on buffers of that size.
       row["fwd_bwd_ms"] = f"skipped ([T, T] scores > {cap / 2**30:.1f} GiB)"
       continue
-    compiled = _grad_fn(impl, block).lower(*args).compile()
+    fn = _grad_fn(impl.split(" ")[0], block, seg, skip=not impl.endswith("(masked)"))
+    compiled = fn.lower(*args).compile()
     mem = compiled.memory_analysis()
     temp = int(mem.temp_size_in_bytes) if mem is not None else -1
     row["temp_MiB"] = temp / MIB
@@ -123,6 +136,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--head-dim", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--segments", type=int, default=None,
+                      help="packed rows of this many equal sequences (segment ids): adds "
+                      "blockwise without skipping other segments' blocks")
   parser.add_argument("--quick", action="store_true", help="T=256, 2 repeats")
   parser.add_argument("--max-temp-gib", type=float, default=None,
                       help="skip running a variant whose temps exceed this (default: half "
@@ -137,10 +153,11 @@ def main(argv=None) -> dict:
                              h=args.head_dim, block_sizes=args.block_sizes,
                              repeats=args.repeats, dtype=jnp.dtype(args.dtype),
                              max_temp_bytes=None if args.max_temp_gib is None
-                             else int(args.max_temp_gib * 2**30))
+                             else int(args.max_temp_gib * 2**30), segments=args.segments)
     print(markdown_table([r for r in rows if r["T"] == t], COLUMNS), flush=True)
+  packed = f", rows of {args.segments} packed sequences" if args.segments else ""
   header = (f"causal attention fwd+bwd, B={args.batch} N={args.heads} K={args.kv_heads} "
-            f"H={args.head_dim} {args.dtype}, median of {args.repeats}; {machine()}")
+            f"H={args.head_dim} {args.dtype}{packed}, median of {args.repeats}; {machine()}")
   print(header)
   print(markdown_table(rows, COLUMNS))
   payload = {"machine": machine(), "config": vars(args), "rows": rows}

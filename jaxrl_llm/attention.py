@@ -24,7 +24,10 @@ Implementations (``implementation=``):
   Dao et al. 2022, 2023) over query blocks and key blocks, in a ``jax.custom_vjp`` whose
   backward pass recomputes the scores block by block (FlashAttention-2's backward), so
   neither pass holds more than ``[B, N, block_q, block_k]`` scores: memory is linear in
-  ``T`` and ``S``. Causal key blocks that no query of a block can see are skipped.
+  ``T`` and ``S``. Causal key blocks that no query of a block can see are skipped, and
+  so, in self-attention over packed rows (``segment_ids`` alone), are the key blocks
+  outside the segments of a query block (a packed row pays for its segments' own
+  blocks, not for ``T^2/2``).
   Works for any ``T`` and ``S`` (inputs are padded up to the block sizes inside).
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU, only
   where its masks mean the same thing: no ``key_mask``, no explicit ``query_offset``,
@@ -83,7 +86,8 @@ def _check_segments(segment_ids, key_segment_ids, b, t, s):
     return None, None
   if segment_ids is None:
     raise ValueError("`key_segment_ids` needs `segment_ids` (the queries' segments).")
-  if key_segment_ids is None:
+  self_attention = key_segment_ids is None
+  if self_attention:
     if t != s:
       raise ValueError(
           f"`segment_ids` alone describes self-attention (T == S); with T={t} != S={s} "
@@ -97,7 +101,9 @@ def _check_segments(segment_ids, key_segment_ids, b, t, s):
     if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
       raise ValueError(f"`{name}` must be an integer array, got dtype "
                        f"{jnp.result_type(x)}.")
-  return jnp.asarray(segment_ids, jnp.int32), jnp.asarray(key_segment_ids, jnp.int32)
+  seg = jnp.asarray(segment_ids, jnp.int32)
+  # Self-attention returns one array twice: "blockwise" then skips other segments' blocks.
+  return seg, seg if self_attention else jnp.asarray(key_segment_ids, jnp.int32)
 
 
 def _check_inputs(query, key, value, key_mask, query_offset):
@@ -244,11 +250,49 @@ def _causal_query_blocks_start(j, bq, bk, nq, offset):
   return jnp.clip(jnp.floor_divide(j * bk - offset, bq), 0, nq)
 
 
+def _segment_runs(seg):
+  """``(first, last)`` ``[B, T]``: the first and last index of the contiguous run of
+  equal ids that holds each position (segments are contiguous runs)."""
+  t = seg.shape[1]
+  idx = jnp.arange(t, dtype=jnp.int32)
+  starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], 1)
+  ends = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones_like(seg[:, :1], bool)], 1)
+  first = lax.cummax(jnp.where(starts, idx, 0), axis=1)
+  last = lax.cummin(jnp.where(ends, idx, t - 1), axis=1, reverse=True)
+  return first, last
+
+
+def _segment_block_bounds(seg, bq, bk, tp, sp):
+  """Self-attention over packed rows (``seg`` ``[B, T]`` for queries and keys alike):
+  the blocks each block can meet, since a position sees only its own run.
+
+  Returns ``(q_lo, q_hi, k_lo, k_hi)``: query block ``i`` needs key blocks
+  ``[q_lo[i], q_hi[i])``, key block ``j`` is seen by query blocks ``[k_lo[j], k_hi[j])``
+  (empty where a block holds no position; minimum / maximum over the batch).
+
+  >>> seg = jnp.array([[1, 1, 1, 2, 2, 2, 2, 3]])      # query blocks of 4, key blocks of 2
+  >>> [b.tolist() for b in _segment_block_bounds(seg, 4, 2, 8, 8)]
+  [[0, 1], [4, 4], [0, 0, 0, 0], [1, 2, 2, 2]]
+  """
+  b, t = seg.shape
+  first, last = _segment_runs(seg)
+
+  def reduce(x, size, padded, fill, op):
+    x = jnp.pad(x, ((0, 0), (0, padded - t)), constant_values=fill)
+    return op(x.reshape(b, padded // size, size), axis=(0, 2))
+
+  q_lo = reduce(first, bq, tp, t, jnp.min) // bk
+  q_hi = reduce(last, bq, tp, -1, jnp.max) // bk + 1
+  k_lo = reduce(first, bk, sp, t, jnp.min) // bq
+  k_hi = reduce(last, bk, sp, -1, jnp.max) // bq + 1
+  return q_lo, q_hi, k_lo, k_hi
+
+
 def _seg_slice(seg, start, size):
   return None if seg is None else lax.dynamic_slice_in_dim(seg, start, size, axis=1)
 
 
-def _flash_forward(q, k, v_, valid, offset, qseg, kseg, is_causal, bq, bk):
+def _flash_forward(q, k, v_, valid, offset, qseg, kseg, bounds, is_causal, bq, bk):
   b, kh, g, tp, h = q.shape
   sp = k.shape[2]
   nq, nk = tp // bq, sp // bk
@@ -269,8 +313,10 @@ def _flash_forward(q, k, v_, valid, offset, qseg, kseg, is_causal, bq, bk):
     init = (jnp.full((b, kh, g, bq), _NEG, jnp.float32),
             jnp.zeros((b, kh, g, bq), jnp.float32),
             jnp.zeros((b, kh, g, bq, h), jnp.float32))
-    end = _causal_key_blocks_end(i, bq, bk, nk, offset) if is_causal else nk
-    m, l, acc = lax.fori_loop(0, end, body, init)
+    start, end = 0, _causal_key_blocks_end(i, bq, bk, nk, offset) if is_causal else nk
+    if bounds is not None:         # packed rows: only the key blocks of its segments
+      start, end = bounds[0][i], jnp.minimum(end, bounds[1][i])
+    m, l, acc = lax.fori_loop(start, jnp.maximum(start, end), body, init)
     visible = l > 0
     safe_l = jnp.where(visible, l, 1.0)
     out = acc / safe_l[..., None]
@@ -283,8 +329,8 @@ def _flash_forward(q, k, v_, valid, offset, qseg, kseg, is_causal, bq, bk):
   return out, lse
 
 
-def _flash_backward(q, k, v_, valid, offset, qseg, kseg, out, lse, dout, dlse, is_causal,
-                    bq, bk):
+def _flash_backward(q, k, v_, valid, offset, qseg, kseg, bounds, out, lse, dout, dlse,
+                    is_causal, bq, bk):
   b, kh, _, tp, h = q.shape
   sp = k.shape[2]
   nq, nk = tp // bq, sp // bk
@@ -318,8 +364,10 @@ def _flash_backward(q, k, v_, valid, offset, qseg, kseg, out, lse, dout, dlse, i
 
     init = (jnp.zeros((b, kh, bk, h), jnp.float32), jnp.zeros((b, kh, bk, h), jnp.float32),
             dq)
-    start = _causal_query_blocks_start(j, bq, bk, nq, offset) if is_causal else 0
-    dk, dv, dq = lax.fori_loop(start, nq, body, init)
+    start, end = _causal_query_blocks_start(j, bq, bk, nq, offset) if is_causal else 0, nq
+    if bounds is not None:         # packed rows: only the query blocks of its segments
+      start, end = jnp.maximum(start, bounds[2][j]), bounds[3][j]
+    dk, dv, dq = lax.fori_loop(start, jnp.maximum(start, end), body, init)
     return dq, (dk, dv)
 
   dq, (dk, dv) = lax.scan(key_block, jnp.zeros_like(q), jnp.arange(nk))
@@ -328,22 +376,22 @@ def _flash_backward(q, k, v_, valid, offset, qseg, kseg, out, lse, dout, dlse, i
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _flash(q, k, v_, valid, offset, qseg, kseg, is_causal, bq, bk):
-  return _flash_forward(q, k, v_, valid, offset, qseg, kseg, is_causal, bq, bk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _flash(q, k, v_, valid, offset, qseg, kseg, bounds, is_causal, bq, bk):
+  return _flash_forward(q, k, v_, valid, offset, qseg, kseg, bounds, is_causal, bq, bk)
 
 
-def _flash_fwd(q, k, v_, valid, offset, qseg, kseg, is_causal, bq, bk):
-  out, lse = _flash_forward(q, k, v_, valid, offset, qseg, kseg, is_causal, bq, bk)
-  return (out, lse), (q, k, v_, valid, offset, qseg, kseg, out, lse)
+def _flash_fwd(q, k, v_, valid, offset, qseg, kseg, bounds, is_causal, bq, bk):
+  out, lse = _flash_forward(q, k, v_, valid, offset, qseg, kseg, bounds, is_causal, bq, bk)
+  return (out, lse), (q, k, v_, valid, offset, qseg, kseg, bounds, out, lse)
 
 
 def _flash_bwd(is_causal, bq, bk, residuals, cotangents):
-  q, k, v_, valid, offset, qseg, kseg, out, lse = residuals
+  q, k, v_, valid, offset, qseg, kseg, bounds, out, lse = residuals
   dout, dlse = cotangents
-  dq, dk, dv = _flash_backward(q, k, v_, valid, offset, qseg, kseg, out, lse, dout, dlse,
-                               is_causal, bq, bk)
-  return dq, dk, dv, None, None, None, None
+  dq, dk, dv = _flash_backward(q, k, v_, valid, offset, qseg, kseg, bounds, out, lse, dout,
+                               dlse, is_causal, bq, bk)
+  return dq, dk, dv, None, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -366,13 +414,15 @@ def _blockwise_with_lse(query, key, value, key_mask, is_causal, offset, block_si
                ((0, 0), (0, 0), (0, sp - s), (0, 0)))
   valid = jnp.ones((b, s), bool) if key_mask is None else key_mask != 0
   valid = jnp.pad(valid, ((0, 0), (0, sp - s)))
-  qseg = kseg = None
+  qseg = kseg = bounds = None
   if segments is not None:   # padded queries/keys get segment 0 (keys invalid anyway)
     qseg = jnp.pad(segments[0], ((0, 0), (0, tp - t)))
     kseg = jnp.pad(segments[1], ((0, 0), (0, sp - s)))
     valid = valid & (kseg != 0)
+    if segments[0] is segments[1] and isinstance(offset, int) and offset == 0:
+      bounds = _segment_block_bounds(segments[0], bq, bk, tp, sp)   # self-attention
   offset = jnp.asarray(offset, jnp.int32)
-  out, lse = _flash(q, kt, vt, valid, offset, qseg, kseg, is_causal, bq, bk)
+  out, lse = _flash(q, kt, vt, valid, offset, qseg, kseg, bounds, is_causal, bq, bk)
   out = jnp.transpose(out[:, :, :, :t], (0, 3, 1, 2, 4)).reshape(b, t, n, h)
   lse = jnp.transpose(lse[:, :, :, :t], (0, 3, 1, 2)).reshape(b, t, n)
   return out, lse

@@ -156,6 +156,67 @@ def test_attention_packed_equals_each_sequence_alone(impl):
   np.testing.assert_array_equal(out[0, -2:], 0.0)    # padding sees no key
 
 
+def test_blockwise_block_bounds_of_packed_rows_pinned():
+  from jaxrl_llm.attention import _segment_block_bounds, _segment_runs
+  seg = jnp.array([[1, 1, 1, 2, 2, 2, 2, 3], [1, 1, 2, 2, 0, 0, 0, 0]])
+  first, last = _segment_runs(seg)
+  assert first.tolist() == [[0, 0, 0, 3, 3, 3, 3, 7], [0, 0, 2, 2, 4, 4, 4, 4]]
+  assert last.tolist() == [[2, 2, 2, 6, 6, 6, 6, 7], [1, 1, 3, 3, 7, 7, 7, 7]]
+  # Blocks of 2: query block i needs key blocks [q_lo, q_hi); key block j is seen by
+  # query blocks [k_lo, k_hi) (min / max over the rows; padding runs count, harmlessly).
+  q_lo, q_hi, k_lo, k_hi = _segment_block_bounds(seg, 2, 2, 8, 8)
+  assert (q_lo.tolist(), q_hi.tolist()) == ([0, 0, 1, 1], [2, 4, 4, 4])
+  assert (k_lo.tolist(), k_hi.tolist()) == ([0, 0, 1, 1], [2, 4, 4, 4])
+  # Query blocks of 4, key blocks of 2 (row 0 alone): block 0 (segments 1, 2) needs key
+  # blocks 0-3, block 1 (2, 3) blocks 1-3; key block 0 (segment 1) is seen by block 0.
+  assert [b.tolist() for b in _segment_block_bounds(seg[:1], 4, 2, 8, 8)] == [
+      [0, 1], [4, 4], [0, 0, 0, 0], [1, 2, 2, 2]]
+  # Padded blocks (T=7 in blocks of 4) hold no position and bound nothing beyond T.
+  assert [b.tolist() for b in _segment_block_bounds(seg[:, :7], 4, 4, 8, 8)] == [
+      [0, 0], [2, 2], [0, 0], [2, 2]]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_blockwise_skips_other_segments_blocks_bit_identically(causal, monkeypatch):
+  """Self-attention over packed rows visits only its segments' key blocks (forward) and
+  query blocks (backward): outputs and gradients equal, bit for bit, the computation
+  that visits every block and masks (explicit key ids turn the skipping off)."""
+  import jaxrl_llm.attention as attention
+  rng = np.random.default_rng(3)
+  seg = np.zeros((2, 61), np.int32)
+  for r in range(2):
+    pos, sid = 0, 1
+    while pos < 56:
+      n = int(rng.integers(1, 20))
+      seg[r, pos:pos + n], pos, sid = sid, pos + n, sid + 1
+  seg = jnp.asarray(seg)
+  q, k, val = (jnp.asarray(rng.normal(size=(2, 61, h, 8)), jnp.float32) for h in (4, 2, 2))
+  used = []
+  bounds = attention._segment_block_bounds
+  monkeypatch.setattr(attention, "_segment_block_bounds",
+                      lambda *a: used.append(a[1:3]) or bounds(*a))
+
+  def attend(q, k, val, keys):
+    return dot_product_attention(q, k, val, is_causal=causal, implementation="blockwise",
+                                 block_size=(16, 8), segment_ids=seg, key_segment_ids=keys)
+
+  def loss(q, k, val, keys):
+    return (attend(q, k, val, keys) ** 2).sum()
+
+  skipped = attend(q, k, val, None)
+  grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, val, None)
+  assert used == [(16, 8), (16, 8)]                     # forward, and inside grad
+  masked = attend(q, k, val, seg + 0)
+  masked_grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, val, seg + 0)
+  assert used == [(16, 8), (16, 8)]                     # other key ids: no skipping
+  np.testing.assert_array_equal(skipped, masked)
+  for a, b in zip(grads, masked_grads):
+    np.testing.assert_array_equal(a, b)
+  xla = dot_product_attention(q, k, val, is_causal=causal, implementation="xla",
+                              segment_ids=seg)
+  np.testing.assert_allclose(skipped, xla, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def model():
   config = TransformerConfig.tiny(VOCAB, attention="xla")
