@@ -305,7 +305,7 @@ class RunConfig:
     if self.partial_rollouts and self.rollout != "engine":
       raise ValueError(f"--partial-rollouts needs --rollout engine (got --rollout "
                        f"{self.rollout}): in-flight samples live in the engine's slots")
-    if not self.partial_rollouts and (self.partial_kv != "recompute"):
+    if not self.partial_rollouts and self._changed("partial_kv"):
       raise ValueError(f"--partial-kv {self.partial_kv} is a setting of "
                        "--partial-rollouts; add --partial-rollouts")
     if self.async_rollouts and self.rollout == "vllm":
@@ -319,7 +319,7 @@ class RunConfig:
                        f"{self.rollout})")
     if self.async_rollouts and self.partial_rollouts:
       raise ValueError("--async and --partial-rollouts are exclusive (choose one)")
-    if self.max_staleness != 1 and not self.async_rollouts:
+    if self._changed("max_staleness") and not self.async_rollouts:
       raise ValueError(f"--max-staleness {self.max_staleness} is a setting of --async; "
                        "add --async")
     if self.pack_tokens is not None and not self.pack:
@@ -329,12 +329,15 @@ class RunConfig:
       raise ValueError("--token-budget is the budget of --partial-rollouts; add "
                        "--partial-rollouts")
 
+  def _changed(self, name: str) -> bool:
+    """Whether field ``name`` differs from its declared default."""
+    field = next(f for f in dataclasses.fields(self) if f.name == name)
+    return getattr(self, name) != field.default
+
   def _validate_lora(self) -> None:
-    default_targets = ",".join(LORA_TARGET_NAMES)
     if self.lora_rank is None:
-      for name, default in (("lora_alpha", None), ("lora_targets", default_targets),
-                            ("lora_base_dtype", "bf16"), ("lora_init", None)):
-        if getattr(self, name) != default:
+      for name in ("lora_alpha", "lora_targets", "lora_base_dtype", "lora_init"):
+        if self._changed(name):
           raise ValueError(f"{flag(name)} is a setting of --lora-rank; add --lora-rank")
       return
     names = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
