@@ -18,11 +18,9 @@ from __future__ import annotations
 import os
 import sys
 
-# Keep the caller's XLA flags (e.g. the test session's), but force 2 CPU devices.
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split()
-     if not f.startswith("--xla_force_host_platform_device_count")] +
-    ["--xla_force_host_platform_device_count=2"])
+from tests._devices import force_host_devices
+
+force_host_devices(2)    # before jax is imported; the caller's other XLA flags kept
 
 import jax
 import numpy as np
@@ -31,16 +29,16 @@ import numpy as np
 # rounding only, and the comparison tolerance (1e-5) is far above it.
 jax.config.update("jax_disable_most_optimizations", True)
 
-from jaxrl_llm.parallel import (  # noqa: E402
+from jaxrl_llm.parallel import (
   gather_to_host,
   host_local_batch,
   initialize_multihost,
   make_mesh,
   shard_batch,
 )
-from jaxrl_llm.parallel.multihost import shutdown_multihost  # noqa: E402
-from jaxrl_llm.train import init_train_state, make_train_step, shard_apply_fn, shard_train_step  # noqa: E402
-from tests import parallel_setup as S  # noqa: E402
+from jaxrl_llm.parallel.multihost import shutdown_multihost
+from jaxrl_llm.train import init_train_state, make_train_step, shard_apply_fn, shard_train_step
+from tests import parallel_setup as S
 
 LAYOUTS = {"data4": dict(data=4), "data2_fsdp2": dict(data=2, fsdp=2)}
 

@@ -7,12 +7,9 @@ the measurements as JSON; ``tests/test_packing.py`` asserts on them.
 
 from __future__ import annotations
 
-import os
+from tests._devices import force_host_devices
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split()
-     if not f.startswith("--xla_force_host_platform_device_count")] +
-    ["--xla_force_host_platform_device_count=8"])
+force_host_devices(8)    # before jax is imported; the caller's other XLA flags kept
 
 import json
 import sys
@@ -26,23 +23,23 @@ import numpy as np
 # Compile fast on a 2-core box: changes float rounding only.
 jax.config.update("jax_disable_most_optimizations", True)
 
-from jaxrl_llm.attention import dot_product_attention, register_attention  # noqa: E402
-from jaxrl_llm.packing import pack_batch  # noqa: E402
-from jaxrl_llm.parallel import (  # noqa: E402
+from jaxrl_llm.attention import dot_product_attention, register_attention
+from jaxrl_llm.packing import pack_batch
+from jaxrl_llm.parallel import (
   gather_to_host,
   make_mesh,
   ring_attention,
   ring_dot_product_attention,
   shard_batch,
 )
-from jaxrl_llm.train import (  # noqa: E402
+from jaxrl_llm.train import (
   TrainConfig,
   init_train_state,
   make_train_step,
   shard_apply_fn,
   shard_train_step,
 )
-from tests import ring_setup as R  # noqa: E402
+from tests import ring_setup as R
 
 MESHES = {"seq8": dict(data=1, sequence=8), "data2_seq4": dict(data=2, sequence=4)}
 

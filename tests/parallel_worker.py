@@ -8,13 +8,9 @@ traceback, so one failure does not hide the others.
 
 from __future__ import annotations
 
-import os
+from tests._devices import force_host_devices
 
-# Keep the caller's XLA flags (e.g. the test session's), but force 8 CPU devices.
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split()
-     if not f.startswith("--xla_force_host_platform_device_count")] +
-    ["--xla_force_host_platform_device_count=8"])
+force_host_devices(8)    # before jax is imported; the caller's other XLA flags kept
 
 import json
 import sys
@@ -31,9 +27,9 @@ import numpy as np
 # tolerance of the comparisons.
 jax.config.update("jax_disable_most_optimizations", True)
 
-from jaxrl_llm.advantages import gae  # noqa: E402
-from jaxrl_llm.logprobs import token_logprobs_from_hidden  # noqa: E402
-from jaxrl_llm.parallel import (  # noqa: E402
+from jaxrl_llm.advantages import gae
+from jaxrl_llm.logprobs import token_logprobs_from_hidden
+from jaxrl_llm.parallel import (
   gather_to_host,
   make_mesh,
   replicate,
@@ -44,15 +40,15 @@ from jaxrl_llm.parallel import (  # noqa: E402
   split_batch,
   state_shardings,
 )
-from jaxrl_llm.train import (  # noqa: E402
+from jaxrl_llm.train import (
   init_train_state,
   make_pmap_train_step,
   make_train_step,
   shard_apply_fn,
   shard_train_step,
 )
-from tests import parallel_setup as S  # noqa: E402
-from tests.utils import random_mask  # noqa: E402
+from tests import parallel_setup as S
+from tests.utils import random_mask
 
 # name: (mesh sizes, build the step from shard_apply_fn (activation constraints)).
 LAYOUTS = {

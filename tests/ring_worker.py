@@ -7,12 +7,9 @@ once, with ``XLA_FLAGS`` forcing 8 CPU devices) and writes the measurements as J
 
 from __future__ import annotations
 
-import os
+from tests._devices import force_host_devices
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split()
-     if not f.startswith("--xla_force_host_platform_device_count")] +
-    ["--xla_force_host_platform_device_count=8"])
+force_host_devices(8)    # before jax is imported; the caller's other XLA flags kept
 
 import json
 import sys
@@ -26,16 +23,16 @@ import numpy as np
 # Compile fast on a 2-core box: changes float rounding only (tolerances are 1e-5).
 jax.config.update("jax_disable_most_optimizations", True)
 
-from jaxrl_llm.attention import attention_with_lse, dot_product_attention, register_attention  # noqa: E402
-from jaxrl_llm.parallel import (  # noqa: E402
+from jaxrl_llm.attention import attention_with_lse, dot_product_attention, register_attention
+from jaxrl_llm.parallel import (
   gather_to_host,
   make_mesh,
   ring_attention,
   ring_dot_product_attention,
   shard_batch,
 )
-from jaxrl_llm.train import init_train_state, make_train_step, shard_apply_fn, shard_train_step  # noqa: E402
-from tests import ring_setup as R  # noqa: E402
+from jaxrl_llm.train import init_train_state, make_train_step, shard_apply_fn, shard_train_step
+from tests import ring_setup as R
 
 
 def _max_diff(a, b):

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split()
-     if not f.startswith("--xla_force_host_platform_device_count")] +
-    ["--xla_force_host_platform_device_count=4"])
+from tests._devices import force_host_devices
+
+force_host_devices(4)    # before jax is imported; the caller's other XLA flags kept
 
 import json
 import sys

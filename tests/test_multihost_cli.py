@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.parallel.multihost import PEER_LOST_EXIT_CODE
+from tests._devices import xla_flags_with_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
@@ -61,9 +62,7 @@ def _env(devices: int, **extra: str) -> dict:
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
                "JAXRL_COORDINATOR", "JAXRL_NUM_PROCESSES", "JAXRL_PROCESS_ID"):
     env.pop(name, None)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+  env["XLA_FLAGS"] = xla_flags_with_devices(env.get("XLA_FLAGS", ""), devices)
   return env
 
 

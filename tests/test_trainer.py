@@ -15,6 +15,7 @@ from jaxrl_llm.loop.recipes import RECIPES
 from jaxrl_llm.loop.resolve import resolve
 from jaxrl_llm.loop.run import run_training
 from jaxrl_llm.run_folder import RunFolderError
+from tests._devices import xla_flags_with_devices
 from tests.utils import train_two_steps
 
 ALGOS = tuple(RECIPES)
@@ -91,10 +92,8 @@ def test_cli_train_eval_plot_as_subprocess(tmp_path):
   out = str(tmp_path / "cli_run")
   # Two forced CPU devices and --data 2: the CLI trains on a data-parallel mesh.
   # (the caller's own forced device count, e.g. 8, is replaced)
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  flags.append("--xla_force_host_platform_device_count=2")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""), 2))
   cmd = [sys.executable, "-m", "jaxrl_llm", "train", "--steps", "2", "--prompts-per-step",
          "4", "--group-size", "2", "--eval-size", "8", "--eval-every", "2", "--data", "2",
          "--out", out]
