@@ -70,7 +70,10 @@ class StringTask(Task):
     return self.chars
 
   def draw(self, rng: np.random.Generator) -> Problem:
-    n = int(rng.integers(self.min_len, self.max_len + 1))
+    return self._problem(rng, int(rng.integers(self.min_len, self.max_len + 1)))
+
+  def _problem(self, rng: np.random.Generator, n: int) -> Problem:
+    """The problem of a random ``n``-character input."""
     s = "".join(self.chars[i] for i in rng.integers(0, len(self.chars), size=n))
     return Problem(prompt=s + "=", answer=self.transform(s))
 
@@ -163,7 +166,7 @@ class RepeatTask(StringTask):
     return self.answer_len + 1
 
   def transform(self, s: str) -> str:
-    return (s * (-(-self.answer_len // len(s))))[: self.answer_len]
+    return _repeat_to(s, self.answer_len)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -205,11 +208,13 @@ class MixedRepeatTask(RepeatTask):
       raise ValueError(f"`long_share` must be in [0, 1], got {self.long_share!r}.")
 
   def draw(self, rng: np.random.Generator) -> Problem:
-    n = (self.max_len if rng.random() < self.long_share
-         else int(rng.integers(self.min_len, self.max_len)))
-    s = "".join(self.chars[i] for i in rng.integers(0, len(self.chars), size=n))
-    return Problem(prompt=s + "=", answer=self.transform(s))
+    return self._problem(rng, self.max_len if rng.random() < self.long_share
+                         else int(rng.integers(self.min_len, self.max_len)))
 
   def transform(self, s: str) -> str:
-    length = self.answer_len if len(s) == self.max_len else self.short_len
-    return (s * (-(-length // len(s))))[:length]
+    return _repeat_to(s, self.answer_len if len(s) == self.max_len else self.short_len)
+
+
+def _repeat_to(s: str, length: int) -> str:
+  """``s`` written over and over, cut to ``length`` characters."""
+  return (s * (-(-length // len(s))))[:length]
