@@ -87,13 +87,17 @@ def one_run(mode: str, seed: int, args) -> dict:
   return out
 
 
+_PHASE_WARMUP = 4
+
+
 def rollout_phase(args) -> list[dict]:
   """The generation of one step alone, at fixed (initial) weights: the length mix of
   the untrained model stays heavy-tailed (training on ``repeat`` quickly makes most
   responses long). ``sync`` is :func:`jaxrl_llm.loop.batch._rollout` through the
   engine; ``partial`` / ``partial-keep`` are :class:`PartialRollouts` steps whose
   ``version`` advances every step (so ``recompute`` prefills the in-flight samples
-  again each step, as in training). Steps 1-2 compile and are left out."""
+  again each step, as in training). The first ``_PHASE_WARMUP`` steps compile (the
+  recompute's smaller row counts appear in steps 2-4) and are left out."""
   import jax
 
   from jaxrl_llm.loop.batch import _rollout
@@ -137,7 +141,7 @@ def rollout_phase(args) -> list[dict]:
         recompute = stats["recompute_s"]
       elapsed = time.perf_counter() - start
       del engine.generate
-      if step <= 2:
+      if step <= _PHASE_WARMUP:
         continue
       steps = sum(c.get("decode_steps", 0) for c in stats_calls)
       tokens = sum(c.get("generated_tokens", 0) for c in stats_calls)
@@ -188,11 +192,11 @@ def main(argv=None):
   args = p.parse_args(argv)
   if args.quick:
     args.steps, args.prompts, args.group, args.eval_size = 4, 2, 2, 4
-    args.phase_steps = 3
+    args.phase_steps = _PHASE_WARMUP + 1
   seeds = [int(s) for s in args.seeds.split(",")]
   modes = args.modes.split(",")
   runs = [one_run(mode, seed, args) for seed in seeds for mode in modes if mode]
-  phase = rollout_phase(args) if args.phase_steps > 2 else []
+  phase = rollout_phase(args) if args.phase_steps > _PHASE_WARMUP else []
   print(f"machine: {machine()}")
   print(f"task {args.task}, algo {args.algo}, {args.steps} steps, {args.prompts} prompts "
         f"x {args.group} samples, token budget {args.budget or 'default'}\n")
@@ -208,8 +212,9 @@ def main(argv=None):
     for r in runs:
       print(f"  {r['mode']} seed {r['seed']}: {r['eval_curve']}")
   if phase:
-    print(f"\nrollout phase alone at the initial weights ({args.phase_steps - 2} steps "
-          "after 2 compiling ones; trained lengths of the step's batch):\n")
+    print(f"\nrollout phase alone at the initial weights ({args.phase_steps - _PHASE_WARMUP} "
+          f"steps after {_PHASE_WARMUP} compiling ones; trained lengths of the step's "
+          "batch):\n")
     print(markdown_table(phase, list(phase[0])))
   if args.json:
     write_json(args.json, {"machine": machine(), "args": vars(args), "runs": runs,

@@ -28,6 +28,19 @@ def _rows(out):
     return [json.loads(line) for line in f]
 
 
+def _counting_waits(engine):
+  """Wraps ``engine.generate`` to record, per call, the samples that wait for a slot
+  (queued in the engine + the call's new ones) as it starts."""
+  waits, generate = [], engine.generate
+
+  def counted(params, requests, *args, **kwargs):
+    waits.append(engine.waiting + sum(r.n for r in requests))
+    return generate(params, requests, *args, **kwargs)
+
+  engine.generate = counted
+  return waits
+
+
 def test_partial_rollouts_train_on_complete_groups_with_their_versions():
   run = RunConfig(**SMALL)
   task = make_task(run)
@@ -36,8 +49,9 @@ def test_partial_rollouts_train_on_complete_groups_with_their_versions():
   policy = make_policy(resolved, task)
   partial = PartialRollouts(policy, task, resolved.sampling, resolved.train,
                             token_budget=run.token_budget)
+  waits = _counting_waits(partial.engine)
   params = policy.init_params
-  lags, unsents = [], []
+  lags = []
   for version in range(4):
     rng = np.random.default_rng([0, version + 1])
     rows, problems, stats = partial.rollout(params, version, rng,
@@ -57,28 +71,25 @@ def test_partial_rollouts_train_on_complete_groups_with_their_versions():
     assert stats["staleness_mean"] == pytest.approx(lag.mean())
     assert stats["staleness_max"] == lag.max()
     assert stats["in_flight"] == partial.engine.in_flight
-    # 8 slots (a step's samples); topped up to 8 / 2 + 4 = 8 incomplete groups, 4 of
-    # them trained: the groups left are in flight or complete and waiting.
+    # Every sample of an untrained group is finished or in the engine (in a slot or
+    # waiting for one), and at least a full set of slots' worth waited at every call.
     assert partial.engine.max_slots == 8
-    incomplete = partial.outstanding - stats["groups_waiting"]
     unfinished = sum(g - len(done) for done in partial.finished.values())
-    unsent = sum(r.n for r in partial.unsent)
-    assert stats["in_flight"] + unsent == unfinished and incomplete <= 8
+    assert stats["in_flight"] == unfinished
     lags.append(stats["staleness_max"])
-    unsents.append(unsent)
+  assert min(waits) >= 8 and len(waits) > 4
   assert lags == [0, 1, 1, 1]                   # samples did span steps (seeded)
-  assert unsents == [0, 0, 0, 0]
   assert (stats["staleness_mean"], stats["in_flight"], stats["groups_waiting"]) == (
-      0.6875, 9, 1)
+      0.6875, 11, 1)
   assert partial.engine.reset() == stats["in_flight"] and partial.engine.pages_in_use == 0
 
 
-def test_new_groups_of_a_step_that_made_no_engine_call_are_sent_next_step():
-  """A budget that finishes every sample in one call: step 0 completes 8 groups and
-  trains 4; step 1 trains the 4 waiting ones without an engine call, so the groups it
-  tops up with are sent at step 2's call (before the fix they were never sent, and
-  their groups never completed)."""
-  run = RunConfig(**{**SMALL, "token_budget": 10_000})
+def test_a_step_whose_batch_is_already_complete_calls_and_submits_nothing():
+  """16 slots and a budget that finishes every sample in one call: step 0 submits 8
+  groups (16 samples), completes them and trains 4; step 1 trains the 4 waiting ones
+  without an engine call and submits no new group (they would only wait); step 2 tops
+  up and calls again."""
+  run = RunConfig(**{**SMALL, "token_budget": 10_000, "rollout_slots": 16})
   task = make_task(run)
   resolved = resolve(run, task)
   policy = make_policy(resolved, task)
@@ -90,10 +101,10 @@ def test_new_groups_of_a_step_that_made_no_engine_call_are_sent_next_step():
                                             np.random.default_rng([1, version]),
                                             jax.random.PRNGKey(version))
     calls.append(stats["engine_calls"])
-    sent.append(sum(r.n for r in partial.unsent))
+    sent.append(stats["submitted_groups"])
     assert len(problems) == 4 and np.all(rows["loss_mask"].sum(axis=1) > 0)
-  assert calls == [1.0, 0.0, 1.0] and sent == [0, 16, 0]
-  assert partial.outstanding == 4 and stats["groups_waiting"] == 4  # all came back
+  assert calls == [1.0, 0.0, 1.0] and sent == [8.0, 0.0, 8.0]
+  assert partial.outstanding == 4 and stats["groups_waiting"] == 4
   assert partial.engine.in_flight == 0
 
 

@@ -109,10 +109,13 @@ def test_new_requests_join_in_flight_samples_and_keep_their_own_seed():
   assert all(_same(a, b) for a, b in zip(alone_1 + alone_2, out))
 
 
-def test_tokens_carry_the_version_that_sampled_them_and_its_logprobs():
+@pytest.mark.parametrize("slots", [8, 3])
+def test_tokens_carry_the_version_that_sampled_them_and_its_logprobs(slots):
   # Recompute (default): tokens tagged 0 were drawn from params A, tokens tagged 1
-  # from params B given the whole prefix (the cache was prefilled again under B).
-  engine = RolloutEngine(PAGED, max_slots=8, **KW)
+  # from params B given the whole prefix (the cache was prefilled again under B; with 8
+  # slots its last rounds, a few long samples, run in 2 rows). With 3 slots samples
+  # wait: their groups' prompts are prefilled again too.
+  engine = RolloutEngine(PAGED, max_slots=slots, **KW)
   out = engine.generate(PARAMS_A, MIXED, seed=3, token_budget=20)
   assert engine.in_flight > 0
   out += engine.generate(PARAMS_B, [], version=1)
@@ -132,7 +135,7 @@ def test_tokens_carry_the_version_that_sampled_them_and_its_logprobs():
       if r.temperature > 0:
         np.testing.assert_allclose(c.filtered_logprobs[at], filt[at], rtol=1e-4,
                                    atol=1e-4)
-  assert spans >= 4                                # several completions span A and B
+  assert spans >= {8: 4, 3: 2}[slots]              # several completions span A and B
   # The two versions differ: B's log-probs of the A-tagged tokens are not A's.
   c = out[0]
   full_b, _ = _teacher_forced(PARAMS_B, MIXED[0].prompt, c.tokens, MIXED[0].temperature,
@@ -170,6 +173,23 @@ def test_recompute_with_unchanged_params_matches_the_unbounded_call():
   for a, b in zip(whole, out):
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+def test_refill_after_changes_the_device_calls_not_the_samples():
+  # 7 samples, 3 slots: samples wait. Returning after every finished slot (1) or after
+  # 2 of them gives bitwise the same completions, in fewer, longer device calls with 2
+  # (24 tokens: 24 decode steps in 5 calls at 1, 27 steps in 3 calls at 2).
+  def run(refill_after):
+    engine = RolloutEngine(PAGED, max_slots=3, refill_after=refill_after,
+                           **{**KW, "steps_per_call": 16})
+    out = engine.generate(PARAMS_A, MIXED, seed=5)
+    return out, engine.stats["decode_calls"], engine.stats["decode_steps"]
+
+  (eager, eager_calls, eager_steps), (lazy, lazy_calls, lazy_steps) = run(1), run(2)
+  assert len(eager) == 7 and all(_same(a, b) for a, b in zip(eager, lazy))
+  assert (eager_calls, eager_steps, lazy_calls, lazy_steps) == (5, 24, 3, 27)
+  with pytest.raises(ValueError, match="`refill_after`"):
+    RolloutEngine(PAGED, max_slots=3, refill_after=0, **KW)
 
 
 def test_reset_drops_in_flight_samples_and_returns_their_pages():

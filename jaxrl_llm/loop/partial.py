@@ -8,13 +8,12 @@ continue in the next step, under the new weights.
 
 One step of :class:`PartialRollouts`:
 
-1. **Top up.** New groups (``group_size`` samples of a new prompt, drawn with the
-   step's ``rng_np``) are submitted until ``ceil(slots / group_size) +
-   prompts_per_step`` groups are incomplete (some sample still decoding or queued):
-   enough to fill every slot and to refill the slots a step's batch frees, so the
-   engine never idles a slot for lack of work (slime's over-sampling). New groups
-   of a step that needed no engine call (enough complete groups were waiting) are
-   submitted at the next step's first call.
+1. **Top up.** Before every engine call, new groups (``group_size`` samples of a new
+   prompt, drawn with the step's ``rng_np``) are submitted until at least ``slots``
+   samples wait for a slot: the call can refill every slot that frees, so no slot
+   idles for lack of work (slime's over-sampling). Waiting samples have drawn nothing
+   yet, so they add no staleness; a step whose batch is already complete (groups
+   finished in earlier steps) submits nothing.
 2. **Generate** through the run's own :class:`~jaxrl_llm.rollout.RolloutEngine`
    (separate from the one evaluation uses; as many slots, ``--rollout-slots``) in
    calls of ``token_budget`` tokens (:meth:`RolloutEngine.generate`'s ``token_budget``;
@@ -88,18 +87,41 @@ class PartialRollouts:
     if policy.engine is None or policy.paged_decode_fns is None:
       raise ValueError("--partial-rollouts needs the rollout engine (--rollout engine).")
     base = policy.engine
-    self.engine = base.replica(on_new_version=kv)
+    # Samples always wait here, so a device call would return at every finished slot:
+    # it returns once an eighth of the slots finished (engine's ``refill_after``).
+    self.engine = base.replica(on_new_version=kv, refill_after=max(1, base.max_slots // 8))
     self.task, self.sampling, self.config, self.policy = task, sampling, config, policy
     self.token_budget = token_budget or base.max_slots * base.steps_per_call
     self.problems: dict[int, Any] = {}                  # group id -> problem
     self.finished: dict[int, list[Completion]] = {}     # group id -> its samples
     self.next_group = 0
-    self.unsent: list[Request] = []
 
   @property
   def outstanding(self) -> int:
     """Groups submitted and not yet trained on."""
     return len(self.problems)
+
+  def _top_up(self, rng_np: np.random.Generator) -> list[Request]:
+    """New groups (``group_size`` samples of a new prompt each) until at least
+    ``max_slots`` samples wait for a slot, so the coming call can refill every slot
+    that frees; ``[]`` when enough wait."""
+    task, tok, g = self.task, self.task.tokenizer, self.sampling.group_size
+    new = -(-(self.engine.max_slots - self.engine.waiting) // g)
+    if new <= 0:
+      return []
+    eos_ids = tuple(np.atleast_1d(stop_ids(tok)).tolist())
+    problems = task.sample_prompts(rng_np, new)
+    prompts, mask = tok.encode_batch([q.prompt for q in problems], task.max_prompt_len)
+    requests = []
+    for q, row, keep in zip(problems, np.asarray(prompts), np.asarray(mask)):
+      gid = self.next_group
+      self.next_group += 1
+      self.problems[gid] = q
+      self.finished[gid] = []
+      requests.append(Request(row[keep > 0].tolist(), n=g, max_new_tokens=task.max_new_tokens,
+                              temperature=float(self.config.temperature), eos_ids=eos_ids,
+                              tag=gid))
+    return requests
 
   def rollout(self, params: Any, version: int, rng_np: np.random.Generator,
               key: jax.Array) -> tuple[dict, list, dict]:
@@ -109,40 +131,21 @@ class PartialRollouts:
     """
     task, tok = self.task, self.task.tokenizer
     p, g = self.sampling.prompts_per_step, self.sampling.group_size
-    requests, self.unsent = self.unsent, []     # groups of a step that made no call
-    incomplete = sum(len(done) < g for done in self.finished.values())
-    new = -(-self.engine.max_slots // g) + p - incomplete
-    eos = stop_ids(tok)
-    eos_ids = tuple(np.atleast_1d(eos).tolist())
-    if new > 0:
-      problems = task.sample_prompts(rng_np, new)
-      prompts, mask = tok.encode_batch([q.prompt for q in problems], task.max_prompt_len)
-      for q, row, keep in zip(problems, np.asarray(prompts), np.asarray(mask)):
-        gid = self.next_group
-        self.next_group += 1
-        self.problems[gid] = q
-        self.finished[gid] = []
-        requests.append(Request(row[keep > 0].tolist(), n=g,
-                                max_new_tokens=task.max_new_tokens,
-                                temperature=float(self.config.temperature),
-                                eos_ids=eos_ids, tag=gid))
     seed = int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
-    start, calls, recompute_s, recomputed = time.perf_counter(), 0, 0.0, 0
+    start, calls, recompute_s, recomputed, sent = time.perf_counter(), 0, 0.0, 0, 0
 
     def complete() -> list[int]:
       return [gid for gid, done in self.finished.items() if len(done) == g]
 
     while len(complete()) < p:
-      if not requests and not self.engine.in_flight:
-        raise RuntimeError("partial rollouts: nothing in flight and too few groups "
-                           "complete (internal).")
+      requests = self._top_up(rng_np)
+      # The step's requests draw as one list: request i of this call as ``sent + i``.
       for c in self.engine.generate(params, requests, seed, token_budget=self.token_budget,
-                                    version=version):
+                                    version=version, first_request=sent):
         self.finished[c.tag].append(c)
-      requests, calls = [], calls + 1
+      calls, sent = calls + 1, sent + len(requests)
       recompute_s += self.engine.stats.get("recompute_s", 0.0)
       recomputed += self.engine.stats.get("recomputed_tokens", 0)
-    self.unsent = requests     # enough groups were complete: submitted next step
     generate_s = time.perf_counter() - start
     take = sorted(complete())[:p]
     completions = [c for gid in take
@@ -167,7 +170,7 @@ class PartialRollouts:
     stats = {"staleness_mean": float(lag.mean()) if lag.size else 0.0,
              "staleness_max": float(lag.max()) if lag.size else 0.0,
              "in_flight": float(self.engine.in_flight),
-             "groups_waiting": float(len(complete())),
+             "groups_waiting": float(len(complete())), "submitted_groups": float(sent),
              "engine_calls": float(calls), "generate_s": generate_s,
              "recompute_s": recompute_s, "recomputed_tokens": float(recomputed)}
     return rows, problems, stats

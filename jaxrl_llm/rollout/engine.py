@@ -68,7 +68,8 @@ Compilations per engine (for a given model, ``params`` structure and request mix
 prefill forward ``[1, prefill_chunk]``, one admission (page copy + logits row), one
 decode loop per (any top-k/top-p in the batch, number of stop ids rounded up to a
 power of two) combination: 3 for a homogeneous workload; partial rollouts that
-recompute a new version's cache add one ``[max_slots, prefill_chunk]`` prefill.
+recompute a new version's cache add prefills of ``[R, prefill_chunk]`` for the
+``R = max_slots, max_slots / 4, ...`` their rounds need (3 for 32 slots).
 """
 
 from __future__ import annotations
@@ -252,6 +253,12 @@ class RolloutEngine:
       in-flight samples' cache does with that cache (module docstring, "Partial
       rollouts"): ``"recompute"`` (default) prefills their prompts and generated
       tokens again under the new ``params``; ``"keep"`` keeps the stale keys/values.
+    refill_after: while samples wait for a slot, a device call returns to admit them
+      once this many slots finished (at most as many as wait). 1 (default) refills a
+      slot as soon as it frees; a larger value makes fewer, longer device calls at the
+      price of slots idling until the call ends (a host-bound device, as a CPU,
+      gains). What is generated does not depend on it (a sample's draws are keyed by
+      its request, sample and count).
 
   Examples:
     >>> from flax import nnx
@@ -274,10 +281,10 @@ class RolloutEngine:
                page_size: int = 16, num_pages: int | None = None,
                steps_per_call: int = 16, prefill_chunk: int = 128,
                policy: str = "longest_first", share_prompts: bool = True,
-               on_new_version: str = "recompute") -> None:
+               on_new_version: str = "recompute", refill_after: int = 1) -> None:
     for name, value in (("max_slots", max_slots), ("max_len", max_len),
                         ("page_size", page_size), ("steps_per_call", steps_per_call),
-                        ("prefill_chunk", prefill_chunk)):
+                        ("prefill_chunk", prefill_chunk), ("refill_after", refill_after)):
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
     if policy not in POLICIES:
@@ -300,6 +307,7 @@ class RolloutEngine:
     self.policy = policy
     self.share_prompts = share_prompts
     self.on_new_version = on_new_version
+    self.refill_after = refill_after
     self.stats: dict[str, Any] = {}
     self._state: _State | None = None       # in-flight samples of a partial rollout
     self._calls = 0
@@ -327,7 +335,7 @@ class RolloutEngine:
                     page_size=self.page_size, num_pages=self.num_pages,
                     steps_per_call=self.steps_per_call, prefill_chunk=self.prefill_chunk,
                     policy=self.policy, share_prompts=self.share_prompts,
-                    on_new_version=self.on_new_version)
+                    on_new_version=self.on_new_version, refill_after=self.refill_after)
     return RolloutEngine(self.fns, **{**settings, **overrides})
 
   # -- validation ------------------------------------------------------------------
@@ -364,6 +372,11 @@ class RolloutEngine:
     if st is None:
       return 0
     return sum(slot is not None for slot in st.slots) + len(st.queue)
+
+  @property
+  def waiting(self) -> int:
+    """Samples submitted and not yet in a slot (a part of :attr:`in_flight`)."""
+    return 0 if self._state is None else len(self._state.queue)
 
   @property
   def pages_in_use(self) -> int:
@@ -550,10 +563,42 @@ class RolloutEngine:
                                                                   slot.request).tag)))
       slots[slot_index] = None
 
+    def prefill_rows(jobs):
+      """Writes each job's ``(tokens, start, page ids)`` like :func:`prefill`, many jobs
+      per forward; returns each job's logits after its last token. A round feeds
+      ``prefill_chunk`` tokens of each unfinished job (up to S of them) in
+      ``[R, prefill_chunk]``, ``R`` the least of ``S, S/4, S/16, ...`` (down to 1 or
+      2) that holds them: the rounds that only a few long jobs need cost a few rows,
+      not S, in at most ``log4(S) + 1`` shapes (a compilation each)."""
+      done_at = [0] * len(jobs)
+      last: list[Any] = [None] * len(jobs)
+      while True:
+        todo = [j for j, (tokens, _, _) in enumerate(jobs) if done_at[j] < len(tokens)][:s]
+        if not todo:
+          return last
+        rows, c = s, self.prefill_chunk
+        while rows > 1 and rows // 4 >= len(todo):
+          rows //= 4
+        chunk_tokens = np.zeros((rows, c), np.int32)
+        positions = np.full((rows, c), -1, np.int32)
+        table = np.zeros((rows, self.pages_per_slot), np.int32)
+        for row, j in enumerate(todo):
+          tokens, start, ids = jobs[j]
+          part = tokens[done_at[j]:done_at[j] + c]
+          chunk_tokens[row, :len(part)] = part
+          positions[row, :len(part)] = np.arange(len(part)) + start + done_at[j]
+          table[row, :len(ids)] = ids
+          done_at[j] += len(part)
+        logits, st.pages = self._forward(params, chunk_tokens, positions, table, st.pages)
+        stats["prefill_calls"] += 1
+        for row, j in enumerate(todo):
+          if done_at[j] == len(jobs[j][0]):
+            last[j] = logits[row]
+
     def recompute():
-      """The in-flight cache under the new ``params``: each group's prompt once, then
-      the live slots' own parts (prompt tail + generated tokens) together, in
-      ``[S, prefill_chunk]`` rounds, and their logits."""
+      """The in-flight cache under the new ``params``: the prompts of the groups in
+      flight (each once), then the live slots' own parts (prompt tail + generated
+      tokens), both through :func:`prefill_rows`, and their logits."""
       start = time.perf_counter()
       by_group: dict[int, tuple[_Group, list[int]]] = {}
       for index, slot in enumerate(slots):
@@ -561,43 +606,30 @@ class RolloutEngine:
           by_group.setdefault(id(slot.group), (slot.group, []))[1].append(index)
       for group in groups.values():          # groups with samples still waiting
         by_group.setdefault(id(group), (group, []))
-      tails: dict[int, tuple[np.ndarray, int]] = {}
+      prompts, owners, tails = [], [], []    # owners: the group that keeps the logits
       for group, members in by_group.values():
         full = len(group.prompt) // ps
         if group.waiting > 0:                # it holds all its prompt pages (if any)
           if group.pages:
-            group.logits = prefill(group.prompt, 0, group.pages)
+            prompts.append((group.prompt, 0, group.pages))
+            owners.append(group)
         elif full and members:
-          prefill(group.prompt[:full * ps], 0, slots[members[0]].shared)
+          prompts.append((group.prompt[:full * ps], 0, slots[members[0]].shared))
+          owners.append(None)
         for index in members:
           slot = slots[index]
           seq = np.concatenate([group.prompt, np.asarray(slot.tokens, np.int32)])
           first = min(full * ps, slot.position - 1)
-          tails[index] = (seq[first:slot.position], first)
-      if tails:
-        c = self.prefill_chunk
-        table = np.zeros((s, self.pages_per_slot), np.int32)
-        for index in tails:
-          ids = slots[index].shared + slots[index].own
-          table[index, :len(ids)] = ids
-        rounds = max(_ceil_div(len(t), c) for t, _ in tails.values())
-        for r in range(rounds):
-          chunk_tokens = np.zeros((s, c), np.int32)
-          positions = np.full((s, c), -1, np.int32)
-          ending = []
-          for index, (tail, first) in tails.items():
-            part = tail[r * c:(r + 1) * c]
-            chunk_tokens[index, :len(part)] = part
-            positions[index, :len(part)] = np.arange(first + r * c, first + r * c + len(part))
-            if len(part) and (r + 1) * c >= len(tail):
-              ending.append(index)
-          logits, st.pages = self._forward(params, chunk_tokens, positions, table, st.pages)
-          stats["prefill_calls"] += 1
-          for index in ending:                 # the logits after the slot's last token
-            set_logits(index, logits[index])
-      stats["prefill_tokens"] += sum(len(t) for t, _ in tails.values())
-      stats["recomputed_tokens"] = stats["prefill_tokens"]
-      stats["prefill_tokens"] = 0
+          tails.append((index, seq[first:slot.position], first))
+      for owner, logits in zip(owners, prefill_rows(prompts)):
+        if owner is not None:
+          owner.logits = logits
+      tail_logits = prefill_rows([(tail, first, slots[index].shared + slots[index].own)
+                                  for index, tail, first in tails])
+      for (index, _, _), logits in zip(tails, tail_logits):
+        set_logits(index, logits)
+      stats["recomputed_tokens"] = sum(len(p) for p, _, _ in prompts) + sum(
+          len(t) for _, t, _ in tails)
       timers["recompute_s"] = time.perf_counter() - start
 
     if int(version) != st.kv_version and self.on_new_version == "recompute" and (
@@ -645,7 +677,8 @@ class RolloutEngine:
           k_steps, _ceil_div(token_budget - generated, len(live)))
       start = time.perf_counter()
       st.pages, st.logits, out, steps = self._decode(
-          params, st.pages, st.logits, table, eos, key_data, bool(queue), limit,
+          params, st.pages, st.logits, table, eos, key_data,
+          min(self.refill_after, len(queue)), limit,
           steps=k_steps, filtered=filtered, **arrays)
       steps = int(steps)
       timers["decode_s"] += time.perf_counter() - start
@@ -696,7 +729,7 @@ def _admit(pages, logits_state, slot, row, src, dst):
   return pages, logits_state.at[slot].set(row.astype(jnp.float32))
 
 
-def _decode_loop(forward, params, pages, logits, table, eos, key_data, may_exit, limit, *,
+def _decode_loop(forward, params, pages, logits, table, eos, key_data, exit_after, limit, *,
                  steps, filtered, position, count, max_new, request, sample, temperature, top_k,
                  top_p):
   """Up to ``steps`` decode steps of all slots (a ``lax.while_loop``).
@@ -705,19 +738,20 @@ def _decode_loop(forward, params, pages, logits, table, eos, key_data, may_exit,
   ``key_data`` ``[S, 2]`` and ``(request, sample, count)``), records it, marks slots
   that hit a stop id or ``max_new``, and feeds the still-live slots' tokens through
   ``forward`` (writing their keys/values at ``position``). Stops after
-  ``min(steps, limit)`` steps (``limit`` traced), when no slot is live, or (``may_exit``)
-  as soon as a slot finished. Returns ``(pages, logits, (tokens, logps, flogps)
-  [S, steps] with -1 / 0 where nothing was generated, steps run)``.
+  ``min(steps, limit)`` steps (``limit`` traced), when no slot is live, or (``exit_after``
+  > 0, traced) once ``exit_after`` slots finished. Returns ``(pages, logits, (tokens,
+  logps, flogps) [S, steps] with -1 / 0 where nothing was generated, steps run)``.
   """
   s = position.shape[0]
   live = position >= 0
 
   def cond(carry):
-    step, _, _, _, _, live, finished, _ = carry
-    return (step < jnp.minimum(steps, limit)) & jnp.any(live) & ~(may_exit & finished)
+    step, _, _, _, _, live, ended, _ = carry
+    return ((step < jnp.minimum(steps, limit)) & jnp.any(live)
+            & ~((exit_after > 0) & (ended >= exit_after)))
 
   def body(carry):
-    step, pages, logits, position, count, live, finished, outs = carry
+    step, pages, logits, position, count, live, ended, outs = carry
     keys = row_keys(jax.random.wrap_key_data(key_data), request, sample, count)
     token, logp, flogp = draw(logits, keys, temperature, top_k, top_p, filtered=filtered)
     tok_out, logp_out, flogp_out = outs
@@ -726,18 +760,18 @@ def _decode_loop(forward, params, pages, logits, table, eos, key_data, may_exit,
     flogp_out = flogp_out.at[:, step].set(jnp.where(live, flogp, 0.0))
     count = count + live
     stop = jnp.any(token[:, None] == eos, axis=1) | (count >= max_new)
-    ended = live & stop
+    live_ended = live & stop
     live = live & ~stop
     fed = jnp.where(live, position, -1)
     new_logits, pages = forward(params, token[:, None], fed[:, None], table, pages)
     logits = jnp.where(live[:, None], new_logits, logits)
     return (step + 1, pages, logits, position + live, count, live,
-            finished | jnp.any(ended), (tok_out, logp_out, flogp_out))
+            ended + jnp.sum(live_ended), (tok_out, logp_out, flogp_out))
 
   outs = (jnp.full((s, steps), -1, jnp.int32), jnp.zeros((s, steps), jnp.float32),
           jnp.zeros((s, steps), jnp.float32))
   carry = (jnp.asarray(0, jnp.int32), pages, logits, position, count, live,
-           jnp.asarray(False), outs)
+           jnp.asarray(0, jnp.int32), outs)
   step, pages, logits, _, _, _, _, outs = jax.lax.while_loop(cond, body, carry)
   return pages, logits, outs, step
 
