@@ -606,7 +606,9 @@ class RolloutEngine:
           by_group.setdefault(id(slot.group), (slot.group, []))[1].append(index)
       for group in groups.values():          # groups with samples still waiting
         by_group.setdefault(id(group), (group, []))
-      prompts, owners, tails = [], [], []    # owners: the group that keeps the logits
+      prompts: list[tuple[np.ndarray, int, list[int]]] = []
+      owners: list[_Group | None] = []        # the group that keeps a prompt's logits
+      tails: list[tuple[int, np.ndarray, int]] = []
       for group, members in by_group.values():
         full = len(group.prompt) // ps
         if group.waiting > 0:                # it holds all its prompt pages (if any)
