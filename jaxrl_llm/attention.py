@@ -720,13 +720,15 @@ def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
 
   The keys are read in chunks of ``chunk_pages`` pages (gather of the row's pages, then
   a masked softmax) merged with the online-softmax rule (running max ``m``, sum ``l``,
-  output ``acc``; Milakov & Gimelshein 2018). The loop runs over the chunks up to the
-  largest position in the batch (a ``lax.while_loop`` with a traced trip count), so a
-  call reads O(B n) keys for a longest position n, not the page table's capacity, and
-  nothing recompiles as sequences grow. A chunk holding no visible key of a row leaves that
-  row's ``(m, l, acc)`` bit for bit unchanged (its rescale factor is
-  :math:`e^{m - m} = 1` and its terms are exact zeros), so a row's output does not
-  depend on how many chunks the other rows make the loop read: rows never mix.
+  output ``acc``; Milakov & Gimelshein 2018). The work is ragged: chunk ``c`` is read
+  only by the rows whose last query reaches it, ``ceil(B / 4)`` rows at a time (rows
+  sorted longest first, so they are a prefix; traced trip counts), so a call reads
+  about :math:`\sum_b n_b` keys for row lengths :math:`n_b`, not ``B`` times the
+  longest (nor the page table's capacity); padding rows read none, and nothing
+  recompiles as sequences grow. A row's ``(m, l, acc)`` goes through its own chunks in
+  order with the same arithmetic whatever the other rows are (a chunk holding no
+  visible key would leave it bit for bit unchanged: rescale factor
+  :math:`e^{m - m} = 1`, exact-zero terms), so rows never mix.
 
   Args:
     query: ``[B, T, N, H]``.
@@ -779,17 +781,34 @@ def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
   positions = jnp.asarray(positions, jnp.int32)
   chunk = chunk_pages * page
   g = n // k
-  q = query.astype(jnp.float32).reshape(b, t, k, g, h) * (1.0 / math.sqrt(h))
+  q = jnp.asarray(query, jnp.float32).reshape(b, t, k, g, h) * (1.0 / math.sqrt(h))
+  # Rows longest first; chunk c is read only by the rows whose last query reaches it
+  # (n_c of them, a prefix of ``order``), ``w`` rows at a time.
+  row_last = jnp.max(positions, axis=1)
+  order = jnp.argsort(-row_last, stable=True)
+  w = -(-b // 4)
+  order = jnp.pad(order, (0, -(-b // w) * w - b))
   n_chunks = jnp.minimum((jnp.max(positions) + chunk) // chunk, width // chunk_pages)
 
-  def body(c, carry):                                  # carry: m, l [B,K,G,T], acc (,H)
-    ids = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages, axis=1)
-    keys = k_pages[ids].reshape(b, chunk, k, h).astype(jnp.float32)
-    vals = v_pages[ids].reshape(b, chunk, k, h).astype(jnp.float32)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys)
+  def rows_block(c, s, carry):
+    slot = s * w + jnp.arange(w)
+    rows = lax.dynamic_slice_in_dim(order, s * w, w)
+    take = slot < jnp.sum(row_last >= c * chunk)
+    rows = jnp.where(take, rows, 0)
+    ids = lax.dynamic_slice_in_dim(table[rows], c * chunk_pages, chunk_pages, axis=1)
+    keys = k_pages[ids].reshape(w, chunk, k, h).astype(jnp.float32)
+    vals = v_pages[ids].reshape(w, chunk, k, h).astype(jnp.float32)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q[rows], keys)
     key_pos = c * chunk + jnp.arange(chunk)
-    allowed = (key_pos[None, None, :] <= positions[:, :, None])[:, None, None]
-    return _online_softmax_block(carry, scores, allowed, vals, "bkgts,bskh->bkgth")
+    allowed = (key_pos[None, None, :] <= positions[rows][:, :, None])[:, None, None]
+    new = _online_softmax_block(tuple(x[rows] for x in carry), scores, allowed, vals,
+                                "bkgts,bskh->bkgth")
+    put = jnp.where(take, rows, b)                     # rows past n_c write nothing
+    return tuple(x.at[put].set(y, mode="drop") for x, y in zip(carry, new))
+
+  def body(c, carry):                                  # carry: m, l [B,K,G,T], acc (,H)
+    blocks = -(-jnp.sum(row_last >= c * chunk) // w)
+    return lax.fori_loop(0, blocks, lambda s, cr: rows_block(c, s, cr), carry)
 
   init = (jnp.full((b, k, g, t), _NEG, jnp.float32), jnp.zeros((b, k, g, t), jnp.float32),
           jnp.zeros((b, k, g, t, h), jnp.float32))
