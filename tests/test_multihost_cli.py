@@ -41,7 +41,12 @@ STEPS = 6
 FLAGS = ["--steps", str(STEPS), "--prompts-per-step", "4", "--group-size", "2",
          "--eval-size", "8", "--eval-every", "2", "--save-every", "2",
          "--rollout-slots", "4", "--no-progress"]   # slots: a process's default (its rows)
-PEER_TIMEOUT = 20
+# The watchdog's peer timeout: a lost process is named this long after its last sign of
+# life (its thread beats every second; measured gaps under load stay below 0.2 s, so 5 s
+# does not judge a busy peer lost). A survivor waits for that verdict, and a process
+# leaving on an error of its own waits up to 2 timeouts + 2 beats for one (cli.py), so
+# this bounds the waiting in both tests below (it was 20: 20 s and 42 s of idle wall).
+PEER_TIMEOUT = 5
 # Values that come from the rollouts (tokens, scores): equal bit for bit.
 EXACT = ("reward", "accuracy", "response_length", "eval_accuracy", "eval_reward", "step")
 TIMEOUT_S = 600
@@ -199,7 +204,7 @@ def test_a_job_that_never_forms_or_loses_a_failing_process_ends_in_one_line(tmp_
                   str(tmp_path / ("ok" if i == 0 else "file") / "run"),
                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
                   "--process-id", str(i), "--cpu-collectives", "gloo"], _env(1))
-          for i in range(2)]
+          for i in range(2)]            # process 1 reports after await_lost_peer's wait
   outs = _finish(lonely + pair)
   for i, (proc, out) in enumerate(zip(lonely, outs)):
     assert proc.returncode == PEER_LOST_EXIT_CODE, out[-3000:]
