@@ -137,6 +137,7 @@ def worker_records(tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_engine_matches_the_jax_engine(family, worker_records):
   r = worker_records[family]
+  assert "error" not in r, r["error"]
   print(json.dumps({k: r[k] for k in ("start_s", "push_s", "greedy_logprob_err",
                                       "sampled_logprob_err", "tokens_per_s")}))
   # Greedy tokens equal the JAX RolloutEngine's; log-probs (tau = 1) agree.

