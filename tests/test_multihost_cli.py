@@ -41,7 +41,16 @@ STEPS = 6
 FLAGS = ["--steps", str(STEPS), "--prompts-per-step", "4", "--group-size", "2",
          "--eval-size", "8", "--eval-every", "2", "--save-every", "2",
          "--rollout-slots", "4", "--no-progress"]   # slots: a process's default (its rows)
-PEER_TIMEOUT = 20
+# The watchdog's peer timeout: a lost process is named this long after its last sign of
+# life, and the survivor of the SIGKILL below waits that long (idle). A busy peer whose
+# beating thread is held up this long is judged lost too: a CLI run at load 3 delayed a
+# 0.2 s ticker by 0.13 s at most, docs/multihost.md reports a 12 s gap with a dozen
+# busy processes on 2 cores; the 2-process test runs 3 busy JAX processes. (Was 20.)
+PEER_TIMEOUT = 10
+# The failing pair of the formation test: its process 1 waits up to 2 timeouts + 2 beats
+# for a verdict before it reports (cli.py: await_lost_peer), while only its process 0 is
+# busy; 5 s makes that wait 12 s (42 s at 20).
+PAIR_PEER_TIMEOUT = 5
 # Values that come from the rollouts (tokens, scores): equal bit for bit.
 EXACT = ("reward", "accuracy", "response_length", "eval_accuracy", "eval_reward", "step")
 TIMEOUT_S = 600
@@ -198,7 +207,8 @@ def test_a_job_that_never_forms_or_loses_a_failing_process_ends_in_one_line(tmp_
   pair = [_start([sys.executable, "-m", "jaxrl_llm", "train", "--out",
                   str(tmp_path / ("ok" if i == 0 else "file") / "run"),
                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                  "--process-id", str(i), "--cpu-collectives", "gloo"], _env(1))
+                  "--process-id", str(i), "--cpu-collectives", "gloo"],
+                 _env(1, JAXRL_PEER_TIMEOUT=str(PAIR_PEER_TIMEOUT)))
           for i in range(2)]
   outs = _finish(lonely + pair)
   for i, (proc, out) in enumerate(zip(lonely, outs)):

@@ -113,11 +113,18 @@ def test_policy_hands_vllm_the_policy_part_and_reports_push_stats():
 # -------------------------------------------------------------------- with vLLM
 
 
-def _worker(family, tmp_path):
-  out = tmp_path / "out.json"
+FAMILIES = ("qwen3", "llama")
+
+
+@pytest.fixture(scope="module")
+def worker_records(tmp_path_factory):
+  """tests/vllm_worker.py's record of every family, from one process: vLLM, torch and
+  JAX start once for both (the tests below share an xdist group, so one worker runs
+  it once)."""
+  out = tmp_path_factory.mktemp("vllm_worker") / "out.json"
   done = subprocess.run([VLLM_PYTHON, os.path.join(ROOT, "tests", "vllm_worker.py"),
-                         family, str(out)], env=_env(), cwd=ROOT, capture_output=True,
-                        text=True, timeout=900)
+                         ",".join(FAMILIES), str(out)], env=_env(), cwd=ROOT,
+                        capture_output=True, text=True, timeout=900)
   assert done.returncode == 0, done.stderr[-4000:]
   with open(out) as f:
     return json.load(f)
@@ -125,10 +132,12 @@ def _worker(family, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.xdist_group("vllm_engine_worker")
 @needs_vllm
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_vllm_engine_matches_the_jax_engine(family, tmp_path):
-  r = _worker(family, tmp_path)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_engine_matches_the_jax_engine(family, worker_records):
+  r = worker_records[family]
+  assert "error" not in r, r["error"]
   print(json.dumps({k: r[k] for k in ("start_s", "push_s", "greedy_logprob_err",
                                       "sampled_logprob_err", "tokens_per_s")}))
   # Greedy tokens equal the JAX RolloutEngine's; log-probs (tau = 1) agree.
