@@ -50,6 +50,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -605,21 +606,28 @@ def _silence_abandoned_writes() -> None:
   later, from a tensorstore thread: its completion callback finds the loop closed
   (an unraisable ``RuntimeError: Event loop is closed``, printed as a bare
   traceback), and its task, garbage-collected, logs "Task exception was never
-  retrieved" (a bare ``Future`` that tensorstore failed says "Future exception ...", with
-  no traceback). The failure itself is reported once by :meth:`Checkpointer.save`; these
-  echoes are dropped (only these: the unraisable hook and the ``asyncio`` logger pass
-  everything else on). Installed by the first save (the echoes can come before orbax
-  reports the failure, and after); the hook only over Python's default one.
+  retrieved" (a bare ``Future`` that tensorstore failed says "Future exception ...",
+  with no traceback); a write that had not started leaves an unawaited orbax
+  serialization coroutine (a ``RuntimeWarning``, often at exit). The failure itself is
+  reported once by :meth:`Checkpointer.save`; these echoes are dropped (only these: the
+  unraisable hook, the ``asyncio`` logger and the warnings filter pass everything else
+  on). Installed by the first save (the echoes can come before orbax reports the
+  failure, and after); the hook only over Python's default one.
   """
   global _ASYNCIO_FILTERED
   if not _ASYNCIO_FILTERED:
     logging.getLogger("asyncio").addFilter(_DropAbandonedOrbaxTasks())
     _ASYNCIO_FILTERED = True
+  # An abandoned write that never started: its coroutine is collected unawaited, often
+  # at exit ("sys:1: RuntimeWarning: coroutine ... was never awaited"). Added at every
+  # save (an identical filter moves to the front rather than piling up).
+  warnings.filterwarnings("ignore", message=_ABANDONED_COROUTINE, category=RuntimeWarning)
   if sys.unraisablehook is sys.__unraisablehook__:    # leave a hook someone set alone
     sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 
 _ASYNCIO_FILTERED = False
+_ABANDONED_COROUTINE = r"coroutine 'async_serialize\w*\.<locals>\.\w+' was never awaited"
 
 
 @contextlib.contextmanager
