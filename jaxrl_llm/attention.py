@@ -721,12 +721,13 @@ def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
   The keys are read in chunks of ``chunk_pages`` pages (gather of the row's pages, then
   a masked softmax) merged with the online-softmax rule (running max ``m``, sum ``l``,
   output ``acc``; Milakov & Gimelshein 2018). The work is ragged: chunk ``c`` is read
-  only by the rows whose last query reaches it, ``ceil(B / 4)`` rows at a time (rows
-  sorted longest first, so they are a prefix; traced trip counts), so a call reads
-  about :math:`\sum_b n_b` keys for row lengths :math:`n_b`, not ``B`` times the
-  longest (nor the page table's capacity); padding rows read none, and nothing
-  recompiles as sequences grow. A row's ``(m, l, acc)`` goes through its own chunks in
-  order with the same arithmetic whatever the other rows are (a chunk holding no
+  only by the rows whose last query reaches it, in blocks of ``w = max(ceil(B / 4),
+  min(B, 8))`` rows (rows sorted longest first, so they are a prefix; traced trip
+  counts), so a call reads about :math:`\sum_b n_b` keys for row lengths :math:`n_b`
+  (rounded up to blocks), not ``B`` times the longest (nor the page table's capacity);
+  padding rows read none, and nothing recompiles as sequences grow. A row's
+  ``(m, l, acc)`` goes through its own chunks in order, always in a block of ``w``
+  rows, with the same arithmetic whatever the other rows are (a chunk holding no
   visible key would leave it bit for bit unchanged: rescale factor
   :math:`e^{m - m} = 1`, exact-zero terms), so rows never mix.
 
@@ -782,19 +783,20 @@ def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
   chunk = chunk_pages * page
   g = n // k
   q = jnp.asarray(query, jnp.float32).reshape(b, t, k, g, h) * (1.0 / math.sqrt(h))
-  # Rows longest first; chunk c is read only by the rows whose last query reaches it
-  # (n_c of them, a prefix of ``order``), ``w`` rows at a time.
+  # Rows longest first: the n_c rows whose last query reaches chunk c are a prefix of
+  # ``order``; they read it in blocks of w rows (gathered, then scattered back). Every
+  # row always goes through blocks of w, whatever the others: its arithmetic does not
+  # depend on them (XLA:CPU rounds some ops differently at other batch sizes).
   row_last = jnp.max(positions, axis=1)
+  w = max(-(-b // 4), min(b, 8))
   order = jnp.argsort(-row_last, stable=True)
-  w = -(-b // 4)
   order = jnp.pad(order, (0, -(-b // w) * w - b))
   n_chunks = jnp.minimum((jnp.max(positions) + chunk) // chunk, width // chunk_pages)
 
-  def rows_block(c, s, carry):
-    slot = s * w + jnp.arange(w)
-    rows = lax.dynamic_slice_in_dim(order, s * w, w)
-    take = slot < jnp.sum(row_last >= c * chunk)
-    rows = jnp.where(take, rows, 0)
+  def rows_block(c, s, carry):                       # block s of the rows reaching c
+    reach = jnp.sum(row_last >= c * chunk)
+    take = s * w + jnp.arange(w) < reach
+    rows = jnp.where(take, lax.dynamic_slice_in_dim(order, s * w, w), 0)
     ids = lax.dynamic_slice_in_dim(table[rows], c * chunk_pages, chunk_pages, axis=1)
     keys = k_pages[ids].reshape(w, chunk, k, h).astype(jnp.float32)
     vals = v_pages[ids].reshape(w, chunk, k, h).astype(jnp.float32)

@@ -61,16 +61,17 @@ def test_paged_attention_matches_dense(chunk_pages):
 
 
 def test_ragged_paged_attention_matches_numpy_and_is_row_order_equivariant():
-  # 9 rows (blocks of 3 rows per chunk) with ragged lengths, two padding rows and
-  # chunks of 2 pages: each row against a plain NumPy softmax over its visible keys,
-  # and permuting the rows permutes the outputs bit for bit (jitted too).
+  # 20 rows (blocks of 8) with ragged lengths, padding rows and chunks of 8 keys:
+  # chunk 0 is read in 3 blocks (17 rows), chunk 1 in one (6), chunks 2-3 by 3 and 2
+  # rows. Each row against a plain NumPy softmax over its visible keys; permuting the
+  # rows permutes the outputs bit for bit (jitted).
   rng = np.random.default_rng(4)
-  b, n, k, h, t, page, pages = 9, 4, 2, 8, 2, 4, 40
+  b, n, k, h, t, page, pages = 20, 4, 2, 8, 2, 4, 90
   q = rng.normal(size=(b, t, n, h)).astype(np.float32)
   kp = rng.normal(size=(pages, page, k, h)).astype(np.float32)
   vp = rng.normal(size=(pages, page, k, h)).astype(np.float32)
   table = np.stack([rng.permutation(pages)[:8] for _ in range(b)]).astype(np.int32)
-  last = np.array([31, 2, 17, -1, 9, 25, 0, -1, 12])
+  last = np.array([31, 2, 17, -1, 9, 25, 0, -1, 12, 3, 5, 1, 7, 4, 6, 2, -1, 3, 11, 0])
   positions = np.where(last[:, None] >= 0, last[:, None] - 1 + np.arange(t), -1)
   positions[6] = [-1, 0]
   fn = jax.jit(lambda *a: paged_attention(*a, chunk_pages=2))
