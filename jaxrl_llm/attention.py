@@ -725,9 +725,10 @@ def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
   min(B, 8))`` rows (rows sorted longest first, so they are a prefix; traced trip
   counts), so a call reads about :math:`\sum_b n_b` keys for row lengths :math:`n_b`
   (rounded up to blocks), not ``B`` times the longest (nor the page table's capacity);
-  padding rows read none, and nothing recompiles as sequences grow. A row's
-  ``(m, l, acc)`` goes through its own chunks in order, always in a block of ``w``
-  rows, with the same arithmetic whatever the other rows are (a chunk holding no
+  padding rows read none, and nothing recompiles as sequences grow. (With ``B <= 8``
+  there is one block: every row reads the chunks up to the longest, in row order.) A
+  row's ``(m, l, acc)`` goes through its own chunks in order, always in a block of
+  ``w`` rows, with the same arithmetic whatever the other rows are (a chunk holding no
   visible key would leave it bit for bit unchanged: rescale factor
   :math:`e^{m - m} = 1`, exact-zero terms), so rows never mix.
 
@@ -793,22 +794,27 @@ def paged_attention(query: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
   order = jnp.pad(order, (0, -(-b // w) * w - b))
   n_chunks = jnp.minimum((jnp.max(positions) + chunk) // chunk, width // chunk_pages)
 
-  def rows_block(c, s, carry):                       # block s of the rows reaching c
-    reach = jnp.sum(row_last >= c * chunk)
-    take = s * w + jnp.arange(w) < reach
-    rows = jnp.where(take, lax.dynamic_slice_in_dim(order, s * w, w), 0)
-    ids = lax.dynamic_slice_in_dim(table[rows], c * chunk_pages, chunk_pages, axis=1)
-    keys = k_pages[ids].reshape(w, chunk, k, h).astype(jnp.float32)
-    vals = v_pages[ids].reshape(w, chunk, k, h).astype(jnp.float32)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q[rows], keys)
+  def read_chunk(c, carry, q, table, positions):     # these rows read chunk c
+    rows = q.shape[0]
+    ids = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages, axis=1)
+    keys = k_pages[ids].reshape(rows, chunk, k, h).astype(jnp.float32)
+    vals = v_pages[ids].reshape(rows, chunk, k, h).astype(jnp.float32)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys)
     key_pos = c * chunk + jnp.arange(chunk)
-    allowed = (key_pos[None, None, :] <= positions[rows][:, :, None])[:, None, None]
-    new = _online_softmax_block(tuple(x[rows] for x in carry), scores, allowed, vals,
-                                "bkgts,bskh->bkgth")
+    allowed = (key_pos[None, None, :] <= positions[:, :, None])[:, None, None]
+    return _online_softmax_block(carry, scores, allowed, vals, "bkgts,bskh->bkgth")
+
+  def rows_block(c, s, carry):                       # block s of the rows reaching c
+    take = s * w + jnp.arange(w) < jnp.sum(row_last >= c * chunk)
+    rows = jnp.where(take, lax.dynamic_slice_in_dim(order, s * w, w), 0)
+    new = read_chunk(c, tuple(x[rows] for x in carry), q[rows], table[rows],
+                     positions[rows])
     put = jnp.where(take, rows, b)                     # rows past n_c write nothing
     return tuple(x.at[put].set(y, mode="drop") for x, y in zip(carry, new))
 
   def body(c, carry):                                  # carry: m, l [B,K,G,T], acc (,H)
+    if w == b:                       # B <= 8: one block in row order, nothing gathered
+      return read_chunk(c, carry, q, table, positions)
     blocks = -(-jnp.sum(row_last >= c * chunk) // w)
     return lax.fori_loop(0, blocks, lambda s, cr: rows_block(c, s, cr), carry)
 
