@@ -95,6 +95,7 @@ class PartialRollouts:
     self.problems: dict[int, Any] = {}                  # group id -> problem
     self.finished: dict[int, list[Completion]] = {}     # group id -> its samples
     self.next_group = 0
+    self.eos_ids = tuple(np.atleast_1d(stop_ids(task.tokenizer)).tolist())
 
   @property
   def outstanding(self) -> int:
@@ -109,7 +110,6 @@ class PartialRollouts:
     new = -(-(self.engine.max_slots - self.engine.waiting) // g)
     if new <= 0:
       return []
-    eos_ids = tuple(np.atleast_1d(stop_ids(tok)).tolist())
     problems = task.sample_prompts(rng_np, new)
     prompts, mask = tok.encode_batch([q.prompt for q in problems], task.max_prompt_len)
     requests = []
@@ -119,7 +119,7 @@ class PartialRollouts:
       self.problems[gid] = q
       self.finished[gid] = []
       requests.append(Request(row[keep > 0].tolist(), n=g, max_new_tokens=task.max_new_tokens,
-                              temperature=float(self.config.temperature), eos_ids=eos_ids,
+                              temperature=float(self.config.temperature), eos_ids=self.eos_ids,
                               tag=gid))
     return requests
 

@@ -492,24 +492,41 @@ class RolloutEngine:
                              request_of(c, i).n if self.share_prompts else 1)
       return key
 
-    def prefill(tokens, start, ids):
-      """Writes ``tokens`` at positions ``start ..`` into the pages ``ids``; returns the
-      logits after the last one."""
-      table = np.zeros((1, self.pages_per_slot), np.int32)
-      table[0, :len(ids)] = ids
-      c = self.prefill_chunk
-      logits = None
-      for first in range(0, len(tokens), c):
-        chunk = tokens[first:first + c]
-        chunk_tokens = np.zeros((1, c), np.int32)
-        positions = np.full((1, c), -1, np.int32)
-        chunk_tokens[0, :len(chunk)] = chunk
-        positions[0, :len(chunk)] = np.arange(start + first, start + first + len(chunk))
+    def prefill_rows(jobs, max_rows=s):
+      """Writes each job's ``(tokens, start, page ids)`` (its keys/values at positions
+      ``start ..`` into those pages), up to ``max_rows`` jobs per forward; returns each
+      job's logits after its last token. A round feeds ``prefill_chunk`` tokens of each
+      unfinished job (up to ``max_rows`` of them) in ``[R, prefill_chunk]``, ``R`` the
+      least of ``max_rows, max_rows / 4, ...`` (down to 1 or 2) that holds them: the
+      rounds that only a few long jobs need cost a few rows, in at most
+      ``log4(max_rows) + 1`` shapes (a compilation each). An admitted prompt goes alone
+      (``max_rows=1``): its logits then never depend on what else is admitted with it
+      (XLA:CPU rounds a row differently at other batch sizes)."""
+      done_at = [0] * len(jobs)
+      last: list[Any] = [None] * len(jobs)
+      while True:
+        todo = [j for j, (tokens, _, _) in enumerate(jobs)
+                if done_at[j] < len(tokens)][:max_rows]
+        if not todo:
+          return last
+        rows, c = max_rows, self.prefill_chunk
+        while rows > 1 and rows // 4 >= len(todo):
+          rows //= 4
+        chunk_tokens = np.zeros((rows, c), np.int32)
+        positions = np.full((rows, c), -1, np.int32)
+        table = np.zeros((rows, self.pages_per_slot), np.int32)
+        for row, j in enumerate(todo):
+          tokens, start, ids = jobs[j]
+          part = tokens[done_at[j]:done_at[j] + c]
+          chunk_tokens[row, :len(part)] = part
+          positions[row, :len(part)] = np.arange(len(part)) + start + done_at[j]
+          table[row, :len(ids)] = ids
+          done_at[j] += len(part)
         logits, st.pages = self._forward(params, chunk_tokens, positions, table, st.pages)
         stats["prefill_calls"] += 1
-      stats["prefill_tokens"] += len(tokens)
-      assert logits is not None
-      return logits[0].block_until_ready()
+        for row, j in enumerate(todo):
+          if done_at[j] == len(jobs[j][0]):
+            last[j] = logits[row]
 
     def set_logits(slot_index, row, src=0, dst=0):
       if st.logits is None:
@@ -531,7 +548,9 @@ class RolloutEngine:
       if not group.pages:
         group.pages = pool.allocate(prompt_need)
         start = time.perf_counter()
-        group.logits = prefill(group.prompt, 0, group.pages)
+        group.logits = prefill_rows([(group.prompt, 0, group.pages)],
+                                    max_rows=1)[0].block_until_ready()
+        stats["prefill_tokens"] += len(group.prompt)
         timers["prefill_s"] += time.perf_counter() - start
       shared = group.pages[:full]
       pool.incref(shared)
@@ -562,38 +581,6 @@ class RolloutEngine:
           reason, np.asarray(slot.versions, np.int32), request_of(slot.call,
                                                                   slot.request).tag)))
       slots[slot_index] = None
-
-    def prefill_rows(jobs):
-      """Writes each job's ``(tokens, start, page ids)`` like :func:`prefill`, many jobs
-      per forward; returns each job's logits after its last token. A round feeds
-      ``prefill_chunk`` tokens of each unfinished job (up to S of them) in
-      ``[R, prefill_chunk]``, ``R`` the least of ``S, S/4, S/16, ...`` (down to 1 or
-      2) that holds them: the rounds that only a few long jobs need cost a few rows,
-      not S, in at most ``log4(S) + 1`` shapes (a compilation each)."""
-      done_at = [0] * len(jobs)
-      last: list[Any] = [None] * len(jobs)
-      while True:
-        todo = [j for j, (tokens, _, _) in enumerate(jobs) if done_at[j] < len(tokens)][:s]
-        if not todo:
-          return last
-        rows, c = s, self.prefill_chunk
-        while rows > 1 and rows // 4 >= len(todo):
-          rows //= 4
-        chunk_tokens = np.zeros((rows, c), np.int32)
-        positions = np.full((rows, c), -1, np.int32)
-        table = np.zeros((rows, self.pages_per_slot), np.int32)
-        for row, j in enumerate(todo):
-          tokens, start, ids = jobs[j]
-          part = tokens[done_at[j]:done_at[j] + c]
-          chunk_tokens[row, :len(part)] = part
-          positions[row, :len(part)] = np.arange(len(part)) + start + done_at[j]
-          table[row, :len(ids)] = ids
-          done_at[j] += len(part)
-        logits, st.pages = self._forward(params, chunk_tokens, positions, table, st.pages)
-        stats["prefill_calls"] += 1
-        for row, j in enumerate(todo):
-          if done_at[j] == len(jobs[j][0]):
-            last[j] = logits[row]
 
     def recompute():
       """The in-flight cache under the new ``params``: the prompts of the groups in
