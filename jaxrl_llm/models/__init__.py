@@ -1,6 +1,8 @@
-"""Reference models: a causal transformer LM with a value head (Flax NNX), and its
-Hugging Face bridge (``from_pretrained`` / ``save_pretrained``: Llama, Qwen2, Qwen3)."""
+"""Reference models: a causal transformer LM with a value head (Flax NNX), its
+Hugging Face bridge (``from_pretrained`` / ``save_pretrained``: Llama, Qwen2, Qwen3) and
+its GGUF bridge (``from_gguf`` / ``save_gguf``: llama.cpp files of the same families)."""
 
+from jaxrl_llm.models.gguf import from_gguf, save_gguf
 from jaxrl_llm.models.hf import from_pretrained, save_pretrained
 from jaxrl_llm.models.transformer import (
     PRESETS,
@@ -27,9 +29,11 @@ __all__ = [
     "make_apply_fn",
     "make_decode_fns",
     "make_paged_decode_fns",
+    "from_gguf",
     "from_pretrained",
     "rope",
     "rope_frequencies",
+    "save_gguf",
     "save_pretrained",
     "split_model",
 ]

@@ -61,7 +61,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -563,6 +563,69 @@ def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike | None = None,
       raise ValueError(f"`value_head` file {value_file!r} does not exist.")
   config = config_from_hf(read_hf_config(path), dtype=dtype,
                           value_head=value_head is not False)
+  with _Checkpoint(path) as ckpt:
+    return load_model(config, ckpt, value_file=value_file, mesh=mesh, rules=rules,
+                      origin="config.json")
+
+
+class TensorSource(Protocol):
+  """Where :func:`load_model` reads Hugging Face tensors from.
+
+  Attributes:
+    files: the names of every tensor the source holds (a mapping or set of Hugging
+      Face names; extras the layout does not use are refused).
+
+  ``tensor(name, hint)`` returns a slice handle of tensor ``name`` in Hugging Face
+  layout: ``get_shape()`` and ``[index]`` with a tuple of slices (a safetensors slice,
+  or a NumPy array behind :class:`ArrayTensor`); a missing name raises ``ValueError``
+  ending in ``hint``.
+  """
+
+  files: Any
+
+  def tensor(self, name: str, hint: str = "") -> Any: ...
+
+
+class ArrayTensor:
+  """A NumPy array as a :class:`TensorSource` slice handle (``get_shape()``, ``[...]``).
+
+  Examples:
+    >>> t = ArrayTensor(np.arange(6).reshape(2, 3))
+    >>> t.get_shape(), t[0:1, 1:3].tolist()
+    ([2, 3], [[1, 2]])
+  """
+
+  def __init__(self, array: np.ndarray):
+    self.array = array
+
+  def get_shape(self) -> list[int]:
+    return list(self.array.shape)
+
+  def __getitem__(self, index) -> np.ndarray:
+    return self.array[index]
+
+
+def load_model(config: TransformerConfig, tensors: TensorSource, *,
+               value_file: str | None = None, mesh: Mesh | None = None,
+               rules: Rules | None = None, origin: str = "the config") -> Transformer:
+  """A :class:`Transformer` of ``config`` whose parameters are read from ``source``.
+
+  The loop :func:`from_pretrained` and :func:`~jaxrl_llm.models.gguf.from_gguf` share:
+  each parameter is read through its :func:`hf_layout` entry (only the slices this
+  process's devices hold, with a ``mesh``), shapes are checked against ``config``, and
+  a tensor of ``source`` the layout does not use is refused.
+
+  Args:
+    config: the architecture.
+    tensors: the tensors (:class:`TensorSource`).
+    value_file: a ``value_head.safetensors`` to read the value head from (zeros when
+      the file does not exist).
+    mesh, rules: as in :func:`from_pretrained`.
+    origin: what ``config`` came from, for error messages (``"config.json"``).
+
+  Raises:
+    ValueError: a missing, misshapen or unused tensor (one line naming it).
+  """
   layout = hf_layout(config)
   graphdef, abstract = _abstract_params(config)
   shardings = None
@@ -573,34 +636,33 @@ def from_pretrained(path: str | os.PathLike, *, dtype: DTypeLike | None = None,
   flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
   shard_leaves = (jax.tree_util.tree_leaves(shardings) if shardings is not None
                   else [None] * len(flat))
-  with _Checkpoint(path) as ckpt:
-    leaves = []
-    used = set()
-    for (key_path, leaf), sharding in zip(flat, shard_leaves):
-      name = _path_str(key_path)
-      shape, leaf_dtype = tuple(leaf.shape), leaf.dtype
-      if name in ("value_w", "value_b"):
-        leaves.append(_value_param(name, shape, leaf_dtype, sharding, value_file))
-        continue
-      if name not in layout:
-        raise ValueError(f"parameter {name!r} has no Hugging Face tensor (internal).")
-      entry = layout[name]
-      hint = (" (config.json has tie_word_embeddings=false)" if entry.name ==
-              "lm_head.weight" else "")
-      tensor = ckpt.tensor(entry.name, hint)
-      expected = _hf_shape(entry, shape)
-      got = tuple(tensor.get_shape())
-      if got != expected:
-        raise ValueError(f"tensor {entry.name!r} has shape {list(got)}, expected "
-                         f"{list(expected)} from config.json.")
-      used.add(entry.name)
-      leaves.append(_place(shape, leaf_dtype, sharding,
-                           functools.partial(_read_slice, entry, tensor, shape)))
-    extra = sorted(n for n in ckpt.files if n not in used and not (
-        n.endswith(_IGNORED_SUFFIXES) or (n == "lm_head.weight" and config.tie_embeddings)))
-    if extra:
-      raise ValueError(f"tensor {extra[0]!r} in the checkpoint is not used by the "
-                       f"{config_model_type(config)!r} layout ({len(extra)} unused).")
+  leaves = []
+  used = set()
+  for (key_path, leaf), sharding in zip(flat, shard_leaves):
+    name = _path_str(key_path)
+    shape, leaf_dtype = tuple(leaf.shape), leaf.dtype
+    if name in ("value_w", "value_b"):
+      leaves.append(_value_param(name, shape, leaf_dtype, sharding, value_file))
+      continue
+    if name not in layout:
+      raise ValueError(f"parameter {name!r} has no Hugging Face tensor (internal).")
+    entry = layout[name]
+    hint = (f" ({origin} has tie_word_embeddings=false)" if entry.name ==
+            "lm_head.weight" else "")
+    tensor = tensors.tensor(entry.name, hint)
+    expected = _hf_shape(entry, shape)
+    got = tuple(tensor.get_shape())
+    if got != expected:
+      raise ValueError(f"tensor {entry.name!r} has shape {list(got)}, expected "
+                       f"{list(expected)} from {origin}.")
+    used.add(entry.name)
+    leaves.append(_place(shape, leaf_dtype, sharding,
+                         functools.partial(_read_slice, entry, tensor, shape)))
+  extra = sorted(n for n in tensors.files if n not in used and not (
+      n.endswith(_IGNORED_SUFFIXES) or (n == "lm_head.weight" and config.tie_embeddings)))
+  if extra:
+    raise ValueError(f"tensor {extra[0]!r} in the checkpoint is not used by the "
+                     f"{config_model_type(config)!r} layout ({len(extra)} unused).")
   params = jax.tree_util.tree_unflatten(treedef, leaves)
   return nnx.merge(graphdef, params)
 
@@ -615,7 +677,7 @@ _VALUE_NAMES = {"value_w": "value_head.weight", "value_b": "value_head.bias"}
 
 
 def _value_param(name, shape, dtype, sharding, file):
-  if not os.path.isfile(file):
+  if not file or not os.path.isfile(file):
     return _place(shape, dtype, sharding, lambda index: np.zeros(
         tuple(_norm(s, n).stop - _norm(s, n).start for s, n in zip(index, shape)),
         np.float32))
@@ -922,7 +984,8 @@ def num_params(config: TransformerConfig) -> int:
   return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract))
 
 
-__all__ = ["ARCHITECTURES", "GENERATION_CONFIG_FILE", "LAYOUT_KINDS", "LayoutKind",
+__all__ = ["ARCHITECTURES", "ArrayTensor", "GENERATION_CONFIG_FILE", "LAYOUT_KINDS", "LayoutKind",
+           "TensorSource", "load_model",
            "TOKEN_ID_FIELDS", "VALUE_HEAD_FILE", "token_id_fields",
            "checkpoint_shapes", "config_from_hf", "config_model_type", "from_pretrained",
            "hf_config_from", "hf_layout", "hf_shapes", "hf_tensors", "num_params",
