@@ -28,7 +28,9 @@ Conventions:
 * ``pad_id``: the ``pad_token`` when set, else ``eos_id`` (the usual choice for
   decoder-only models without one).
 
-Needs the optional extra ``pip install 'jaxrl_llm[hf]'`` (``tokenizers``, ``jinja2``).
+Needs the optional extra ``pip install 'jaxrl_llm[hf]'`` (``tokenizers``, ``jinja2``); the
+tokenizer of a GGUF file (:meth:`HFTokenizer.from_gguf`, ``jaxrl_llm.tasks.gguf_vocab``)
+also needs ``pip install 'jaxrl_llm[gguf]'``.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def compile_chat_template(source: str) -> jinja2.Template:
 class HFTokenizer:
   """A ``tokenizers.Tokenizer`` with special tokens and a chat template.
 
-  Build it with :meth:`from_pretrained` (a local folder) or directly.
+  Build it with :meth:`from_pretrained` (a local folder), :meth:`from_gguf` (a GGUF
+  file's tokenizer) or directly.
 
   Args:
     tokenizer: a ``tokenizers.Tokenizer``.
