@@ -28,7 +28,9 @@ Conventions:
 * ``pad_id``: the ``pad_token`` when set, else ``eos_id`` (the usual choice for
   decoder-only models without one).
 
-Needs the optional extra ``pip install 'jaxrl_llm[hf]'`` (``tokenizers``, ``jinja2``).
+Needs the optional extra ``pip install 'jaxrl_llm[hf]'`` (``tokenizers``, ``jinja2``); the
+tokenizer of a GGUF file (:meth:`HFTokenizer.from_gguf`, ``jaxrl_llm.tasks.gguf_vocab``)
+also needs ``pip install 'jaxrl_llm[gguf]'``.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def compile_chat_template(source: str) -> jinja2.Template:
 class HFTokenizer:
   """A ``tokenizers.Tokenizer`` with special tokens and a chat template.
 
-  Build it with :meth:`from_pretrained` (a local folder) or directly.
+  Build it with :meth:`from_pretrained` (a local folder), :meth:`from_gguf` (a GGUF
+  file's tokenizer) or directly.
 
   Args:
     tokenizer: a ``tokenizers.Tokenizer``.
@@ -109,6 +112,8 @@ class HFTokenizer:
     chat_template: the Jinja source of the chat template, or ``None``.
     extra_eos_ids: more ids that end a completion (``generation_config.json``,
       ``config.json``).
+    gguf_pre: the ``tokenizer.ggml.pre`` name of the GGUF file it came from
+      (:meth:`from_gguf` sets it; ``add_gguf_tokenizer`` writes it back), else ``None``.
 
   Examples:
     >>> from tokenizers import Tokenizer, models
@@ -122,8 +127,10 @@ class HFTokenizer:
   """
 
   def __init__(self, tokenizer: Any, *, special_tokens: Mapping[str, str] | None = None,
-               chat_template: str | None = None, extra_eos_ids: Sequence[int] = ()) -> None:
+               chat_template: str | None = None, extra_eos_ids: Sequence[int] = (),
+               gguf_pre: str | None = None) -> None:
     self.tokenizer = tokenizer
+    self.gguf_pre = gguf_pre
     self.special_tokens = {k: v for k, v in dict(special_tokens or {}).items()
                            if isinstance(v, str)}
     self.chat_template = chat_template
@@ -146,16 +153,34 @@ class HFTokenizer:
     return int(i)
 
   @classmethod
+  def from_gguf(cls, path: str | os.PathLike) -> HFTokenizer:
+    """The tokenizer of a GGUF file (its ``tokenizer.ggml.*`` fields and chat template).
+
+    See :func:`jaxrl_llm.tasks.gguf_vocab.read_gguf_tokenizer` (needs the ``gguf`` extra).
+    The file's ``tokenizer.ggml.pre`` name is kept in :attr:`gguf_pre`.
+
+    Raises:
+      ValueError: (one line naming the file and the field) for a file that is not GGUF,
+        is cut short, lacks a tokenizer field or names an unknown pre-tokenizer.
+    """
+    from jaxrl_llm.tasks.gguf_vocab import read_gguf_tokenizer
+
+    return read_gguf_tokenizer(path)
+
+  @classmethod
   def from_pretrained(cls, path: str | os.PathLike) -> HFTokenizer:
     """Loads ``tokenizer.json``, ``tokenizer_config.json`` (special tokens, chat
     template) and ``chat_template.jinja`` from a folder, with the ``eos_token_id`` s
-    (an int or a list) of its ``generation_config.json`` and ``config.json``.
+    (an int or a list) of its ``generation_config.json`` and ``config.json``. A ``.gguf``
+    file is read by :meth:`from_gguf`.
 
     Raises:
       ValueError: if ``path`` has no ``tokenizer.json``.
     """
     tokenizers = _require("tokenizers")
     path = os.fspath(path)
+    if path.endswith(".gguf") and os.path.isfile(path):
+      return cls.from_gguf(path)
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_file):
       raise ValueError(f"`path` {path!r} has no tokenizer.json (only fast tokenizers "
