@@ -440,7 +440,8 @@ def cmd_export(args: argparse.Namespace) -> int:
   from jaxrl_llm.checkpoint import CheckpointError
   from jaxrl_llm.loop.export import export_run
   try:
-    result = export_run(args.run, args.out, merge_lora=args.merge_lora)
+    result = export_run(args.run, args.out, merge_lora=args.merge_lora,
+                        gguf_type=args.gguf_type if args.gguf else None)
   except (ValueError, OSError, CheckpointError) as e:
     return _fail("export", str(e))
   if "policy_weights" in result:
@@ -589,6 +590,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a --lora-rank run: also write DEST/hf, the policy with its "
                         "adapters merged into the base weights (the adapters alone are "
                         "always written to DEST/adapter in PEFT's format)")
+  p_export.add_argument("--gguf", action="store_true",
+                        help="also write DEST/policy.gguf (adapters merged, with the run's "
+                        "tokenizer and chat template), which llama.cpp, Ollama and LM "
+                        "Studio run")
+  p_export.add_argument("--gguf-type", default="f32", choices=("f32", "f16", "bf16", "q8_0"),
+                        help="the type of the GGUF file's weight matrices (f32: exact; "
+                        "norms stay f32)")
   p_export.set_defaults(func=cmd_export)
   return parser
 

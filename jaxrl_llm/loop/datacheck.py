@@ -40,21 +40,27 @@ def _task(run: RunConfig) -> Any:
   assert run.dataset is not None
   load_jsonl(run.dataset)              # the data's own errors first (FILE:LINE)
   tokenizer, chat = None, False
-  if os.path.isfile(os.path.join(run.model, "config.json")):
+  from jaxrl_llm.models.sources import checkpoint_path
+  path = checkpoint_path(run.model)
+  if path is not None:
     from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
-    if not os.path.isfile(os.path.join(run.model, "tokenizer.json")):
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")):
       raise ValueError(f"--model {run.model} has no tokenizer.json (only fast tokenizers "
                        "are supported)")
-    tokenizer = HFTokenizer.from_pretrained(run.model)
+    tokenizer = HFTokenizer.from_pretrained(path)
     chat = tokenizer.chat_template is not None
   return JsonlTask(path=run.dataset, reward_fn=run.reward, tokenizer=tokenizer, chat=chat,
                    max_new_tokens=run.max_new_tokens)
 
 
 def _max_positions(model: str) -> int | None:
-  file = os.path.join(model, "config.json")
-  if not os.path.isfile(file):
+  from jaxrl_llm.models.sources import checkpoint_config, checkpoint_path, is_gguf
+  path = checkpoint_path(model)
+  if path is None:
     return None                        # a preset: sized to the task
+  if is_gguf(path):
+    return checkpoint_config(path).max_seq_len
+  file = os.path.join(path, "config.json")
   with open(file, encoding="utf-8") as f:
     try:
       value = json.load(f).get("max_position_embeddings")

@@ -27,6 +27,12 @@ A LoRA run (``--lora-rank``): ``adapter/`` holds the adapters in PEFT's format
 --merge-lora``): the adapters merged into the (dequantised) base weights, a plain
 Hugging Face folder whose logits equal the adapter model's.
 
+A run whose ``--model`` was a GGUF file (or a packaged model): ``hf/`` gets the
+tokenizer read from the file (``tokenizer.json``, ``tokenizer_config.json`` with its
+chat template) in place of copied files. ``gguf_type`` (``export --gguf
+[--gguf-type T]``) also writes ``policy.gguf`` (:func:`~jaxrl_llm.models.gguf.save_gguf`,
+adapters merged, with the run's tokenizer) for llama.cpp, Ollama and LM Studio.
+
 ``jaxrl-llm train --model PATH`` calls it at the end of the run (the summary names
 the folders); ``jaxrl-llm export RUN [--out DEST]`` calls it on a finished or
 interrupted run (its latest checkpoint).
@@ -80,7 +86,8 @@ def _restore(run_dir: str) -> tuple[Any, Any, Any, int, bool]:
   run = read_run(run_dir)
   if not is_checkpoint(run.model):
     raise ValueError(f"the run in {run_dir} trained the preset model {run.model!r}; "
-                     "export needs a run of a Hugging Face --model folder.")
+                     "export needs a run of a checkpoint --model (a Hugging Face folder, "
+                     "a GGUF file or a packaged model).")
   task = make_task(run)
   resolved = resolve(run, task)
   graphdef, params, critic_graphdef = load_models(resolved, task)
@@ -105,7 +112,8 @@ def _restore(run_dir: str) -> tuple[Any, Any, Any, int, bool]:
           nnx.merge(critic_graphdef, params[CRITIC]), step, unchanged)
 
 
-def export_run(run_dir: str, dest: str | None = None, *, merge_lora: bool = False) -> dict:
+def export_run(run_dir: str, dest: str | None = None, *, merge_lora: bool = False,
+               gguf_type: str | None = None) -> dict:
   """Writes a run's latest checkpoint as Hugging Face folders (see the module doc).
 
   Args:
@@ -113,6 +121,9 @@ def export_run(run_dir: str, dest: str | None = None, *, merge_lora: bool = Fals
     dest: where to write (default ``run_dir``): ``dest/hf/`` and, with a value model,
       ``dest/value_head.safetensors`` or ``dest/critic/``.
     merge_lora: a LoRA run: also write ``dest/hf/`` with the adapters merged.
+    gguf_type: also write the policy (adapters merged) as ``dest/policy.gguf`` in this
+      :data:`~jaxrl_llm.models.gguf.WRITE_TYPES` type, with the run's tokenizer, for
+      llama.cpp / Ollama / LM Studio.
 
   Returns:
     ``{"hf_model": ..., "value_model": ...}`` (paths; ``value_model`` only when the
@@ -141,14 +152,25 @@ def export_run(run_dir: str, dest: str | None = None, *, merge_lora: bool = Fals
     if read_run(run_dir).lora_rank is None:
       raise ValueError(f"--merge-lora: the run in {run_dir} trained no LoRA adapters "
                        "(no --lora-rank); export it without --merge-lora.")
+  if gguf_type is not None:
+    from jaxrl_llm.models.gguf import WRITE_TYPES
+    if gguf_type not in WRITE_TYPES:
+      raise ValueError(f"--gguf-type must be one of {', '.join(WRITE_TYPES)}, got "
+                       f"{gguf_type!r}.")
   run, model, critic, step, unchanged = _restore(run_dir)
+  from jaxrl_llm.loop.setup import model_file
+  from jaxrl_llm.models.sources import is_gguf
+  from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
+  source = model_file(run.model)
   dest = run_dir if dest is None else dest
   hf_dir = os.path.join(dest, "hf")
-  original = read_hf_config(run.model)
+  # A GGUF source has no config.json or tokenizer files to carry over: its tokenizer
+  # (read from the file) is saved by save_pretrained instead.
+  from_gguf = is_gguf(source)
+  original = {} if from_gguf else read_hf_config(source)
   tokenizer = None
-  if os.path.isfile(os.path.join(run.model, "tokenizer.json")):
-    from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
-    tokenizer = HFTokenizer.from_pretrained(run.model)
+  if from_gguf or os.path.isfile(os.path.join(source, "tokenizer.json")):
+    tokenizer = HFTokenizer.from_pretrained(source)
   # The original config's ids, else the tokenizer's (the rule save_pretrained applies);
   # an original generation_config.json is copied over the written one below.
   extra = token_id_fields(tokenizer=tokenizer, config=original)
@@ -160,19 +182,26 @@ def export_run(run_dir: str, dest: str | None = None, *, merge_lora: bool = Fals
     adapter_dir = os.path.join(dest, "adapter")
     if jax.process_index() == 0:
       save_lora_adapters(params, model.lora_spec, model.config, adapter_dir,
-                         base_model=os.path.abspath(run.model))
+                         base_model=os.path.abspath(source))
     out["adapter"] = f"{adapter_dir} (PEFT, step {step})"
     model = nnx.merge(base_graphdef(model), jax.jit(merged_params, static_argnums=0)(
         graphdef, params))
+  policy = nnx.merge(*drop_value_head(*split_model(model)))
   if run.lora_rank is None or merge_lora:
-    policy = nnx.merge(*drop_value_head(*split_model(model)))
-    save_pretrained(policy, hf_dir, extra_config=extra)
-    if jax.process_index() == 0:
+    save_pretrained(policy, hf_dir, extra_config=extra,
+                    tokenizer=tokenizer if from_gguf else None)
+    if jax.process_index() == 0 and not from_gguf:
       for name in TOKENIZER_FILES:
-        src = os.path.join(run.model, name)
+        src = os.path.join(source, name)
         if os.path.isfile(src):
           shutil.copyfile(src, os.path.join(hf_dir, name))
     out["hf_model"] = f"{hf_dir} (step {step})"
+  if gguf_type is not None:
+    from jaxrl_llm.models.gguf import save_gguf
+    gguf_file = os.path.join(dest, "policy.gguf")
+    save_gguf(policy, gguf_file, gguf_type=gguf_type, tokenizer=tokenizer)
+    out["gguf_model"] = (f"{gguf_file} ({gguf_type}, step {step}"
+                         f"{'' if tokenizer is not None else ', no tokenizer'})")
   if unchanged:
     out["policy_weights"] = (
         f"UNCHANGED: bit-identical to {run.model} after {step} steps (every update was "

@@ -202,7 +202,8 @@ def resolve(run: RunConfig, task: Task | None = None) -> Resolved:
   run.validate()
   if run.rollout == "vllm" and not os.path.isfile(os.path.join(run.model, "config.json")):
     raise ValueError(f"--rollout vllm needs --model PATH, a Hugging Face model folder "
-                     f"(got {run.model!r}): vLLM loads the architecture from it")
+                     f"(got {run.model!r}): vLLM loads the architecture from it (for a GGUF "
+                     "model, write one with save_pretrained(from_gguf(FILE), DIR))")
   recipe = get_recipe(run.algo)
   budget = response_budget(run, task)
   if recipe.group and run.group_size < 2:

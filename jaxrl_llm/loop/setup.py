@@ -3,8 +3,10 @@
 * ``run.dataset`` set: a :class:`~jaxrl_llm.tasks.JsonlTask` over that JSONL file, scored
   by the reward ``run.reward`` (:data:`jaxrl_llm.tasks.REWARDS`), ``run.max_new_tokens``
   per completion; else the built-in task ``run.task``.
-* ``run.model`` a folder (a local Hugging Face Llama / Qwen2 / Qwen3 checkpoint): the
-  model from :func:`jaxrl_llm.models.from_pretrained` (value head, when the recipe uses
+* ``run.model`` a checkpoint (a local Hugging Face Llama / Qwen2 / Qwen3 folder, a GGUF
+  file of those families, or a packaged model's name:
+  :func:`jaxrl_llm.models.sources.checkpoint_path`): the model from
+  :func:`jaxrl_llm.models.sources.load_checkpoint` (value head, when the recipe uses
   one, initialised to zeros) and its tokenizer
   (:class:`~jaxrl_llm.tasks.hf_tokenizer.HFTokenizer`, prompts rendered with its chat
   template when it has one); else the reference transformer preset, with the task's
@@ -26,8 +28,20 @@ if TYPE_CHECKING:
 
 
 def is_checkpoint(model: str) -> bool:
-  """Whether ``model`` names a local model folder (a ``config.json`` inside)."""
-  return os.path.isfile(os.path.join(model, "config.json"))
+  """Whether ``model`` names a checkpoint (a Hugging Face folder, a GGUF file, a
+  packaged model), not a preset."""
+  from jaxrl_llm.models.sources import checkpoint_path
+  return checkpoint_path(model) is not None
+
+
+def model_file(model: str) -> str:
+  """The local folder or file of the checkpoint ``model`` names (a packaged model's
+  name resolved to its installed file)."""
+  from jaxrl_llm.models.sources import checkpoint_path
+  path = checkpoint_path(model)
+  if path is None:
+    raise ValueError(f"{model!r} is a preset, not a checkpoint.")
+  return path
 
 
 def make_task(run: RunConfig) -> Task:
@@ -44,24 +58,26 @@ def make_task(run: RunConfig) -> Task:
   chat = False
   if is_checkpoint(run.model):
     from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
-    tokenizer = HFTokenizer.from_pretrained(run.model)
+    tokenizer = HFTokenizer.from_pretrained(model_file(run.model))
     chat = tokenizer.chat_template is not None
   return JsonlTask(path=run.dataset, reward_fn=run.reward, tokenizer=tokenizer,
                    chat=chat, max_new_tokens=run.max_new_tokens)
 
 
 def _load(run: RunConfig, task: Task, *, value_head: bool, path: str | None = None):
-  """``(graphdef, params)`` of ``path`` (default ``run.model``): a folder or a preset."""
+  """``(graphdef, params)`` of ``path`` (default ``run.model``): a checkpoint or a
+  preset."""
   from flax import nnx
 
-  from jaxrl_llm.models import Transformer, from_pretrained, get_config, split_model
+  from jaxrl_llm.models import Transformer, get_config, split_model
+  from jaxrl_llm.models.sources import load_checkpoint
   tok = task.tokenizer
   path = run.model if path is None else path
   if not is_checkpoint(path):
     cfg = get_config(path, tok.vocab_size, value_head=value_head,
                      max_seq_len=max(task.max_prompt_len + task.max_new_tokens, 8))
     return split_model(Transformer(cfg, rngs=nnx.Rngs(run.seed)))
-  model = from_pretrained(path, value_head=value_head)
+  model = load_checkpoint(model_file(path), value_head=value_head)
   if tok.vocab_size > model.config.vocab_size:
     raise ValueError(f"the tokenizer of {run.model!r} has {tok.vocab_size} tokens, more "
                      f"than the vocab_size {model.config.vocab_size} of {path!r}.")
@@ -318,5 +334,5 @@ def warm_start_value_params(run: RunConfig, params: Any) -> Any:
 
 
 __all__ = ["is_checkpoint", "load_models", "make_policy", "make_task", "make_vllm_engine",
-           "read_run",
+           "model_file", "read_run",
            "restore_latest", "restore_state", "warm_start_value_params"]

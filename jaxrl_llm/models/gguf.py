@@ -215,7 +215,7 @@ def _open(path: str):
                      f"{type(e).__name__}: {e}).") from None
 
 
-def gguf_metadata(reader) -> dict[str, Any]:
+def gguf_metadata(reader: Any) -> dict[str, Any]:
   """``{key: value}`` of the scalar and string metadata of a ``gguf.GGUFReader``
   (arrays such as the tokenizer's tokens are left out)."""
   gguf = _require_gguf()
@@ -340,7 +340,8 @@ class GGUFTensors:
     unnamed: the GGUF names with none (refused by :func:`from_gguf`).
   """
 
-  def __init__(self, reader, file: str, *, arch: str, n_heads: int, n_kv_heads: int):
+  def __init__(self, reader: Any, file: str, *, arch: str, n_heads: int,
+               n_kv_heads: int) -> None:
     self.file = file
     self._permute = ({"attn_q.weight": n_heads, "attn_k.weight": n_kv_heads}
                      if arch == "llama" else {})
@@ -427,12 +428,6 @@ def from_gguf(path: str | os.PathLike, *, dtype: DTypeLike | None = None,
   config, tensors, _ = read_gguf(path, dtype=dtype, value_head=value_head is not False)
   return load_model(config, tensors, value_file=value_file, mesh=mesh, rules=rules,
                     origin=os.fspath(path))
-
-
-def is_gguf(path: str | os.PathLike) -> bool:
-  """Whether ``path`` is a file whose name ends in ``.gguf``."""
-  path = os.fspath(path)
-  return path.lower().endswith(".gguf") and os.path.isfile(path)
 
 
 # --------------------------------------------------------------------------- write
@@ -577,5 +572,5 @@ def save_gguf(model: Transformer, path: str | os.PathLike, *, gguf_type: str = "
 
 __all__ = ["ARCHITECTURES", "GGUFTensors", "GGUF_NAMES", "LAYER_GGUF_NAMES", "READ_TYPES",
            "WRITE_TYPES", "config_from_gguf", "from_gguf", "gguf_metadata", "gguf_name",
-           "gguf_tensors", "hf_name", "is_gguf", "permute_rope", "read_gguf", "save_gguf",
+           "gguf_tensors", "hf_name", "permute_rope", "read_gguf", "save_gguf",
            "unpermute_rope"]

@@ -595,13 +595,13 @@ class ArrayTensor:
     ([2, 3], [[1, 2]])
   """
 
-  def __init__(self, array: np.ndarray):
+  def __init__(self, array: np.ndarray) -> None:
     self.array = array
 
   def get_shape(self) -> list[int]:
     return list(self.array.shape)
 
-  def __getitem__(self, index) -> np.ndarray:
+  def __getitem__(self, index: Any) -> np.ndarray:
     return self.array[index]
 
 
