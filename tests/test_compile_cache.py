@@ -74,9 +74,9 @@ def jax_cache_settings():
 def test_use_compile_cache_sets_turns_off_and_survives_an_unwritable_dir(
     tmp_path, monkeypatch, jax_cache_settings):
   suite_dir = jax.config.jax_compilation_cache_dir
-  assert suite_dir    # the root conftest's JAX_COMPILATION_CACHE_DIR: kept without a flag
-  assert use_compile_cache(None) == suite_dir
-  assert jax.config.jax_compilation_cache_dir == suite_dir
+  if suite_dir:   # the root conftest's JAX_COMPILATION_CACHE_DIR (none with ..._FAST=0)
+    assert use_compile_cache(None) == suite_dir        # kept without a flag
+    assert jax.config.jax_compilation_cache_dir == suite_dir
 
   monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
   mine = str(tmp_path / "cache" / "xla")
