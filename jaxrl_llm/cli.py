@@ -31,6 +31,8 @@ PLOT_KEYS = (("reward", "train reward"), ("eval_accuracy", "eval accuracy (greed
 # Other flag names of a field (the mesh axes' short names).
 ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("--tensor",),
            "async_rollouts": ("--async",)}
+# Metavariables of the options whose values are not one word.
+METAVARS = {"compile_cache": "DIR|off"}
 # The subcommands (build_parser adds each; train is the default).
 COMMANDS = ("train", "eval", "plot", "export")
 TRAIN_PREFIX = "train__"
@@ -84,7 +86,8 @@ def _add_field(group, f, hints, *, dest, default, shown):
   elif base in (int, float, str):
     group.add_argument(*names, dest=dest, default=default, type=_parse(base, optional),
                        choices=choices, help=help_text,
-                       metavar=(f.name.upper() if choices is None else None))
+                       metavar=(METAVARS.get(f.name, f.name.upper()) if choices is None
+                                else None))
 
 
 def selected_estimator(name: str) -> str | None:
@@ -324,6 +327,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
     if not launch.joins_a_job():
       _early_note(run)             # before the slow imports
+    _use_compile_cache(run.compile_cache)   # before anything compiles
     multi = join_job(launch)       # before any JAX computation
     import jax
     if multi:
@@ -408,6 +412,12 @@ def _draw_curves(run_dir: str) -> str:
   return png
 
 
+def _use_compile_cache(setting: str | None) -> None:
+  """Sets the persistent compilation cache (:mod:`jaxrl_llm.loop.compile_cache`)."""
+  from jaxrl_llm.loop.compile_cache import use_compile_cache
+  use_compile_cache(setting, warn=lambda line: print(line, file=sys.stderr, flush=True))
+
+
 def _fail(command: str, message: str) -> int:
   print(f"error: {command}: {message}", file=sys.stderr)
   return 2
@@ -423,6 +433,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return _fail("eval", problem)
   if args.eval_size < 1:
     return _fail("eval", f"--eval-size must be >= 1 (got {args.eval_size})")
+  _use_compile_cache(args.compile_cache)
   from jaxrl_llm.checkpoint import CheckpointError
   from jaxrl_llm.loop import evaluate
   from jaxrl_llm.loop.setup import restore_latest
@@ -437,6 +448,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+  _use_compile_cache(args.compile_cache)
   from jaxrl_llm.checkpoint import CheckpointError
   from jaxrl_llm.loop.export import export_run
   try:
@@ -550,6 +562,15 @@ def _run_default(name: str) -> Any:
   return config_field(RunConfig, name).default
 
 
+def _add_run_option(p: argparse.ArgumentParser, name: str) -> None:
+  """The ``train`` option of RunConfig field ``name`` on another subcommand."""
+  from jaxrl_llm.loop.config import RunConfig
+  from jaxrl_llm.train.config import config_field
+  f = config_field(RunConfig, name)
+  _add_field(p, f, typing.get_type_hints(RunConfig), dest=name, default=f.default,
+             shown=f.default)
+
+
 class _Parser(argparse.ArgumentParser):
   """argparse with one-line errors: the message and where the help is (argparse prints
   the whole usage, 50 lines for ``train``, above it)."""
@@ -572,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
   p_eval = sub.add_parser("eval", help="evaluate a run's latest checkpoint")
   p_eval.add_argument("--out", default=_run_default("out"))
   p_eval.add_argument("--eval-size", type=int, default=_run_default("eval_size"))
+  _add_run_option(p_eval, "compile_cache")
   p_eval.set_defaults(func=cmd_eval)
   p_plot = sub.add_parser("plot", help="plot learning curves of runs into a PNG")
   p_plot.add_argument("runs", nargs="+", help="run folders")
@@ -597,6 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
   p_export.add_argument("--gguf-type", default="f32", choices=("f32", "f16", "bf16", "q8_0"),
                         help="the type of the GGUF file's weight matrices (f32: exact; "
                         "norms stay f32)")
+  _add_run_option(p_export, "compile_cache")
   p_export.set_defaults(func=cmd_export)
   return parser
 

@@ -17,12 +17,13 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_llm.loop import async_rollout
+from jaxrl_llm.loop.accounting import MEASURED_COLUMNS
 from jaxrl_llm.loop.config import RunConfig
 from jaxrl_llm.loop.run import run_training
 from jaxrl_llm.models import Transformer, TransformerConfig, make_paged_decode_fns, split_model
 from jaxrl_llm.rollout import ReplicatedEngine, Request, RolloutEngine
 
-WALL = ("time_s", "generate_s", "trainer_wait_s", "sampler_wait_s")
+WALL = MEASURED_COLUMNS       # time, memory and compile columns
 ASYNC_ONLY = ("staleness_mean", "staleness_max", "behaviour_kl")
 
 

@@ -11,13 +11,14 @@ import sys
 import numpy as np
 import pytest
 
+from jaxrl_llm.loop.accounting import MEASURED_COLUMNS
 from jaxrl_llm.loop.config import RunConfig
 from jaxrl_llm.loop.run import run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(steps=4, prompts_per_step=4, group_size=2, eval_every=2, eval_size=8,
              save_every=2, progress=False)
-WALL = ("time_s", "generate_s", "trainer_wait_s", "sampler_wait_s")
+WALL = MEASURED_COLUMNS       # time, memory and compile columns
 ASYNC_ONLY = ("staleness_mean", "staleness_max", "behaviour_kl")
 
 

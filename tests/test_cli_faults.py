@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+from jaxrl_llm.loop.accounting import comparable
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
 FLAGS = ["--algo", "ppo", "--steps", str(STEPS), "--prompts-per-step", "4",
@@ -86,8 +88,7 @@ def _final_checksums(out):
 
 
 def _comparable(rows):
-  return [{k: v for k, v in r.items() if k not in ("time_s", "generate_s")}  # wall times
-          for r in rows]
+  return [comparable(r) for r in rows]       # without the time and memory columns
 
 
 @pytest.mark.slow

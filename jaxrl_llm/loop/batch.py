@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_llm.loop.accounting import PhaseClock
 from jaxrl_llm.loop.evaluation import decode, stop_ids
 from jaxrl_llm.loop.policy import Policy
 from jaxrl_llm.loop.resolve import Resolved, SamplingSettings
@@ -25,14 +26,16 @@ from jaxrl_llm.train import AdvantageInputs, TrainConfig, compute_advantages
 
 def _rollout(sampling: SamplingSettings, task: Task, policy: Policy, params: Any,
              rng_np: np.random.Generator, key: jax.Array, config: TrainConfig,
-             num_prompts: int, share: Share | None = None) -> tuple[dict, list]:
+             num_prompts: int, share: Share | None = None,
+             clock: PhaseClock | None = None) -> tuple[dict, list]:
   """Samples ``group_size`` completions of ``num_prompts`` prompts and scores them.
 
   Returns ``(rows, problems)``: ``rows`` a dict of per-row numpy arrays (groups are
   contiguous rows; ``problem`` indexes ``problems``). With a ``share`` (a multi-process
   run) every process draws the same prompts, generates and scores only the groups of
   its rows (their draws keyed as in one call over all prompts) and the rows are
-  all-gathered, so every process returns the whole batch.
+  all-gathered, so every process returns the whole batch. ``clock`` (optional) gets
+  the generation's seconds as ``generate_s``.
   """
   tok = task.tokenizer
   problems = task.sample_prompts(rng_np, num_prompts)
@@ -40,6 +43,7 @@ def _rollout(sampling: SamplingSettings, task: Task, policy: Policy, params: Any
   mine = problems[first:last]
   prompts, prompt_mask = tok.encode_batch([p.prompt for p in mine], task.max_prompt_len)
   rep = lambda x: np.repeat(x, sampling.group_size, axis=0)
+  start = time.perf_counter()
   if share is None:
     out = policy.generate(params, prompts, prompt_mask, key, n=sampling.group_size,
                           max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
@@ -48,6 +52,9 @@ def _rollout(sampling: SamplingSettings, task: Task, policy: Policy, params: Any
     out = policy.generate(params, prompts, prompt_mask, key, n=sampling.group_size,
                           max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
                           temperature=config.temperature, first_request=first)
+  if clock is not None:
+    jax.block_until_ready(out)
+    clock.add("generate_s", time.perf_counter() - start)
   group_problems = [p for p in mine for _ in range(sampling.group_size)]
   rows = completion_rows(task, out, group_problems, rep(np.arange(first, last)),
                          rollout_logp=config.rollout_correction is not None)
@@ -127,7 +134,12 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   are over the first draw (the policy's unfiltered samples).
   ``drawn``: the first draw's ``(rows, problems)`` when the caller generated them
   (partial rollouts: :class:`jaxrl_llm.loop.partial.PartialRollouts`); None: drawn
-  here (``generate_s`` in the stats times it).
+  here.
+  The stats time the phases (:mod:`jaxrl_llm.loop.accounting`): ``generate_s`` (every
+  generation here: the draws, greedy completions; absent when ``drawn`` is given and
+  nothing is generated here), ``score_s`` (the rest until the forwards: decoding,
+  scores, advantages, packing), ``old_logp_s`` and ``ref_s`` (the policy's and the
+  reference's forward, each waited for).
   ``share``: this process's rows of the global batch in a multi-process run
   (:class:`Share`): it generates and scores only its groups, the per-row results are
   all-gathered, the statistics and advantages are those of the whole batch, and the
@@ -140,11 +152,12 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   tok = task.tokenizer
   group_size = sampling.group_size
   stats: dict[str, float] = {}
+  clock = PhaseClock()
+  start = time.perf_counter()
+  generated_here = drawn is None
   if drawn is None:
-    start = time.perf_counter()
     drawn = _rollout(sampling, task, policy, params, rng_np, key, config,
-                     sampling.prompts_per_step, share)
-    stats["generate_s"] = time.perf_counter() - start
+                     sampling.prompts_per_step, share, clock=clock)
   first, problems = drawn
   stats.update(reward=float(np.mean(first["scores"])),
                accuracy=float(np.mean(first["exact"])),
@@ -159,7 +172,8 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
         drawn, probs = first, problems
       else:
         drawn, probs = _rollout(sampling, task, policy, params, rng_np,
-                                jax.random.fold_in(key, len(all_problems)), config, n)
+                                jax.random.fold_in(key, len(all_problems)), config, n,
+                                clock=clock)
       drawn = {**drawn, "problem": drawn["problem"] + sum(map(len, all_problems))}
       all_problems.append(probs)
       return drawn
@@ -209,9 +223,11 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
       lo, hi = (0, len(problems)) if share is None else share.prompts(group_size)
       prompts, prompt_mask = tok.encode_batch([p.prompt for p in problems[lo:hi]],
                                               task.max_prompt_len)
-      g = policy.generate(params, prompts, prompt_mask, None,
-                          max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
-                          greedy=True)
+      with clock("generate_s"):
+        g = policy.generate(params, prompts, prompt_mask, None,
+                            max_new_tokens=task.max_new_tokens, eos_id=stop_ids(tok),
+                            greedy=True)
+        jax.block_until_ready(g)
       greedy = np.asarray(task.score(problems[lo:hi],
                                      decode(tok, g.completion, g.completion_mask)))
       if share is not None:
@@ -225,8 +241,15 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   if packer is not None:
     batch, pack_stats = packer(batch)
     stats.update(pack_stats)
-  old_logp, _, old_values = policy.forward(params, batch)
-  ref_logp, _, _ = policy.ref_forward(ref_params, batch)
+  generate_s = clock.take().get("generate_s", 0.0)
+  if generated_here or generate_s:
+    stats["generate_s"] = generate_s
+  stats["score_s"] = time.perf_counter() - start - generate_s
+  with clock("old_logp_s"):
+    old_logp, _, old_values = jax.block_until_ready(policy.forward(params, batch))
+  with clock("ref_s"):
+    ref_logp, _, _ = jax.block_until_ready(policy.ref_forward(ref_params, batch))
+  stats.update(clock.take())
   batch.update(old_logp=np.asarray(old_logp), ref_logp=np.asarray(ref_logp))
   if config.use_value:
     batch["old_values"] = np.asarray(old_values)

@@ -27,7 +27,7 @@ from jaxrl_llm.train.config import TrainConfig, document_fields, setting
 RESUMABLE_FIELDS = ("steps", "out", "resume", "resume_or_start", "overwrite",
                     "eval_every", "save_every", "progress", "mesh_data", "mesh_fsdp",
                     "mesh_tensor", "rollout_devices", "max_consecutive_skips", "tensorboard",
-                    "wandb_project")
+                    "wandb_project", "compile_cache")
 
 
 # The built-in task of a run without --dataset.
@@ -219,6 +219,13 @@ class RunConfig:
       "target_modules must equal --lora-rank, --lora-alpha and --lora-targets. It seeds "
       "step 0 only (a resumed run continues from its checkpoint; the folder is read "
       "again when the run is rebuilt).")
+  compile_cache: str | None = setting(
+      None, "the persistent XLA compilation cache of the jaxrl-llm command (train, eval "
+      "and export share it; :mod:`jaxrl_llm.loop.compile_cache`): a directory, or off. "
+      "None: JAX's own setting when one is made (JAX_COMPILATION_CACHE_DIR, "
+      "JAX_ENABLE_COMPILATION_CACHE=false), else $XDG_CACHE_HOME/jaxrl_llm/xla or "
+      "~/.cache/jaxrl_llm/xla. A directory that cannot be written gives one warning and "
+      "the run compiles without a cache.")
   train: dict = setting(
       None, "TrainConfig fields set on top of the recipe's (e.g. "
       "``{\"kl_coef\": 0.01, \"policy_loss\": \"gspo\"}``).", flag=False,
