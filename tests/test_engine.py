@@ -376,3 +376,19 @@ def test_new_requests_do_not_recompile():
                            Request([3], max_new_tokens=1, temperature=0.0)], seed=5)
   assert [f._cache_size() for f in (engine_module._prefill_jit, engine_module._admit_jit,
                                     engine_module._decode_jit)] == sizes
+
+
+def test_default_pool_runs_every_slot_at_max_len_with_prompts_of_their_own():
+  """8 requests with distinct prompts of a partial last page, each to ``max_len``: each
+  sample needs ``ceil(max_len / page) + 1`` pages (its prompt's last page is kept for
+  copies), and the default pool holds all 8 at once: one wave of decode steps."""
+  engine = RolloutEngine(PAGED, max_slots=8, **_ENGINE_KW)
+  prompts = _prompts(3, [6] * 8)
+  requests = [Request(p, max_new_tokens=48 - 6, temperature=0.0) for p in prompts]
+  assert engine.pages_needed(requests[0]) == 48 // 4 + 1
+  out = engine.generate(PARAMS, requests, seed=0)
+  assert engine.stats["decode_steps"] == 48 - 6          # one wave, not two
+  assert engine.num_pages == 8 * (48 // 4 + 1)
+  ref, _ = _sample_greedy(prompts, 48 - 6)
+  for c in out:
+    np.testing.assert_array_equal(c.tokens, ref[c.request])

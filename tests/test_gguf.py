@@ -467,7 +467,7 @@ def test_cli_trains_a_gguf_model_resumes_and_exports_hf_and_gguf(tmp_path, capsy
 
 
 def test_llama_cpp_greedy_tokens_on_our_f32_export_equal_ours(tmp_path):
-  """llama.cpp itself (``llama-cpp-python``) runs our F32 export of a tiny random Llama
+  """llama.cpp itself (``llama-cpp-python``) runs our F32 export of a tiny random Qwen3
   with its tokenizer, and its greedy tokens are ours. ``llama-cpp-python`` compiles
   llama.cpp when it installs (no wheel on the registry): not in the test extra (a
   build on 2 CPU cores shared with other jobs had not finished after 14 minutes and

@@ -236,8 +236,10 @@ class RolloutEngine:
     max_len: the most tokens (prompt + completion) of one sample.
     page_size: tokens per page.
     num_pages: pages in the pool (all layers have one pool each of this many pages);
-      default ``max_slots * ceil(max_len / page_size)``, enough for every slot at
-      ``max_len``. The pool's device memory is allocated once (``num_pages`` x
+      default ``max_slots * (ceil(max_len / page_size) + 1)``, enough for every slot at
+      ``max_len`` with a prompt of its own (a prompt's partial last page is kept for its
+      samples' copies beside each sample's own copy: :meth:`pages_needed` is at most
+      ``ceil(max_len / page_size) + 1``). The pool's device memory is allocated once (``num_pages`` x
       ``stats["page_bytes"]``); a smaller pool bounds it. A request that needs more
       pages than the whole pool raises ``ValueError``; a sample that needs pages now
       in use waits (it and the samples queued after it) until finished slots return
@@ -298,7 +300,7 @@ class RolloutEngine:
     self.page_size = page_size
     self.pages_per_slot = _ceil_div(max_len, page_size)
     if num_pages is None:
-      num_pages = max_slots * self.pages_per_slot
+      num_pages = max_slots * (self.pages_per_slot + 1)
     if not isinstance(num_pages, int) or num_pages < 1:
       raise ValueError(f"`num_pages` must be a positive int, got {num_pages!r}.")
     self.num_pages = num_pages
