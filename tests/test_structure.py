@@ -225,7 +225,7 @@ FLOORS = {
     "loop": 4, "cli": 5,
 }
 CORE = ("_validate", "_names", "_lazy", "masked", "advantages", "losses", "control",
-        "logprobs", "attention", "checkpoint", "run_folder", "packing")
+        "logprobs", "attention", "checkpoint", "run_folder", "packing", "model_files")
 # Imports from a lower floor to a higher one that are known and scheduled to go (none).
 EXEMPT: set = set()
 

@@ -267,7 +267,7 @@ class RunConfig:
       raise ValueError(f"unknown task {self.task!r}; valid tasks: {', '.join(tasks)}")
     from jaxrl_llm.loop.recipes import get_recipe
     get_recipe(self.algo)                  # an unknown algo, listing the valid ones
-    from jaxrl_llm.models.sources import PACKAGED_MODELS, checkpoint_path
+    from jaxrl_llm.model_files import PACKAGED_MODELS, checkpoint_path
     if self.model not in MODEL_PRESETS and checkpoint_path(self.model) is None:
       raise ValueError(f"unknown model {self.model!r}; valid models: "
                        f"{', '.join((*MODEL_PRESETS, *PACKAGED_MODELS))}, a Hugging Face "

@@ -40,7 +40,7 @@ def _task(run: RunConfig) -> Any:
   assert run.dataset is not None
   load_jsonl(run.dataset)              # the data's own errors first (FILE:LINE)
   tokenizer, chat = None, False
-  from jaxrl_llm.models.sources import checkpoint_path
+  from jaxrl_llm.model_files import checkpoint_path
   path = checkpoint_path(run.model)
   if path is not None:
     from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
@@ -54,7 +54,8 @@ def _task(run: RunConfig) -> Any:
 
 
 def _max_positions(model: str) -> int | None:
-  from jaxrl_llm.models.sources import checkpoint_config, checkpoint_path, is_gguf
+  from jaxrl_llm.model_files import checkpoint_path, is_gguf
+  from jaxrl_llm.models.sources import checkpoint_config
   path = checkpoint_path(model)
   if path is None:
     return None                        # a preset: sized to the task

@@ -159,7 +159,7 @@ def export_run(run_dir: str, dest: str | None = None, *, merge_lora: bool = Fals
                        f"{gguf_type!r}.")
   run, model, critic, step, unchanged = _restore(run_dir)
   from jaxrl_llm.loop.setup import model_file
-  from jaxrl_llm.models.sources import is_gguf
+  from jaxrl_llm.model_files import is_gguf
   from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
   source = model_file(run.model)
   dest = run_dir if dest is None else dest

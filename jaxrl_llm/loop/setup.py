@@ -30,14 +30,14 @@ if TYPE_CHECKING:
 def is_checkpoint(model: str) -> bool:
   """Whether ``model`` names a checkpoint (a Hugging Face folder, a GGUF file, a
   packaged model), not a preset."""
-  from jaxrl_llm.models.sources import checkpoint_path
+  from jaxrl_llm.model_files import checkpoint_path
   return checkpoint_path(model) is not None
 
 
 def model_file(model: str) -> str:
   """The local folder or file of the checkpoint ``model`` names (a packaged model's
   name resolved to its installed file)."""
-  from jaxrl_llm.models.sources import checkpoint_path
+  from jaxrl_llm.model_files import checkpoint_path
   path = checkpoint_path(model)
   if path is None:
     raise ValueError(f"{model!r} is a preset, not a checkpoint.")

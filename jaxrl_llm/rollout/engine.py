@@ -239,8 +239,8 @@ class RolloutEngine:
       default ``max_slots * (ceil(max_len / page_size) + 1)``, enough for every slot at
       ``max_len`` with a prompt of its own (a prompt's partial last page is kept for its
       samples' copies beside each sample's own copy: :meth:`pages_needed` is at most
-      ``ceil(max_len / page_size) + 1``). The pool's device memory is allocated once (``num_pages`` x
-      ``stats["page_bytes"]``); a smaller pool bounds it. A request that needs more
+      ``ceil(max_len / page_size) + 1``). The pool's device memory is allocated once
+      (``num_pages`` x ``stats["page_bytes"]``); a smaller pool bounds it. A request that needs more
       pages than the whole pool raises ``ValueError``; a sample that needs pages now
       in use waits (it and the samples queued after it) until finished slots return
       them.
