@@ -263,3 +263,28 @@ def test_answers_the_reward_cannot_parse_warn_with_examples(tmp_path):
   data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n"
                           for i, a in enumerate(answers[:18] + ["8"])))
   assert check_dataset(RunConfig(dataset=str(data), max_new_tokens=4)) == []
+
+
+def test_a_checkpoint_trains_with_rematerialised_blocks_by_default(tmp_path):
+  """``--remat`` None: a checkpoint's blocks are rematerialised in the train step (the
+  same parameters, the same logits), a preset's are not; ``--remat`` with LoRA is one
+  line."""
+  pytest.importorskip("transformers")
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from jaxrl_llm.loop.setup import load_models, make_task
+  from tests.test_hf import _tiny_hf_folder
+  model_dir, data = _tiny_hf_folder(tmp_path)
+  runs = {v: RunConfig(model=model_dir, dataset=data, remat=v) for v in (None, False)}
+  loaded = {v: load_models(resolve(run), make_task(run))[:2] for v, run in runs.items()}
+  on, off = loaded[None], loaded[False]
+  assert nnx.merge(*on).config.remat and not nnx.merge(*off).config.remat
+  tokens = jnp.array([[1, 2, 3, 4]])
+  logits = [np.asarray(m.logits(m(tokens)[0])) for m in (nnx.merge(*on), nnx.merge(*off))]
+  np.testing.assert_array_equal(*logits)
+  preset = RunConfig()
+  assert not nnx.merge(*load_models(resolve(preset), make_task(preset))[:2]).config.remat
+  with pytest.raises(ValueError, match="--remat is not supported with --lora-rank"):
+    RunConfig(model=model_dir, dataset=data, remat=True, lora_rank=4).validate()

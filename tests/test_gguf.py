@@ -332,14 +332,20 @@ def test_truncated_file_is_one_line(tmp_path):
     _one_line(e)
 
 
-def test_unsupported_architecture_and_fields_are_one_line(tmp_path):
-  path = str(tmp_path / "g.gguf")
-  writer = gguf.GGUFWriter(path, "gemma2")
-  writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+def _write_file(path: str, arch: str, fill=lambda writer: None) -> str:
+  """A GGUF file of ``arch`` with one embedding tensor and what ``fill`` adds."""
+  writer = gguf.GGUFWriter(path, arch)
+  fill(writer)
+  writer.add_tensor("token_embd.weight", np.zeros((4, 64), np.float32))
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
+  return path
+
+
+def test_unsupported_architecture_and_fields_are_one_line(tmp_path):
+  path = _write_file(str(tmp_path / "g.gguf"), "gemma2")
   with pytest.raises(ValueError, match=r"general\.architecture 'gemma2' is not supported"):
     from_gguf(path)
   scaled = _small(tmp_path, extra_meta={"{arch}.rope.scaling.type": (
@@ -360,14 +366,8 @@ def test_unsupported_quant_type_is_one_line_naming_tensor(tmp_path):
 
 
 def test_missing_metadata_field_is_one_line(tmp_path):
-  path = str(tmp_path / "m.gguf")
-  writer = gguf.GGUFWriter(path, "llama")
-  writer.add_embedding_length(64)
-  writer.add_tensor("token_embd.weight", np.zeros((4, 64), np.float32))
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
+  path = _write_file(str(tmp_path / "m.gguf"), "llama",
+                     lambda writer: writer.add_embedding_length(64))
   with pytest.raises(ValueError, match=r"m\.gguf: metadata field 'llama.attention.head_count'"):
     from_gguf(path)
 

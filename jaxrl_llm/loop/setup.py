@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -76,12 +77,19 @@ def _load(run: RunConfig, task: Task, *, value_head: bool, path: str | None = No
   if not is_checkpoint(path):
     cfg = get_config(path, tok.vocab_size, value_head=value_head,
                      max_seq_len=max(task.max_prompt_len + task.max_new_tokens, 8))
+    if run.remat:
+      cfg = dataclasses.replace(cfg, remat=True)
     return split_model(Transformer(cfg, rngs=nnx.Rngs(run.seed)))
   model = load_checkpoint(model_file(path), value_head=value_head)
   if tok.vocab_size > model.config.vocab_size:
     raise ValueError(f"the tokenizer of {run.model!r} has {tok.vocab_size} tokens, more "
                      f"than the vocab_size {model.config.vocab_size} of {path!r}.")
-  return split_model(model)
+  graphdef, params = split_model(model)
+  if run.remat or (run.remat is None and run.lora_rank is None):   # RunConfig.remat
+    # The same parameters under a graph whose blocks are rematerialised.
+    config = dataclasses.replace(model.config, remat=True)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+  return graphdef, params
 
 
 def load_models(resolved: Resolved, task: Task) -> tuple[Any, Any, Any]:

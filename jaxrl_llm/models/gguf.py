@@ -125,7 +125,8 @@ _LAYER_HF_NAMES = {v: k for k, v in LAYER_GGUF_NAMES.items()}
 _HF_NAMES = {v: k for k, v in GGUF_NAMES.items()}
 
 
-def _require_gguf():
+def require_gguf() -> Any:
+  """The `gguf` package (ImportError with the install command when it is missing)."""
   try:
     import gguf
   except ImportError as e:
@@ -198,27 +199,38 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 # ---------------------------------------------------------------------------- read
 
 
-def _open(path: str):
-  """A ``gguf.GGUFReader`` of ``path``; any failure to parse it is one ``ValueError``."""
-  gguf = _require_gguf()
+def open_gguf(path: str) -> Any:
+  """A ``gguf.GGUFReader`` of ``path``; a missing file, another format or a file the
+  reader cannot parse (truncated, corrupt) is one ``ValueError`` naming the file.
+
+  Examples:
+    >>> import tempfile
+    >>> bad = tempfile.NamedTemporaryFile(suffix=".gguf", delete=False).name
+    >>> open_gguf(bad)
+    Traceback (most recent call last):
+    ...
+    ValueError: ...: not a GGUF file (its first bytes b'' are not the GGUF magic b'GGUF').
+  """
+  gguf = require_gguf()
   if not os.path.isfile(path):
     raise ValueError(f"{path}: no such GGUF file.")
   with open(path, "rb") as f:
     magic = f.read(4)
   if magic != b"GGUF":
-    raise ValueError(f"{path}: not a GGUF file (the first bytes are {magic!r}, not "
-                     "b'GGUF').")
+    raise ValueError(f"{path}: not a GGUF file (its first bytes {magic!r} are not the "
+                     "GGUF magic b'GGUF').")
   try:
     return gguf.GGUFReader(path)
-  except Exception as e:  # noqa: BLE001 - the reader raises many kinds on a bad file
-    raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt: "
-                     f"{type(e).__name__}: {e}).") from None
+  except Exception as e:  # noqa: BLE001 - the reader raises many kinds on a cut file
+    first = str(e).splitlines()[0] if str(e) else ""
+    raise ValueError(f"{path}: truncated or corrupt GGUF file (the reader stopped with "
+                     f"{type(e).__name__}: {first}).") from None
 
 
 def gguf_metadata(reader: Any) -> dict[str, Any]:
   """``{key: value}`` of the scalar and string metadata of a ``gguf.GGUFReader``
   (arrays such as the tokenizer's tokens are left out)."""
-  gguf = _require_gguf()
+  gguf = require_gguf()
   out = {}
   for key, field in reader.fields.items():
     if not field.types or field.types[0] == gguf.GGUFValueType.ARRAY:
@@ -356,7 +368,7 @@ class GGUFTensors:
 
   def array(self, name: str) -> np.ndarray:
     """Tensor ``name`` (a Hugging Face name) dequantized, in Hugging Face layout."""
-    gguf = _require_gguf()
+    gguf = require_gguf()
     t = self.files[name]
     _check_tensor(t, self.file)
     x = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -379,7 +391,7 @@ def read_gguf(path: str | os.PathLike, *, dtype: DTypeLike | None = None,
     ValueError: one line naming the file and the field or tensor.
   """
   file = os.fspath(path)
-  reader = _open(file)
+  reader = open_gguf(file)
   metadata = gguf_metadata(reader)
   shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
   config = config_from_gguf(metadata, shapes, file=file, dtype=dtype,
@@ -520,7 +532,7 @@ def save_gguf(model: Transformer, path: str | os.PathLike, *, gguf_type: str = "
     ValueError: an unknown ``gguf_type``, or a model GGUF cannot express (RoPE
       scaling, a value head is left out silently: it is no part of the model).
   """
-  gguf = _require_gguf()
+  gguf = require_gguf()
   if gguf_type not in WRITE_TYPES:
     raise ValueError(f"`gguf_type` must be one of {list(WRITE_TYPES)}, got {gguf_type!r}.")
   config = model.config
@@ -572,5 +584,6 @@ def save_gguf(model: Transformer, path: str | os.PathLike, *, gguf_type: str = "
 
 __all__ = ["ARCHITECTURES", "GGUFTensors", "GGUF_NAMES", "LAYER_GGUF_NAMES", "READ_TYPES",
            "WRITE_TYPES", "config_from_gguf", "from_gguf", "gguf_metadata", "gguf_name",
-           "gguf_tensors", "hf_name", "permute_rope", "read_gguf", "save_gguf",
+           "gguf_tensors", "hf_name", "open_gguf", "permute_rope", "read_gguf", "require_gguf",
+           "save_gguf",
            "unpermute_rope"]

@@ -146,21 +146,12 @@ class _Fields:
   """The metadata of a GGUF file, read with ``gguf.GGUFReader``; errors name the file."""
 
   def __init__(self, path: str) -> None:
-    gguf = _require_gguf()
+    from jaxrl_llm.models.gguf import open_gguf, require_gguf
+    gguf = require_gguf()
     self.path = path
     if not os.path.isfile(path):
       raise ValueError(f"`path` {path!r} is not a file.")
-    with open(path, "rb") as f:
-      magic = f.read(4)
-    if magic != b"GGUF":
-      raise ValueError(f"{path}: not a GGUF file (its first bytes {magic!r} are not the "
-                       "GGUF magic b'GGUF').")
-    try:
-      reader = gguf.GGUFReader(path)
-    except Exception as e:  # noqa: BLE001  (the reader raises many kinds on a cut file)
-      raise ValueError(f"{path}: truncated or corrupt GGUF file (the reader stopped with "
-                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})."
-                       ) from None
+    reader = open_gguf(path)
     self.fields = reader.fields
     self.types = gguf.GGUFValueType
 
@@ -206,15 +197,6 @@ class _Fields:
 
   def get(self, key: str, kind: str = "scalar") -> Any:
     return getattr(self, kind)(key) if key in self.fields else None
-
-
-def _require_gguf():
-  try:
-    import gguf
-  except ImportError as e:
-    raise ImportError("'gguf' is needed to read or write GGUF files: "
-                      "pip install 'jaxrl_llm[gguf]'.") from e
-  return gguf
 
 
 def read_gguf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
