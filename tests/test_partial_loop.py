@@ -78,9 +78,12 @@ def test_partial_rollouts_train_on_complete_groups_with_their_versions():
     assert stats["in_flight"] == unfinished
     lags.append(stats["staleness_max"])
   assert min(waits) >= 8 and len(waits) > 4
-  assert lags == [0, 1, 1, 1]                   # samples did span steps (seeded)
+  # Samples did span steps (seeded; these values follow the engine's default pool,
+  # which since it holds every slot with a prompt of its own admits samples earlier:
+  # with the pool one page short per slot they were [0, 1, 1, 1], 0.6875, 11, 1).
+  assert lags == [0, 0, 1, 1]
   assert (stats["staleness_mean"], stats["in_flight"], stats["groups_waiting"]) == (
-      0.6875, 11, 1)
+      0.1875, 10, 0)
   assert partial.engine.reset() == stats["in_flight"] and partial.engine.pages_in_use == 0
 
 
