@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import os
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,5 +86,43 @@ def checkpoint_path(model: str) -> str | None:
   return None
 
 
-__all__ = ["PACKAGED_MODELS", "PackagedModel", "checkpoint_path", "is_gguf",
-           "packaged_path"]
+def require_gguf() -> Any:
+  """The `gguf` package (ImportError with the install command when it is missing)."""
+  try:
+    import gguf
+  except ImportError as e:
+    raise ImportError("GGUF files need the 'gguf' package: pip install "
+                      "'jaxrl_llm[gguf]'.") from e
+  return gguf
+
+
+def open_gguf(path: str) -> Any:
+  """A ``gguf.GGUFReader`` of ``path``; a missing file, another format or a file the
+  reader cannot parse (truncated, corrupt) is one ``ValueError`` naming the file.
+
+  Examples:
+    >>> import tempfile
+    >>> bad = tempfile.NamedTemporaryFile(suffix=".gguf", delete=False).name
+    >>> open_gguf(bad)
+    Traceback (most recent call last):
+    ...
+    ValueError: ...: not a GGUF file (its first bytes b'' are not the GGUF magic b'GGUF').
+  """
+  gguf = require_gguf()
+  if not os.path.isfile(path):
+    raise ValueError(f"{path}: no such GGUF file.")
+  with open(path, "rb") as f:
+    magic = f.read(4)
+  if magic != b"GGUF":
+    raise ValueError(f"{path}: not a GGUF file (its first bytes {magic!r} are not the "
+                     "GGUF magic b'GGUF').")
+  try:
+    return gguf.GGUFReader(path)
+  except Exception as e:  # noqa: BLE001 - the reader raises many kinds on a cut file
+    first = str(e).splitlines()[0] if str(e) else ""
+    raise ValueError(f"{path}: truncated or corrupt GGUF file (the reader stopped with "
+                     f"{type(e).__name__}: {first}).") from None
+
+
+__all__ = ["PACKAGED_MODELS", "PackagedModel", "checkpoint_path", "is_gguf", "open_gguf",
+           "packaged_path", "require_gguf"]

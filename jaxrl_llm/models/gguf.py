@@ -75,6 +75,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
+from jaxrl_llm.model_files import open_gguf, require_gguf
 from jaxrl_llm.models.hf import (
   ArrayTensor,
   config_from_hf,
@@ -123,16 +124,6 @@ LAYER_GGUF_NAMES: dict[str, str] = {
 }
 _LAYER_HF_NAMES = {v: k for k, v in LAYER_GGUF_NAMES.items()}
 _HF_NAMES = {v: k for k, v in GGUF_NAMES.items()}
-
-
-def require_gguf() -> Any:
-  """The `gguf` package (ImportError with the install command when it is missing)."""
-  try:
-    import gguf
-  except ImportError as e:
-    raise ImportError("GGUF files need the 'gguf' package: pip install "
-                      "'jaxrl_llm[gguf]'.") from e
-  return gguf
 
 
 def gguf_name(hf_name: str) -> str:
@@ -197,34 +188,6 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- read
-
-
-def open_gguf(path: str) -> Any:
-  """A ``gguf.GGUFReader`` of ``path``; a missing file, another format or a file the
-  reader cannot parse (truncated, corrupt) is one ``ValueError`` naming the file.
-
-  Examples:
-    >>> import tempfile
-    >>> bad = tempfile.NamedTemporaryFile(suffix=".gguf", delete=False).name
-    >>> open_gguf(bad)
-    Traceback (most recent call last):
-    ...
-    ValueError: ...: not a GGUF file (its first bytes b'' are not the GGUF magic b'GGUF').
-  """
-  gguf = require_gguf()
-  if not os.path.isfile(path):
-    raise ValueError(f"{path}: no such GGUF file.")
-  with open(path, "rb") as f:
-    magic = f.read(4)
-  if magic != b"GGUF":
-    raise ValueError(f"{path}: not a GGUF file (its first bytes {magic!r} are not the "
-                     "GGUF magic b'GGUF').")
-  try:
-    return gguf.GGUFReader(path)
-  except Exception as e:  # noqa: BLE001 - the reader raises many kinds on a cut file
-    first = str(e).splitlines()[0] if str(e) else ""
-    raise ValueError(f"{path}: truncated or corrupt GGUF file (the reader stopped with "
-                     f"{type(e).__name__}: {first}).") from None
 
 
 def gguf_metadata(reader: Any) -> dict[str, Any]:
@@ -584,6 +547,5 @@ def save_gguf(model: Transformer, path: str | os.PathLike, *, gguf_type: str = "
 
 __all__ = ["ARCHITECTURES", "GGUFTensors", "GGUF_NAMES", "LAYER_GGUF_NAMES", "READ_TYPES",
            "WRITE_TYPES", "config_from_gguf", "from_gguf", "gguf_metadata", "gguf_name",
-           "gguf_tensors", "hf_name", "open_gguf", "permute_rope", "read_gguf", "require_gguf",
-           "save_gguf",
+           "gguf_tensors", "hf_name", "permute_rope", "read_gguf", "save_gguf",
            "unpermute_rope"]

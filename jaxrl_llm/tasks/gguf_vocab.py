@@ -47,7 +47,15 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer, _require
+from jaxrl_llm.model_files import open_gguf, require_gguf
+
+
+def _require(module: str) -> Any:
+  try:
+    return __import__(module)
+  except ImportError as e:
+    raise ImportError(f"{module!r} is needed for GGUF tokenizers: pip install "
+                      "'jaxrl_llm[gguf]'.") from e
 
 # llama.cpp's token types (gguf.TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -146,7 +154,6 @@ class _Fields:
   """The metadata of a GGUF file, read with ``gguf.GGUFReader``; errors name the file."""
 
   def __init__(self, path: str) -> None:
-    from jaxrl_llm.models.gguf import open_gguf, require_gguf
     gguf = require_gguf()
     self.path = path
     if not os.path.isfile(path):
@@ -199,17 +206,17 @@ class _Fields:
     return getattr(self, kind)(key) if key in self.fields else None
 
 
-def read_gguf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
-  """The tokenizer of a GGUF file (``tokenizer.ggml.*``) as an :class:`HFTokenizer`.
-
-  :meth:`HFTokenizer.from_gguf` is the same function. The ``tokenizer.ggml.pre`` name is
-  kept in :attr:`HFTokenizer.gguf_pre` (``None`` for a ``llama`` model).
+def read_gguf_tokenizer(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
+  """The tokenizer of a GGUF file (``tokenizer.ggml.*``): ``(tokenizers.Tokenizer,
+  keyword arguments of HFTokenizer)``, what :meth:`HFTokenizer.from_gguf` builds its
+  tokenizer from. The ``tokenizer.ggml.pre`` name is kept in ``gguf_pre`` (``None``
+  for a ``llama`` model).
 
   Args:
     path: a ``.gguf`` file.
 
   Returns:
-    an :class:`HFTokenizer` with the file's special tokens and chat template.
+    ``(tokenizer, {"special_tokens", "chat_template", "extra_eos_ids", "gguf_pre"})``.
 
   Raises:
     ValueError: (one line naming the file and the field) if the file is not a GGUF file,
@@ -225,7 +232,8 @@ def read_gguf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
     >>> w.add_token_types([CONTROL] + [NORMAL] * 5)
     >>> w.add_token_merges(["a b", "Ġ ab"]); w.add_eos_token_id(0)
     >>> w.write_header_to_file(); w.write_kv_data_to_file(); w.close()
-    >>> tok = read_gguf_tokenizer(path)
+    >>> from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
+    >>> tok = HFTokenizer.from_gguf(path)
     >>> tok.encode("ab ab<eos>"), tok.eos_id, tok.gguf_pre
     ([3, 5, 0], 0, 'gpt-2')
   """
@@ -279,9 +287,9 @@ def read_gguf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
   _set_post_processor(tokenizers, tok, specials, bool(add_bos), add_eos, path)
   extra = [int(i) for key in ("eot_token_id", "eom_token_id")
            if (i := f.get(f"tokenizer.ggml.{key}")) is not None and 0 <= int(i) < len(tokens)]
-  return HFTokenizer(tok, special_tokens=specials,
-                     chat_template=f.get("tokenizer.chat_template", "string"),
-                     extra_eos_ids=extra, gguf_pre=pre_name)
+  return tok, {"special_tokens": specials,
+               "chat_template": f.get("tokenizer.chat_template", "string"),
+               "extra_eos_ids": extra, "gguf_pre": pre_name}
 
 
 def _check_types(types: Sequence[int], path: str) -> None:
@@ -397,7 +405,7 @@ def _pre_json(pre: Any) -> Any:
   return None if pre is None else json.loads(pre.__getstate__())
 
 
-def pre_tokenizer_name(tokenizer: HFTokenizer) -> str:
+def pre_tokenizer_name(tokenizer: Any) -> str:
   """The ``tokenizer.ggml.pre`` name for a byte-level BPE ``tokenizer``.
 
   The name recorded by :meth:`HFTokenizer.from_gguf` (:attr:`HFTokenizer.gguf_pre`), else
@@ -408,6 +416,7 @@ def pre_tokenizer_name(tokenizer: HFTokenizer) -> str:
 
   Examples:
     >>> from tokenizers import Tokenizer, models
+    >>> from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
     >>> tk = Tokenizer(models.BPE({"a": 0}, []))
     >>> tk.pre_tokenizer = GGUF_PRE_TOKENIZERS["qwen2"]()
     >>> pre_tokenizer_name(HFTokenizer(tk))
@@ -430,7 +439,7 @@ def pre_tokenizer_name(tokenizer: HFTokenizer) -> str:
   return "default"
 
 
-def add_gguf_tokenizer(writer: Any, tokenizer: HFTokenizer) -> None:
+def add_gguf_tokenizer(writer: Any, tokenizer: Any) -> None:
   """Writes ``tokenizer`` as the ``tokenizer.ggml.*`` fields of a ``gguf.GGUFWriter``.
 
   Byte-level BPE only: writes ``model`` (``gpt2``), ``pre`` (:func:`pre_tokenizer_name`),
@@ -455,6 +464,7 @@ def add_gguf_tokenizer(writer: Any, tokenizer: HFTokenizer) -> None:
   Examples:
     >>> import os, tempfile, gguf
     >>> from tokenizers import Tokenizer, models
+    >>> from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
     >>> tk = Tokenizer(models.BPE({"<eos>": 0, "a": 1, "b": 2, "ab": 3}, [("a", "b")]))
     >>> tk.pre_tokenizer = GGUF_PRE_TOKENIZERS["gpt-2"]()
     >>> tok = HFTokenizer(tk, special_tokens={"eos_token": "<eos>"})

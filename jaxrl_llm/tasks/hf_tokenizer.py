@@ -165,7 +165,8 @@ class HFTokenizer:
     """
     from jaxrl_llm.tasks.gguf_vocab import read_gguf_tokenizer
 
-    return read_gguf_tokenizer(path)
+    tokenizer, kwargs = read_gguf_tokenizer(path)
+    return cls(tokenizer, **kwargs)
 
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike) -> HFTokenizer:
