@@ -116,12 +116,14 @@ def _leaf_fingerprint(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 # One leaf per call: a program over the whole state keeps each leaf's uint32 words and
 # indices alive at once (2.7 GiB of temporaries for a 1.2 GiB SmolLM2 state, compiled);
 # per leaf the temporaries are one leaf's. The sums are exact uint32 arithmetic, so the
-# checksums are the same either way.
+# checksums are the same either way. Each call is waited for before the next: on a
+# multi-process state every call is a collective, and several in flight at once
+# deadlocked two gloo processes restoring onto an fsdp mesh.
 _leaf_fingerprint_jit = jax.jit(_leaf_fingerprint)
 
 
 def _fingerprints(leaves: list) -> tuple[list, list]:
-  out = [_leaf_fingerprint_jit(x) for x in leaves]
+  out = [jax.block_until_ready(_leaf_fingerprint_jit(x)) for x in leaves]
   return [o[0] for o in out], [o[1] for o in out]
 
 
