@@ -447,6 +447,8 @@ def test_cli_trains_a_gguf_model_resumes_and_exports_hf_and_gguf(tmp_path, capsy
   with open(os.path.join(out, "metrics.jsonl")) as f:
     assert [json.loads(line)["step"] for line in f if line.strip()] == [0, 1, 2, 3]
   capsys.readouterr()
+  assert cli.main(["eval", "--out", out, "--eval-size", "2"]) == 0    # restores the GGUF run
+  assert json.loads(capsys.readouterr().out)["step"] == 3
   assert cli.main(["export", out, "--gguf"]) == 0
   printed = json.loads(capsys.readouterr().out)
   assert "policy.gguf (f32, step 3)" in printed["gguf_model"]
