@@ -17,6 +17,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import os
 from typing import Any
@@ -108,9 +109,20 @@ def open_gguf(path: str) -> Any:
     ...
     ValueError: ...: not a GGUF file (its first bytes b'' are not the GGUF magic b'GGUF').
   """
-  gguf = require_gguf()
   if not os.path.isfile(path):
     raise ValueError(f"{path}: no such GGUF file.")
+  st = os.stat(path)
+  return _reader(path, st.st_size, st.st_mtime_ns)
+
+
+# A run reads one file's metadata several times before it trains (the dataset check, the
+# tokenizer, the model): parsing SmolLM2's takes ~2 s, so a file is parsed once while
+# its size and modification time stay the same (the reader maps the file; nothing is
+# copied). A failed parse is not cached.
+@functools.lru_cache(maxsize=4)
+def _reader(path: str, size: int, mtime_ns: int) -> Any:
+  del size, mtime_ns          # part of the cache key only
+  gguf = require_gguf()
   with open(path, "rb") as f:
     magic = f.read(4)
   if magic != b"GGUF":
