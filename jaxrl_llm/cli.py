@@ -21,6 +21,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from jaxrl_llm._names import GGUF_WRITE_TYPES
 from jaxrl_llm.loop.config import flag
 
 PLOT_KEYS = (("reward", "train reward"), ("eval_accuracy", "eval accuracy (greedy)"),
@@ -616,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also write DEST/policy.gguf (adapters merged, with the run's "
                         "tokenizer and chat template), which llama.cpp, Ollama and LM "
                         "Studio run")
-  p_export.add_argument("--gguf-type", default="f32", choices=("f32", "f16", "bf16", "q8_0"),
+  p_export.add_argument("--gguf-type", default="f32", choices=GGUF_WRITE_TYPES,
                         help="the type of the GGUF file's weight matrices (f32: exact; "
                         "norms stay f32)")
   _add_run_option(p_export, "compile_cache")

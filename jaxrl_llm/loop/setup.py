@@ -72,6 +72,7 @@ def _load(run: RunConfig, task: Task, *, value_head: bool, path: str | None = No
 
   from jaxrl_llm.models import Transformer, get_config, split_model
   from jaxrl_llm.models.sources import load_checkpoint
+  from jaxrl_llm.models.transformer import abstract_model
   tok = task.tokenizer
   path = run.model if path is None else path
   if not is_checkpoint(path):
@@ -87,8 +88,7 @@ def _load(run: RunConfig, task: Task, *, value_head: bool, path: str | None = No
   graphdef, params = split_model(model)
   if run.remat or (run.remat is None and run.lora_rank is None):   # RunConfig.remat
     # The same parameters under a graph whose blocks are rematerialised.
-    config = dataclasses.replace(model.config, remat=True)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    graphdef = split_model(abstract_model(dataclasses.replace(model.config, remat=True)))[0]
   return graphdef, params
 
 

@@ -75,6 +75,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
+from jaxrl_llm._names import GGUF_WRITE_TYPES
 from jaxrl_llm.model_files import open_gguf, require_gguf
 from jaxrl_llm.models.hf import (
   ArrayTensor,
@@ -96,7 +97,7 @@ READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_
               "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # --gguf-type: what save_gguf writes for the 2-D weight matrices (1-D norms and biases
 # stay F32, as llama.cpp's converter keeps them).
-WRITE_TYPES = ("f32", "f16", "bf16", "q8_0")
+WRITE_TYPES = GGUF_WRITE_TYPES
 _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16",
                "q8_0": "MOSTLY_Q8_0"}
 
@@ -156,6 +157,14 @@ def hf_name(name: str) -> str | None:
   if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_HF_NAMES:
     return f"model.layers.{parts[1]}.{_LAYER_HF_NAMES[parts[2]]}"
   return None
+
+
+def _rope_permuted(arch: str, n_heads: int, n_kv_heads: int) -> dict[str, int]:
+  """``{tensor suffix: heads}`` of the tensors whose rows llama.cpp permutes for
+  ``arch`` (llama's ``attn_q``/``attn_k``; none for qwen2/qwen3)."""
+  if arch != "llama":
+    return {}
+  return {"attn_q.weight": n_heads, "attn_k.weight": n_kv_heads}
 
 
 def permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -318,8 +327,7 @@ class GGUFTensors:
   def __init__(self, reader: Any, file: str, *, arch: str, n_heads: int,
                n_kv_heads: int) -> None:
     self.file = file
-    self._permute = ({"attn_q.weight": n_heads, "attn_k.weight": n_kv_heads}
-                     if arch == "llama" else {})
+    self._permute = _rope_permuted(arch, n_heads, n_kv_heads)
     self.files: dict[str, Any] = {}
     self.unnamed: list[str] = []
     for t in reader.tensors:
@@ -436,7 +444,7 @@ def _encode(gguf, x: np.ndarray, qtype) -> np.ndarray:
   return np.ascontiguousarray(gguf.quants.quantize(np.asarray(x, np.float32), qtype))
 
 
-def _add_hparams(writer, config: TransformerConfig, arch: str, gguf_type: str, gguf) -> None:
+def _add_hparams(writer, config: TransformerConfig, gguf_type: str, gguf) -> None:
   c = config
   writer.add_context_length(c.max_seq_len)
   writer.add_embedding_length(c.d_model)
@@ -457,11 +465,10 @@ def _add_hparams(writer, config: TransformerConfig, arch: str, gguf_type: str, g
 def gguf_tensors(config: TransformerConfig, params: Any) -> Iterator[tuple[str, np.ndarray]]:
   """``(GGUF name, float32 tensor in HF layout, q/k permuted for llama)`` of each policy
   parameter, one at a time (:func:`~jaxrl_llm.models.hf.hf_tensors` renamed)."""
-  perm = {"attn_q.weight": config.n_heads, "attn_k.weight": config.n_kv_heads}
-  llama = config_model_type(config) == "llama"
+  perm = _rope_permuted(config_model_type(config), config.n_heads, config.n_kv_heads)
   for name, x in hf_tensors(config, params, dtype=jnp.float32):
     g = gguf_name(name)
-    heads = perm.get(g.split(".", 2)[-1]) if llama else None
+    heads = perm.get(g.split(".", 2)[-1])
     yield g, permute_rope(x, heads) if heads else x
 
 
@@ -516,7 +523,7 @@ def save_gguf(model: Transformer, path: str | os.PathLike, *, gguf_type: str = "
   writer = gguf.GGUFWriter(tmp, arch)
   try:
     writer.add_name(name or os.path.splitext(os.path.basename(path))[0])
-    _add_hparams(writer, config, arch, gguf_type, gguf)
+    _add_hparams(writer, config, gguf_type, gguf)
     if tokenizer is not None:
       from jaxrl_llm.tasks.gguf_vocab import add_gguf_tokenizer
       add_gguf_tokenizer(writer, tokenizer)

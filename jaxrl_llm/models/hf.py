@@ -74,6 +74,7 @@ from jaxrl_llm.models.transformer import (
   RopeScaling,
   Transformer,
   TransformerConfig,
+  abstract_model,
   split_model,
 )
 
@@ -497,8 +498,7 @@ def _path_str(path) -> str:
 
 
 def _abstract_params(config: TransformerConfig):
-  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-  return split_model(abstract)
+  return split_model(abstract_model(config))
 
 
 def _place(shape, dtype, sharding, read: Callable[[Any], np.ndarray]):
@@ -608,12 +608,12 @@ class ArrayTensor:
 def load_model(config: TransformerConfig, tensors: TensorSource, *,
                value_file: str | None = None, mesh: Mesh | None = None,
                rules: Rules | None = None, origin: str = "the config") -> Transformer:
-  """A :class:`Transformer` of ``config`` whose parameters are read from ``source``.
+  """A :class:`Transformer` of ``config`` whose parameters are read from ``tensors``.
 
   The loop :func:`from_pretrained` and :func:`~jaxrl_llm.models.gguf.from_gguf` share:
   each parameter is read through its :func:`hf_layout` entry (only the slices this
   process's devices hold, with a ``mesh``), shapes are checked against ``config``, and
-  a tensor of ``source`` the layout does not use is refused.
+  a tensor of ``tensors`` the layout does not use is refused.
 
   Args:
     config: the architecture.

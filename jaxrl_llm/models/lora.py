@@ -76,7 +76,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm._names import LORA_BASE_DTYPES
-from jaxrl_llm.models.transformer import MLP, Transformer, TransformerConfig
+from jaxrl_llm.models.transformer import MLP, Transformer, TransformerConfig, abstract_model
 
 #: LoRA target names (PEFT's ``<name>_proj``) -> (module, weight) of the Transformer.
 LORA_TARGETS: dict[str, tuple[str, str]] = {
@@ -376,7 +376,7 @@ def merge_lora(graphdef: nnx.GraphDef, params: Any) -> Any:
           w = (w.astype(jnp.float32) + lora_delta(a.get_value(), b.get_value(), w.shape,
                                                   spec.scale)).astype(config.dtype)
         entry[weight] = w
-  state = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
+  state = nnx.state(abstract_model(config), nnx.Param)
   nnx.replace_by_pure_dict(state, pure)
   return state
 
@@ -385,8 +385,7 @@ def base_graphdef(model: Transformer) -> nnx.GraphDef:
   """The graphdef of ``model``'s base (no adapters): what :func:`merge_lora`'s output
   merges into."""
   from jaxrl_llm.models.transformer import split_model
-  config = model.config
-  return split_model(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[0]
+  return split_model(abstract_model(model.config))[0]
 
 
 # ----------------------------------------------------------------------------------

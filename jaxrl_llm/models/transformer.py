@@ -901,6 +901,18 @@ class Transformer(nnx.Module):
 # ----------------------------------------------------------------------------------
 
 
+def abstract_model(config: TransformerConfig) -> Transformer:
+  """The model of ``config`` as shapes only (``nnx.eval_shape``: nothing allocated), for
+  its graphdef or its parameters' shapes and shardings.
+
+  Examples:
+    >>> graphdef, shapes = split_model(abstract_model(TransformerConfig.tiny(32)))
+    >>> shapes["embed"].shape
+    (32, 64)
+  """
+  return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+
+
 def split_model(model: Transformer) -> tuple[nnx.GraphDef, nnx.State]:
   """``(graphdef, params)``: the static structure and the ``nnx.Param`` state pytree.
 

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from jaxrl_llm.model_files import is_gguf
 from jaxrl_llm.tasks.tokenizer import UNKNOWN_CHAR, pad_encoded
 
 if TYPE_CHECKING:   # an optional dependency (the hf extra)
@@ -180,7 +181,7 @@ class HFTokenizer:
     """
     tokenizers = _require("tokenizers")
     path = os.fspath(path)
-    if path.endswith(".gguf") and os.path.isfile(path):
+    if is_gguf(path):
       return cls.from_gguf(path)
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_file):
