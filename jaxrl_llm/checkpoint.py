@@ -204,6 +204,33 @@ def verify_against(record: dict, state: Any, template: Any = None) -> str | None
   return None
 
 
+def record_part(record: dict, part: str) -> dict:
+  """The entries of a verification record under the field (or key) ``part`` of the
+  saved state, with paths relative to it: the record :func:`fingerprint` gives of
+  that part alone.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> rec = fingerprint({"params": {"w": jnp.ones(2)}, "opt": jnp.zeros(3)})
+    >>> record_part(rec, "params") == fingerprint({"w": jnp.ones(2)})
+    True
+  """
+  prefixes = (f".{part}", f"[{part!r}]")
+  keep, paths = [], []
+  for i, path in enumerate(record.get("paths") or []):
+    for prefix in prefixes:
+      rest = path[len(prefix):]
+      if path.startswith(prefix) and rest[:1] in ("", ".", "["):
+        keep.append(i)
+        paths.append(rest)
+        break
+  pick = lambda key: [record[key][i] for i in keep]
+  nonfinite = set(record.get("nonfinite", ()))
+  bad = [rest for i, rest in zip(keep, paths) if record["paths"][i] in nonfinite]
+  return {"paths": paths, "shapes": pick("shapes"), "dtypes": pick("dtypes"),
+          "checksums": pick("checksums"), "finite": not bad, "nonfinite": bad}
+
+
 def _first_path_difference(what: str, want: list, got: list) -> str:
   missing = [p for p in want if p not in got]
   extra = [p for p in got if p not in want]
@@ -410,12 +437,18 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def restore(self, template: Any, step: int | None = None, *,
-              fallback: bool = True) -> tuple[Any, dict]:
+              fallback: bool = True, part: str | None = None) -> tuple[Any, dict]:
     """Restores ``(state, extra)`` from ``step`` (default: the newest that verifies).
 
     ``template`` is a state of the right structure: concrete arrays, or
     ``jax.ShapeDtypeStruct`` leaves (see :func:`abstract_like`) whose ``sharding``
     says where each restored leaf goes, e.g. onto a different mesh than at save time.
+
+    ``part`` names one field (or key) of the saved state, e.g. ``"params"`` of a
+    :class:`~jaxrl_llm.train.TrainState`: then ``template`` is that part's template,
+    only its arrays are read (an optimizer's moments are never loaded: what export
+    and eval need, in a third of the memory) and the result is the part, verified
+    against the leaves of the record under it.
 
     Every candidate is verified (see the module doc). With ``step=None`` and
     ``fallback``, a step that fails is logged in one line naming it, recorded in
@@ -440,7 +473,7 @@ class Checkpointer:
         candidates = candidates[:1]
     failures = []
     for s in candidates:
-      result, reason = self._restore_verified(template, s)
+      result, reason = self._restore_verified(template, s, part)
       if reason is None:
         self.restored_step = s
         self._steps_since_restore, self._learned_since_restore = 0, False
@@ -457,18 +490,27 @@ class Checkpointer:
     raise CheckpointError(f"no usable checkpoint in {self.directory}: "
                           + "; ".join(failures))
 
-  def _restore_verified(self, template: Any, step: int
+  def _restore_verified(self, template: Any, step: int, part: str | None = None
                         ) -> tuple[Any, str | None]:
     if step not in self.all_steps():
       return None, "no such step"
     record = self._record(step)
+    if part is None:
+      args: Any = ocp.args.StandardRestore(abstract_like(template))
+    else:
+      item = {part: abstract_like(template)}
+      args = ocp.args.PyTreeRestore(
+          item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+          partial_restore=True)
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_like(template)),
-          extra=ocp.args.JsonRestore()))
+          state=args, extra=ocp.args.JsonRestore()))
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise bare Exception
       return None, f"cannot be read: {_one_line(_root_cause(e))}"
     state, extra = restored["state"], dict(restored["extra"] or {})
+    if part is not None:
+      state = state[part]
+      record = None if record is None else record_part(record, part)
     if record is None:
       if os.path.isdir(os.path.join(self._step_dir(step), VERIFY_ITEM)):
         return None, "its verification record cannot be read"
@@ -666,5 +708,5 @@ def _root_cause(exc: BaseException) -> BaseException:
     exc = nxt
 
 
-__all__ = ["Checkpointer", "CheckpointError", "abstract_like", "fingerprint",
+__all__ = ["Checkpointer", "CheckpointError", "abstract_like", "fingerprint", "record_part",
            "verify_against"]

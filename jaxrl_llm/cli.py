@@ -439,11 +439,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
   from jaxrl_llm.loop import evaluate
   from jaxrl_llm.loop.setup import restore_latest
   try:
-    _, task, policy, state, step = restore_latest(args.out)
+    _, task, policy, params, step = restore_latest(args.out, params_only=True)
   except (ValueError, OSError, CheckpointError) as e:
     return _fail("eval", str(e))
   result = {"step": step,
-            **evaluate(policy, state.params, task, task.eval_problems(args.eval_size))}
+            **evaluate(policy, params, task, task.eval_problems(args.eval_size))}
   print(json.dumps(result))
   return 0
 

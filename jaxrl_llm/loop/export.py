@@ -65,23 +65,35 @@ def restore_run(run_dir: str) -> tuple[Any, Any, Any, int]:
   return run, model, critic, step
 
 
-def _same_leaves(a: Any, b: Any) -> bool:
-  """Whether two parameter trees hold bit-identical arrays."""
-  import jax
-  import numpy as np
-  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-  return len(la) == len(lb) and all(
-      np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+def _policy_checksums(graphdef: Any, params: Any, critic: bool) -> list:
+  """The checksums of the policy's own leaves (no value head, no critic) in
+  :func:`~jaxrl_llm.checkpoint.fingerprint`: equal for bit-identical weights."""
+  from jaxrl_llm.checkpoint import fingerprint
+  from jaxrl_llm.models.critic import POLICY, drop_value_head
+  policy = params[POLICY] if critic else drop_value_head(graphdef, params)[1]
+  return fingerprint(policy)["checksums"]
 
 
 def _restore(run_dir: str) -> tuple[Any, Any, Any, int, bool]:
   """:func:`restore_run` and whether the policy's weights are bit-identical to the
-  starting ``--model``'s (no update changed them)."""
+  starting ``--model``'s (no update changed them).
+
+  Only the parameters are read from the checkpoint (never the optimizer state), and
+  the starting weights are let go before they are: the comparison uses their exact
+  checksums (:func:`~jaxrl_llm.checkpoint.fingerprint`), so the host holds one copy
+  of the model at a time."""
   from flax import nnx
 
+  from jaxrl_llm.checkpoint import abstract_like
   from jaxrl_llm.loop.resolve import resolve
-  from jaxrl_llm.loop.setup import is_checkpoint, load_models, make_task, read_run, restore_state
-  from jaxrl_llm.models.critic import CRITIC, POLICY, drop_value_head
+  from jaxrl_llm.loop.setup import (
+    is_checkpoint,
+    load_models,
+    make_task,
+    read_run,
+    restore_params,
+  )
+  from jaxrl_llm.models.critic import CRITIC, POLICY
 
   run = read_run(run_dir)
   if not is_checkpoint(run.model):
@@ -89,25 +101,22 @@ def _restore(run_dir: str) -> tuple[Any, Any, Any, int, bool]:
                      "export needs a run of a checkpoint --model (a Hugging Face folder, "
                      "a GGUF file or a packaged model).")
   task = make_task(run)
-  resolved = resolve(run, task)
-  graphdef, params, critic_graphdef = load_models(resolved, task)
-  trainable = None
+  graphdef, params, critic_graphdef = load_models(resolve(run, task), task)
   if run.lora_rank is not None:
     from jaxrl_llm.loop.setup import lora_model
-    from jaxrl_llm.models.lora import lora_trainable
-    trainable = lora_trainable
     if critic_graphdef is None:
       graphdef, params = lora_model(run, graphdef, params)
     else:
       graphdef, policy_params = lora_model(run, graphdef, params[POLICY])
       params = {**params, POLICY: policy_params}
-  state, step = restore_state(run_dir, resolved, params, trainable=trainable)
-  start, params = params, state.params
-  if critic_graphdef is None:
-    unchanged = _same_leaves(drop_value_head(graphdef, start)[1],
-                             drop_value_head(graphdef, params)[1])
+  critic = critic_graphdef is not None
+  start = _policy_checksums(graphdef, params, critic)
+  template = abstract_like(params)
+  del params
+  params, step = restore_params(run_dir, template)
+  unchanged = start == _policy_checksums(graphdef, params, critic)
+  if not critic:
     return run, nnx.merge(graphdef, params), None, step, unchanged
-  unchanged = _same_leaves(start[POLICY], params[POLICY])
   return (run, nnx.merge(graphdef, params[POLICY]),
           nnx.merge(critic_graphdef, params[CRITIC]), step, unchanged)
 

@@ -253,10 +253,12 @@ def _lora_policy(resolved: Resolved, task: Task) -> Policy:
                 trainable=lora_trainable, ref_shares_params=True)
 
 
-def restore_latest(run_dir: str) -> tuple[Resolved, Task, Policy, Any, int]:
+def restore_latest(run_dir: str, *, params_only: bool = False
+                   ) -> tuple[Resolved, Task, Policy, Any, int]:
   """``(resolved, task, policy, state, step)``: the run folder ``run_dir`` rebuilt from its
   ``config.json`` and its newest checkpoint restored into that policy's
-  :class:`~jaxrl_llm.train.TrainState`.
+  :class:`~jaxrl_llm.train.TrainState`; with ``params_only``, ``state`` is the policy's
+  parameters alone (:func:`restore_params`: the optimizer state is never read).
 
   Raises:
     ValueError: ``run_dir`` holds no config or no checkpoint
@@ -267,6 +269,9 @@ def restore_latest(run_dir: str) -> tuple[Resolved, Task, Policy, Any, int]:
   task = make_task(run)
   resolved = resolve(run, task)
   policy = make_policy(resolved, task)
+  if params_only:
+    params, step = restore_params(run_dir, policy.init_params)
+    return resolved, task, policy, params, step
   state, step = restore_state(run_dir, resolved, policy.init_params,
                               trainable=policy.trainable)
   return resolved, task, policy, state, step
@@ -299,6 +304,19 @@ def restore_state(run_dir: str, resolved: Resolved, params: Any, *,
   return state, int(extra["step"])
 
 
+def restore_params(run_dir: str, template: Any) -> tuple[Any, int]:
+  """``(params, step)``: the parameters of the newest checkpoint of ``run_dir`` that
+  verifies, alone, onto the structure, dtypes and shardings of ``template`` (arrays or
+  ``jax.ShapeDtypeStruct`` leaves). The optimizer's moments, twice the parameters'
+  size under Adam, are never read (:meth:`~jaxrl_llm.checkpoint.Checkpointer.restore`
+  with ``part="params"``)."""
+  from jaxrl_llm import run_folder as rf
+  from jaxrl_llm.checkpoint import Checkpointer
+  with Checkpointer(os.path.join(run_dir, rf.CHECKPOINTS_DIR)) as ckpt:
+    params, extra = ckpt.restore(template, part="params")
+  return params, int(extra["step"])
+
+
 def warm_start_value_params(run: RunConfig, params: Any) -> Any:
   """``params`` with its value parameters taken from the newest checkpoint of the run
   folder ``run.critic_init`` (NeMo-RL's ``warm_start_value_checkpoint``: a critic
@@ -317,10 +335,10 @@ def warm_start_value_params(run: RunConfig, params: Any) -> Any:
   from jaxrl_llm.run_folder import RunFolderError
 
   folder = str(run.critic_init)
-  _, _, _, restored, _ = restore_latest(folder)
+  _, _, _, restored, _ = restore_latest(folder, params_only=True)
   name = lambda path: jax.tree_util.keystr(path)
   source = {name(path): leaf for path, leaf in
-            jax.tree_util.tree_flatten_with_path(restored.params)[0]}
+            jax.tree_util.tree_flatten_with_path(restored)[0]}
   labels = value_param_labels(params)
   flat_labels = dict((name(p), lab) for p, lab in
                      jax.tree_util.tree_flatten_with_path(labels)[0])
@@ -343,4 +361,4 @@ def warm_start_value_params(run: RunConfig, params: Any) -> Any:
 
 __all__ = ["is_checkpoint", "load_models", "make_policy", "make_task", "make_vllm_engine",
            "model_file", "read_run",
-           "restore_latest", "restore_state", "warm_start_value_params"]
+           "restore_latest", "restore_params", "restore_state", "warm_start_value_params"]
