@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import pathlib
 import shutil
@@ -16,6 +17,7 @@ import optax
 import pytest
 
 from jaxrl_llm.checkpoint import (
+  VERIFY_ITEM,
   Checkpointer,
   CheckpointError,
   abstract_like,
@@ -441,4 +443,39 @@ def test_rotation_never_keeps_only_record_less_checkpoints(tmp_path):
   fresh = Checkpointer(ckpt.directory, max_to_keep=1, log=lambda m: None)
   fresh._rotate()
   assert fresh.all_steps() == [1, 4]                # the newest, and the last verified
+  fresh.close()
+
+
+def _tamper_record(ckpt, step, path):
+  """Changes the saved checksum of the leaf ``path`` in ``step``'s record."""
+  record_file = os.path.join(ckpt.directory, str(step), VERIFY_ITEM, "metadata")
+  record = json.loads(pathlib.Path(record_file).read_text())
+  i = record["paths"].index(path)
+  record["checksums"][i][0] = (record["checksums"][i][0] + 1) % 2**32
+  pathlib.Path(record_file).write_text(json.dumps(record))
+
+
+def test_the_params_part_restores_alone_verified_against_its_own_leaves(tmp_path):
+  ckpt, states, messages = _saved(tmp_path)
+  ckpt.close()
+  fresh = Checkpointer(ckpt.directory, log=messages.append)
+  params, extra = fresh.restore(abstract_like(states[0]["params"]), part="params")
+  assert extra == {"step": 3} and fresh.restored_step == 3
+  _bit_identical(params, states[2]["params"])
+  assert sorted(params) == ["b", "n", "w"]                   # nothing of "opt" or "step"
+  # A fault in a leaf the part does not hold does not concern it; one in its own does.
+  _tamper_record(ckpt, 3, "['opt'][0].mu['w']")
+  params, _ = Checkpointer(ckpt.directory).restore(states[0]["params"], part="params")
+  _bit_identical(params, states[2]["params"])
+  with pytest.raises(CheckpointError, match="step 3"):
+    Checkpointer(ckpt.directory).restore(states[0], step=3)
+  _tamper_record(ckpt, 2, "['params']['w']")
+  _tamper_record(ckpt, 3, "['params']['w']")
+  messages.clear()
+  fresh = Checkpointer(ckpt.directory, log=messages.append)
+  params, extra = fresh.restore(states[0]["params"], part="params")
+  assert extra == {"step": 1} and fresh.bad_steps == {
+      3: "checksum of ['w'] differs from the one saved with this step",
+      2: "checksum of ['w'] differs from the one saved with this step"}
+  _bit_identical(params, states[0]["params"])
   fresh.close()
