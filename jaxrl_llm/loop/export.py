@@ -74,6 +74,20 @@ def _policy_checksums(graphdef: Any, params: Any, critic: bool) -> list:
   return fingerprint(policy)["checksums"]
 
 
+def _return_freed_memory() -> None:
+  """Hands the heap's freed pages back to the operating system (glibc's
+  ``malloc_trim``; nothing elsewhere): a freed model's ~0.4 GB would otherwise stay in
+  the process's resident set under the next one's."""
+  import ctypes
+  import ctypes.util
+  import gc
+  gc.collect()
+  name = ctypes.util.find_library("c")
+  libc = ctypes.CDLL(name) if name else None
+  if libc is not None and hasattr(libc, "malloc_trim"):
+    libc.malloc_trim(0)
+
+
 def _restore(run_dir: str) -> tuple[Any, Any, Any, int, bool]:
   """:func:`restore_run` and whether the policy's weights are bit-identical to the
   starting ``--model``'s (no update changed them).
@@ -113,6 +127,7 @@ def _restore(run_dir: str) -> tuple[Any, Any, Any, int, bool]:
   start = _policy_checksums(graphdef, params, critic)
   template = abstract_like(params)
   del params
+  _return_freed_memory()
   params, step = restore_params(run_dir, template)
   unchanged = start == _policy_checksums(graphdef, params, critic)
   if not critic:

@@ -882,37 +882,44 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
   ids = token_id_fields(tokenizer=tokenizer, config=extra)
   hf_config.update(ids)
   _, params = split_model(model)
-  tensors = list(hf_tensors(config, params, dtype=out_dtype))
+  # Two passes over the tensors, each converted one at a time: names and shapes for
+  # the files' headers, then the bytes (streamed: the host never holds the model twice).
+  specs = [(name, x.dtype, x.shape) for name, x in hf_tensors(config, params,
+                                                                dtype=out_dtype)]
   value: dict[str, np.ndarray] = {}
   if config.value_head:
     value = dict(_value_tensor(name, _host(getattr(model, name)[...]).astype(out_dtype))
                  for name in _VALUE_NAMES)
+  tensors = hf_tensors(config, params, dtype=out_dtype)
   if jax.process_index() != 0:
+    for _ in tensors:                          # the gathers of a sharded model
+      pass
     return
   path = os.fspath(path)
   os.makedirs(path, exist_ok=True)
   for stale in (_SINGLE_FILE, _INDEX_FILE, VALUE_HEAD_FILE):
     if os.path.exists(os.path.join(path, stale)):
       os.remove(os.path.join(path, stale))
-  shards: list[list[tuple[str, np.ndarray]]] = [[]]
+  shards: list[list[tuple[str, Any, tuple[int, ...]]]] = [[]]
   size = 0
-  for name, x in tensors:
-    if shards[-1] and size + x.nbytes > limit:
+  for spec in specs:
+    nbytes = spec[1].itemsize * math.prod(spec[2])
+    if shards[-1] and size + nbytes > limit:
       shards.append([])
       size = 0
-    shards[-1].append((name, x))
-    size += x.nbytes
+    shards[-1].append(spec)
+    size += nbytes
   meta = {"format": "pt"}
   if len(shards) == 1:
-    save_file(dict(shards[0]), os.path.join(path, _SINGLE_FILE), metadata=meta)
+    write_safetensors(os.path.join(path, _SINGLE_FILE), shards[0], tensors, meta)
   else:
     n = len(shards)
     weight_map = {}
     for i, shard in enumerate(shards):
       file = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-      save_file(dict(shard), os.path.join(path, file), metadata=meta)
-      weight_map.update({name: file for name, _ in shard})
-    total = sum(x.nbytes for _, x in tensors)
+      write_safetensors(os.path.join(path, file), shard, tensors, meta)
+      weight_map.update({name: file for name, _, _ in shard})
+    total = sum(spec[1].itemsize * math.prod(spec[2]) for spec in specs)
     _write_json(os.path.join(path, _INDEX_FILE),
                 {"metadata": {"total_size": total}, "weight_map": weight_map})
   _write_json(os.path.join(path, "config.json"), hf_config)
@@ -924,6 +931,55 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
     save_file(value, os.path.join(path, VALUE_HEAD_FILE), metadata=meta)
   if tokenizer is not None:
     _save_tokenizer(tokenizer, path)
+
+
+_SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16",
+                       "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+                       "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def write_safetensors(file: str | os.PathLike,
+                      specs: list[tuple[str, Any, tuple[int, ...]]],
+                      tensors: Iterator[tuple[str, np.ndarray]],
+                      metadata: dict[str, str] | None = None) -> None:
+  """Writes a safetensors file tensor by tensor, holding one tensor at a time.
+
+  ``specs`` lists ``(name, dtype, shape)`` of the file's tensors in order (the header,
+  written first); ``tensors`` yields ``(name, array)`` in that order, and the next
+  ``len(specs)`` are taken from it. The format: an 8-byte little-endian header length,
+  the JSON header (``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``, space
+  padded to a multiple of 8 bytes), then each tensor's bytes, C order, back to back.
+
+  Raises:
+    ValueError: a tensor that is not the next one of ``specs`` (name, dtype, shape).
+
+  Examples:
+    >>> import tempfile, safetensors.numpy
+    >>> file = tempfile.mkdtemp() + "/t.safetensors"
+    >>> x = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(1, np.int32)}
+    >>> write_safetensors(file, [(k, v.dtype, v.shape) for k, v in x.items()],
+    ...                   iter(x.items()), {"format": "pt"})
+    >>> safetensors.numpy.load_file(file)["a"].tolist()
+    [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+  """
+  header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+  offset = 0
+  for name, dtype, shape in specs:
+    nbytes = np.dtype(dtype).itemsize * math.prod(shape)
+    header[name] = {"dtype": _SAFETENSORS_DTYPES[np.dtype(dtype).name],
+                    "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    offset += nbytes
+  text = json.dumps(header, separators=(",", ":")).encode()
+  text += b" " * (-len(text) % 8)
+  with open(file, "wb") as f:
+    f.write(len(text).to_bytes(8, "little"))
+    f.write(text)
+    for name, dtype, shape in specs:
+      got, x = next(tensors)
+      if (got, x.dtype, tuple(x.shape)) != (name, np.dtype(dtype), tuple(shape)):
+        raise ValueError(f"tensors: expected {name} {np.dtype(dtype)}{list(shape)}, got "
+                         f"{got} {x.dtype}{list(x.shape)}")
+      f.write(np.ascontiguousarray(x).reshape(-1).view(np.uint8).data)
 
 
 def save_value_head(model: Transformer, file: str | os.PathLike, *,
