@@ -278,6 +278,8 @@ def test_dynamic_sampling_never_trains_on_an_all_equal_group():
                              np.random.default_rng(0), jax.random.PRNGKey(0), info=info)
   adv = batch["advantages"].reshape(-1, 2)
   assert batch["tokens"].shape[0] == 16
+  # dapo has no KL term: no reference is scored (and none was passed)
+  assert "ref_logp" not in batch and stats["ref_s"] == 0.0 and "old_logp" in batch
   assert np.all(np.abs(adv).max(axis=1) > 0)            # no all-equal group
   # ... of task scores (the filter's criterion, before the overlong penalty)
   assert np.all(np.ptp(np.asarray(info["task_scores"]).reshape(-1, 2), axis=1) > 0)

@@ -117,7 +117,9 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
 
   ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible
   from ``(seed, step)``. ``ref_params`` is ``policy.ref_params(...)`` of the frozen
-  reference weights (scored by ``policy.ref_forward``). ``resolved`` is the run
+  reference weights (scored by ``policy.ref_forward``), or None where nothing reads
+  the reference (``kl_mode="none"``): then the batch has no ``ref_logp``, no
+  reference forward runs and ``ref_s`` is 0. ``resolved`` is the run
   (:func:`jaxrl_llm.loop.resolve.resolve`): its sampling settings, train config and
   advantage estimator.
   ``info``: a dict that receives the batch rows' ``scores`` (``[B]``, as the
@@ -247,10 +249,13 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   stats["score_s"] = time.perf_counter() - start - generate_s
   with clock("old_logp_s"):
     old_logp, _, old_values = jax.block_until_ready(policy.forward(params, batch))
-  with clock("ref_s"):
-    ref_logp, _, _ = jax.block_until_ready(policy.ref_forward(ref_params, batch))
+  batch["old_logp"] = np.asarray(old_logp)
+  stats["ref_s"] = 0.0
+  if ref_params is not None:
+    with clock("ref_s"):
+      ref_logp, _, _ = jax.block_until_ready(policy.ref_forward(ref_params, batch))
+    batch["ref_logp"] = np.asarray(ref_logp)
   stats.update(clock.take())
-  batch.update(old_logp=np.asarray(old_logp), ref_logp=np.asarray(ref_logp))
   if config.use_value:
     batch["old_values"] = np.asarray(old_values)
   return batch, stats

@@ -190,8 +190,10 @@ def _run_training(run: RunConfig, policy: Policy | None,
                             trainable=policy.trainable)
   # A frozen copy of the policy's weights (no value head, no critic): the train step
   # donates (and so invalidates) the state's buffers. A LoRA policy's reference is its
-  # frozen base inside the live parameters (no copy): ref_params(state.params).
-  ref_params = None if policy.ref_shares_params else jax.tree_util.tree_map(
+  # frozen base inside the live parameters (no copy): ref_params(state.params). With
+  # kl_mode "none" nothing reads a reference: none is kept, none is scored.
+  uses_ref = config.kl_mode != "none"
+  ref_params = None if policy.ref_shares_params or not uses_ref else jax.tree_util.tree_map(
       jnp.copy, policy.ref_params(policy.init_params))
   init_params = policy.init_params
   if run.critic_init is not None:
@@ -284,7 +286,8 @@ def _run_training(run: RunConfig, policy: Policy | None,
           rows, problems, extra = asynchronous.take(step)
           drawn = (rows, problems)
         scored: dict = {}
-        ref = policy.ref_params(state.params) if ref_params is None else ref_params
+        ref = (policy.ref_params(state.params) if uses_ref and ref_params is None
+               else ref_params)
         batch, stats = build_batch(resolved, task, policy, procs.local(state.params),
                                    ref, rng_np, key, drawn=drawn, share=share,
                                    info=scored, packer=packer)
