@@ -1,5 +1,6 @@
 """The package's structure: each config default written once, an import graph without
-cycles whose imports go from a higher floor to a lower one only (DESIGN.md's layers).
+cycles whose imports go from a higher floor to a lower one only (the floors of
+docs/architecture.md, read from its table).
 
 Both tests read the source with :mod:`ast` (nothing is imported to build the graph).
 """
@@ -216,31 +217,40 @@ def test_the_step_kl_kinds_are_core_kl_kinds():
 
 # ---------------------------------------------------------------------- import graph
 
-# DESIGN.md's floors, bottom to top: a module imports only modules of its own floor or
-# below. Core: the pure numerical modules and the leaf utilities (checkpoint and run
-# folder I/O, the JAX-free name tables). ``parallel`` holds mesh primitives (models
-# read its sharding rules); models, rollout and tasks share a floor.
-FLOORS = {
-    "core": 0, "parallel": 1, "models": 2, "rollout": 2, "tasks": 2, "train": 3,
-    "loop": 4, "cli": 5,
-}
-CORE = ("_validate", "_names", "_lazy", "masked", "advantages", "losses", "control",
-        "logprobs", "attention", "checkpoint", "run_folder", "packing", "model_files")
+# The floors, bottom to top, as docs/architecture.md's table shows them (read from it):
+# a module imports only modules of its own floor or below.
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def _floors_from_doc(text: str) -> dict:
+  """``{top-level name under jaxrl_llm: floor}`` from the table after the ``floors``
+  marker of docs/architecture.md (its rows: ``| floor | `name` `name` ... | text |``)."""
+  rows = text.split("<!-- floors:", 1)[1].splitlines()[1:]
+  out = {}
+  for row in rows:
+    if not row.startswith("|"):
+      if out:
+        break
+      continue
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    if cells[0].isdigit():
+      for name in cells[1].replace("`", " ").split():
+        out[name] = int(cells[0])
+  return out
+
+
+FLOORS = _floors_from_doc(ARCHITECTURE.read_text())
 # Imports from a lower floor to a higher one that are known and scheduled to go (none).
 EXEMPT: set = set()
 
 
 def floor(module: str) -> int:
-  """The floor of a module of the package (KeyError for one DESIGN.md does not place)."""
+  """The floor of a module of the package (KeyError for one docs/architecture.md does
+  not place)."""
   parts = module.split(".")
   if len(parts) == 1:
     raise KeyError(module)
-  head = parts[1]
-  if head in CORE:
-    return FLOORS["core"]
-  if head == "__main__":
-    return FLOORS["cli"]
-  return FLOORS[head]
+  return FLOORS[parts[1]]
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -389,6 +399,12 @@ def test_the_graph_checks_see_a_cycle_and_an_upward_import():
   assert find_cycle({"a": {"b"}, "b": set()}) is None
   assert floor("jaxrl_llm.losses") < floor("jaxrl_llm.train.step") < floor(
       "jaxrl_llm.loop.run") < floor("jaxrl_llm.cli")
+  # the doc's table as read: a model provides the decode protocol the rollout consumes
+  assert floor("jaxrl_llm.models.protocol") < floor("jaxrl_llm.rollout.engine")
+  assert floor("jaxrl_llm.rollout.engine") == floor("jaxrl_llm.train.step")
+  assert _floors_from_doc("x\n<!-- floors: -->\n| floor | m | t |\n|---|---|---|\n"
+                          "| 0 | `a` `b` | x |\n| 1 | `c` | y |\n\nmore | 2 | `d` |") == {
+      "a": 0, "b": 0, "c": 1}
   with pytest.raises(KeyError):
     floor("jaxrl_llm.somewhere_new")
 

@@ -63,8 +63,8 @@ from jaxrl_llm.attention import (
   paged_attention,
   select_implementation,
 )
+from jaxrl_llm.models.protocol import DecodeFns, PagedDecodeFns
 from jaxrl_llm.packing import segment_positions
-from jaxrl_llm.rollout.protocol import DecodeFns, PagedDecodeFns  # live with the sampler
 
 KVPair = tuple[jax.Array, jax.Array]   # one layer's (keys, values)
 
@@ -985,7 +985,7 @@ def make_decode_fns(graphdef: nnx.GraphDef) -> DecodeFns:
 
 def make_paged_decode_fns(graphdef: nnx.GraphDef, *,
                           chunk_pages: int | None = None) -> PagedDecodeFns:
-  """:class:`~jaxrl_llm.rollout.protocol.PagedDecodeFns` of the reference
+  """:class:`~jaxrl_llm.models.protocol.PagedDecodeFns` of the reference
   :class:`Transformer` (and so of every Hugging Face model loaded into it).
 
   ``forward`` returns the float32 logits after each row's last real token (the largest
