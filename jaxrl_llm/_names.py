@@ -18,6 +18,13 @@ GAE_METHODS = ("scan", "associative")
 # The levels of rollout correction (jaxrl_llm.rollout_correction_weights).
 ROLLOUT_LEVELS = ("token", "sequence")
 
+# The built-in task of a run without a dataset (jaxrl_llm.tasks.get_task, RunConfig.task).
+DEFAULT_TASK = "reverse"
+
+# Tokens sampled per completion of a JSONL dataset's prompt (JsonlTask.max_new_tokens,
+# RunConfig.max_new_tokens: `jaxrl-llm train --dataset ... --max-new-tokens`).
+DEFAULT_MAX_NEW_TOKENS = 64
+
 # The reference transformer's size presets (jaxrl_llm.models.get_config).
 MODEL_PRESETS = ("tiny", "small")
 

@@ -518,3 +518,75 @@ def test_the_annotation_check_sees_a_missing_annotation(tmp_path):
 if __name__ == "__main__":   # print the graph's layers (a debugging aid)
   for mod, edges in sorted(import_graph().items()):
     print(mod, os.linesep.join(f"  -> {t} ({k})" for t, k in sorted(edges.items())))
+
+
+# -------------------------------------- defaults restated outside the core, pinned equal
+
+# (config field, core function, its keyword): a TrainConfig default that restates the
+# default of the core function it feeds (the config stays importable without JAX, so it
+# cannot read the signature; this test holds each pair equal instead).
+CONFIG_RESTATES_CORE = (
+    ("kl_target", "jaxrl_llm.control.adaptive_kl_init", "target"),
+    ("kl_horizon", "jaxrl_llm.control.adaptive_kl_init", "horizon"),
+    ("clip_min", "jaxrl_llm.control.adaptive_clip_init", "eps_min"),
+    ("clip_max", "jaxrl_llm.control.adaptive_clip_init", "eps_max"),
+    ("lam", "jaxrl_llm.advantages.hybrid_advantages", "lam"),
+    ("hybrid_mix", "jaxrl_llm.advantages.hybrid_advantages", "mix"),
+    ("adaptive_clip_metric", "jaxrl_llm.control.adaptive_clip_init", "metric"),
+)
+# The estimators' registered defaults and the core keyword each one feeds.
+ESTIMATOR_DEFAULT_KEYWORDS = {("vapo_gae", "lam_alpha"): (
+    "jaxrl_llm.advantages.length_adaptive_lambda", "alpha")}
+# Registered in another mode than the function's default one (verl's CISPO bounds are
+# relative to 1 and default to PPO's 0.2; the function's default mode is TRL's cap).
+LOSSES_IN_ANOTHER_MODE = {"cispo"}
+
+
+def _keyword_default(dotted: str, keyword: str):
+  import importlib
+  import inspect
+  module, name = dotted.rsplit(".", 1)
+  return inspect.signature(getattr(importlib.import_module(module), name)
+                           ).parameters[keyword].default
+
+
+def test_defaults_restated_outside_the_core_equal_its_signatures():
+  """Where a registry or the config restates a core function's keyword default, the
+  two are equal: each registered policy loss's defaults are its function's, each
+  estimator default is the core keyword's it feeds, each config default in
+  ``CONFIG_RESTATES_CORE`` is its core keyword's, and the task and generation
+  defaults have one home (``_names``)."""
+  import inspect
+
+  from jaxrl_llm import _names
+  from jaxrl_llm.loop.config import RunConfig
+  from jaxrl_llm.tasks import DEFAULT_TASK, JsonlTask
+  from jaxrl_llm.train.config import TrainConfig
+  from jaxrl_llm.train.registry import (
+    ADVANTAGE_ESTIMATOR_REGISTRY,
+    POLICY_LOSS_REGISTRY,
+    _loss_function,
+  )
+  checked = 0
+  for name, spec in POLICY_LOSS_REGISTRY.items():
+    if name in LOSSES_IN_ANOTHER_MODE:
+      continue
+    fn = _loss_function(name, spec.target, tuple(spec.defaults), tuple(spec.static))
+    params = inspect.signature(fn).parameters
+    for key, value in spec.defaults.items():
+      assert params[key].default == value, (name, key, value, params[key].default)
+      checked += 1
+  for name, spec in ADVANTAGE_ESTIMATOR_REGISTRY.items():
+    for key, value in spec.defaults.items():
+      if (name, key) in ESTIMATOR_DEFAULT_KEYWORDS:
+        assert _keyword_default(*ESTIMATOR_DEFAULT_KEYWORDS[name, key]) == value
+        checked += 1
+  fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+  for field, fn, keyword in CONFIG_RESTATES_CORE:
+    assert fields[field] == _keyword_default(fn, keyword), (field, fn, keyword)
+    checked += 1
+  assert checked >= 15
+  assert RunConfig().task == DEFAULT_TASK == _names.DEFAULT_TASK
+  assert (RunConfig().max_new_tokens == _names.DEFAULT_MAX_NEW_TOKENS
+          == next(f.default for f in dataclasses.fields(JsonlTask)
+                  if f.name == "max_new_tokens"))

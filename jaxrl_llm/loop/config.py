@@ -16,6 +16,8 @@ import os
 from typing import Any
 
 from jaxrl_llm._names import (
+  DEFAULT_MAX_NEW_TOKENS,
+  DEFAULT_TASK,
   LORA_BASE_DTYPES,
   LORA_TARGET_NAMES,
   MODEL_PRESETS,
@@ -28,10 +30,6 @@ RESUMABLE_FIELDS = ("steps", "out", "resume", "resume_or_start", "overwrite",
                     "eval_every", "save_every", "progress", "mesh_data", "mesh_fsdp",
                     "mesh_tensor", "rollout_devices", "max_consecutive_skips", "tensorboard",
                     "wandb_project", "compile_cache", "remat")
-
-
-# The built-in task of a run without --dataset.
-DEFAULT_TASK = "reverse"
 
 
 def flag(name: str) -> str:
@@ -110,7 +108,8 @@ class RunConfig:
       "math", "the reward of --dataset completions (a name in jaxrl_llm.tasks.REWARDS: "
       "math, boxed, exact, math_verify: Hugging Face's math-verify, pip install "
       "'jaxrl_llm[math_verify]').")
-  max_new_tokens: int = setting(64, "tokens sampled per completion on --dataset.",
+  max_new_tokens: int = setting(DEFAULT_MAX_NEW_TOKENS,
+                                "tokens sampled per completion on --dataset.",
                                 min_int=1)
   critic: str | None = setting(
       None, "a separate critic (its own parameters and Adam optimizer) for recipes with "

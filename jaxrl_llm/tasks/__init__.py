@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from jaxrl_llm._names import DEFAULT_TASK
 from jaxrl_llm.tasks.arithmetic import AddTask
 from jaxrl_llm.tasks.base import Problem, Task, position_match, random_baseline
 from jaxrl_llm.tasks.countdown import CountdownTask, parse_expression
@@ -51,9 +52,6 @@ TASKS: dict[str, Callable[..., Task]] = {
 
 LONG_TASKS = ("repeat", "repeat_mixed")
 """Tasks whose answers are long (200+ tokens): credit assignment over length."""
-
-DEFAULT_TASK = "reverse"
-
 
 def get_task(name: str = DEFAULT_TASK, **kwargs: Any) -> Task:
   """The registered task ``name``, built with ``kwargs`` (its dataclass fields).

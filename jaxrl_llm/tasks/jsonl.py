@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from jaxrl_llm._names import DEFAULT_MAX_NEW_TOKENS
 from jaxrl_llm.tasks import verifiers
 from jaxrl_llm.tasks.base import Problem, Task
 from jaxrl_llm.tasks.tokenizer import CharTokenizer
@@ -185,7 +186,7 @@ class JsonlTask(Task):
   path: str
   reward_fn: Any = "math"
   tokenizer: Any = None
-  max_new_tokens: int = 256
+  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
   chat: bool = False
   system_prompt: str | None = None
   eval_path: str | None = None
