@@ -249,12 +249,12 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   stats["score_s"] = time.perf_counter() - start - generate_s
   with clock("old_logp_s"):
     old_logp, _, old_values = jax.block_until_ready(policy.forward(params, batch))
-  batch["old_logp"] = np.asarray(old_logp)
   stats["ref_s"] = 0.0
-  if ref_params is not None:
+  if ref_params is not None:       # (on the batch the policy's forward read: one trace)
     with clock("ref_s"):
       ref_logp, _, _ = jax.block_until_ready(policy.ref_forward(ref_params, batch))
     batch["ref_logp"] = np.asarray(ref_logp)
+  batch["old_logp"] = np.asarray(old_logp)
   stats.update(clock.take())
   if config.use_value:
     batch["old_values"] = np.asarray(old_values)

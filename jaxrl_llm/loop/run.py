@@ -28,6 +28,7 @@ checkpointing a run that no longer learns.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -36,6 +37,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +53,7 @@ from jaxrl_llm.loop.policy import Policy
 from jaxrl_llm.loop.processes import Processes, host_value
 from jaxrl_llm.loop.progress import end_progress_line, report_progress
 from jaxrl_llm.loop.resolve import resolve
+from jaxrl_llm.loop.rollouts import Async, InStep, Partial, Rollouts
 from jaxrl_llm.loop.setup import make_policy, make_task
 from jaxrl_llm.loop.signals import SignalWatch
 from jaxrl_llm.train import TrainConfig, make_train_step
@@ -161,18 +164,75 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
   checkpoint), and a stop signal on any process stops every process after the same
   step, each saving it (:class:`~jaxrl_llm.run_folder.RunInterrupted` everywhere).
   See ``docs/multihost.md``.
+
+  The stages: :func:`_build` (task, recipe, policy, step, state, folder, checkpoint,
+  metrics; every resource it opens is closed by one exit stack, however the run ends),
+  the evaluation of step 0, then per step :func:`_train_step` (rollouts -> batch ->
+  update -> row) and :func:`_keep_step` (log, checkpoint, progress, signals), then
+  :func:`_finish` (the summary).
   """
   t_entry = time.perf_counter()
-  compiles = CompileLog().start()       # every compile of the run, by function
-  try:
-    return _run_training(run, policy, on_step, t_entry, compiles)
-  finally:
-    compiles.stop()
+  with contextlib.ExitStack() as stack:
+    compiles = CompileLog().start()       # every compile of the run, by function
+    stack.callback(compiles.stop)
+    r = _build(run, policy, t_entry, compiles, stack)
+    if r.start == 0:
+      _evaluate_start(r)
+    _announce(r)
+    r.rollouts = _make_rollouts(r)
+    stack.callback(r.rollouts.close)
+    t0 = time.time()
+    stop = stack.enter_context(rf.GracefulStop(announce=True))
+    r.looping = True
+    for step in range(r.start + 1, run.steps + 1):
+      row = _train_step(r, step)
+      _keep_step(r, step, row, stop, on_step)
+    kept = r.ckpt.all_steps()
+  return _finish(r, kept, time.time() - t0)
 
 
-def _run_training(run: RunConfig, policy: Policy | None,
-                  on_step: Callable[[dict], None] | None, t_entry: float,
-                  compiles: CompileLog) -> dict:
+@dataclasses.dataclass
+class _Run:
+  """What the stages of :func:`run_training` share: built once by :func:`_build`,
+  then read, and the few counters (``state``, ``step``, ``skips``, ...) advanced by
+  the steps."""
+  run: RunConfig
+  procs: Processes
+  task: Any
+  resolved: Any
+  policy: Policy
+  step_fn: Any
+  place: Callable[[dict], dict]
+  state: Any
+  ref_params: Any
+  uses_ref: bool
+  share: Share | None
+  packer: Callable | None
+  eval_problems: Any
+  ckpt: Checkpointer
+  metrics: Any
+  sinks: Any
+  clock: PhaseClock
+  compiles: CompileLog
+  metrics_path: str
+  start: int
+  history: list
+  watch: SignalWatch
+  t_row: float
+  rollouts: Any = None
+  looping: bool = False
+  step: int = 0
+  skips: int = 0
+  applied: int = 0
+  last_eval: float | None = None
+  t_warm: float = 0.0
+  warm_step: int = 0
+
+
+def _build(run: RunConfig, policy: Policy | None, t_entry: float, compiles: CompileLog,
+           stack: contextlib.ExitStack) -> _Run:
+  """Checks and builds everything a run needs; nothing is written before the run is
+  built (then ``config.json``, and the checkpoint and metrics resumed)."""
   run.validate()
   procs = Processes()
   run.check_devices(jax.device_count())
@@ -182,19 +242,12 @@ def _run_training(run: RunConfig, policy: Policy | None,
   if procs.multi:
     from jaxrl_llm.loop.processes import check_multiprocess
     check_multiprocess(run, resolved, procs.count, jax.device_count())
-  say = _say if procs.primary else _silent
   config = resolved.train
   if policy is None:
     policy = make_policy(resolved, task)
   step_fn = make_train_step(policy.apply, resolved.optimizer.build(), config,
                             trainable=policy.trainable)
-  # A frozen copy of the policy's weights (no value head, no critic): the train step
-  # donates (and so invalidates) the state's buffers. A LoRA policy's reference is its
-  # frozen base inside the live parameters (no copy): ref_params(state.params). With
-  # kl_mode "none" nothing reads a reference: none is kept, none is scored.
-  uses_ref = config.kl_mode != "none"
-  ref_params = None if policy.ref_shares_params or not uses_ref else jax.tree_util.tree_map(
-      jnp.copy, policy.ref_params(policy.init_params))
+  uses_ref, ref_params = _reference(policy, config)
   init_params = policy.init_params
   if run.critic_init is not None:
     from jaxrl_llm.loop.setup import warm_start_value_params
@@ -212,182 +265,219 @@ def _run_training(run: RunConfig, policy: Policy | None,
     packer = functools.partial(pack_train_batch, config=config, max_tokens=run.pack_tokens,
                                devices=1 if single else len(_train_devices(run)))
   eval_problems = task.eval_problems(run.eval_size)
-  warmup_steps = resolved.critic_warmup_steps
   procs.barrier("jaxrl_llm/run_built")  # every process checked the folder before any writes
   if procs.primary:
     _write_run_folder(run)                    # everything built: the run starts here
   procs.barrier("jaxrl_llm/run_folder_written")
   metrics_path = os.path.join(run.out, rf.METRICS_FILE)
-  ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), max_to_keep=2, log=say)
-
+  ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), max_to_keep=2,
+                      log=_say if procs.primary else _silent)
+  built: list = [None]             # the run, once built: its exit handler reads r.state
+  stack.push(functools.partial(_close_checkpointer, run, ckpt, procs, built))
   start, history, state = _resume(run, ckpt, metrics_path, state, procs)
   metrics = rf.MetricsWriter(metrics_path) if procs.primary else _NoMetrics()
+  stack.callback(metrics.close)
   from jaxrl_llm.loop.sinks import BackgroundSinks, make_sinks
   sinks = make_sinks(run, warn=_say) if procs.primary else BackgroundSinks([])
+  stack.callback(sinks.close)
   clock = PhaseClock()        # update, eval, save (and setup) seconds since the last row
   clock.add("setup_s", time.perf_counter() - t_entry)
-  t_row = t_entry             # when the last row's time was taken
+  r = _Run(run=run, procs=procs, task=task, resolved=resolved, policy=policy,
+           step_fn=step_fn, place=place, state=state, ref_params=ref_params,
+           uses_ref=uses_ref, share=share, packer=packer, eval_problems=eval_problems,
+           ckpt=ckpt, metrics=metrics, sinks=sinks, clock=clock, compiles=compiles,
+           metrics_path=metrics_path, start=start, history=history,
+           watch=SignalWatch(first_step=start + 1, last_step=run.steps), t_row=t_entry,
+           step=start, warm_step=start)
+  built[0] = r
+  return r
 
-  def account(row: dict) -> None:
-    """Adds the time and memory columns of the interval since the last row."""
-    nonlocal t_row
-    now = time.perf_counter()
-    row.update(clock.take(), step_s=now - t_row, **compiles.take(),
-               peak_rss_mb=peak_rss_mb())
-    t_row = now
 
-  if start == 0:
-    history = [{"step": 0}]
-    with clock("eval_s"):
-      history[-1].update(_evaluate(policy, state.params, task, eval_problems, procs))
-    account(history[-1])
-    with clock("log_s"):
-      metrics.append(history[-1])
-      sinks.write(history[-1])
-  last_eval = next((r["eval_accuracy"] for r in reversed(history) if "eval_accuracy" in r),
-                   None)
+def _reference(policy: Policy, config: TrainConfig) -> tuple[bool, Any]:
+  """``(uses_ref, ref_params)``. A frozen copy of the policy's weights (no value head,
+  no critic): the train step donates (and so invalidates) the state's buffers. A LoRA
+  policy's reference is its frozen base inside the live parameters (no copy,
+  ``ref_params`` None: ``policy.ref_params(state.params)`` each step). With kl_mode
+  "none" nothing reads a reference: none is kept, none is scored."""
+  uses_ref = config.kl_mode != "none"
+  if policy.ref_shares_params or not uses_ref:
+    return uses_ref, None
+  return uses_ref, jax.tree_util.tree_map(jnp.copy, policy.ref_params(policy.init_params))
 
-  if run.progress and procs.primary:
-    opt = resolved.optimizer
+
+def _close_checkpointer(run: RunConfig, ckpt: Checkpointer, procs: Processes,
+                        built: list, exc_type: Any, exc: Any, tb: Any) -> bool:
+  """The checkpointer's exit, by how the run ends: closed when it ends or stops on a
+  signal; on Ctrl-C during the steps the last completed step is saved first (a
+  multi-process run keeps its last collective checkpoint); on another failure a
+  multi-process run leaves it open (orbax may wait for the other processes)."""
+  r = built[0]
+  stopped = exc_type is not None and issubclass(exc_type, rf.RunInterrupted)  # saved
+  if (exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and not stopped
+      and r is not None and r.looping):
+    if procs.multi:     # a collective save needs every process: the last one stands
+      _say(f"\ninterrupted: kept the checkpoint of step {ckpt.latest_step()} in "
+           f"{run.out} (a multi-process run saves only when every process stops)")
+      return False
+    _save_on_interrupt(run, ckpt, r.state)
+    return False
+  if exc_type is None or stopped or not procs.multi:
+    ckpt.close()
+  return False
+
+
+def _account(r: _Run, row: dict) -> None:
+  """Adds the time and memory columns of the interval since the last row."""
+  now = time.perf_counter()
+  row.update(r.clock.take(), step_s=now - r.t_row, **r.compiles.take(),
+             peak_rss_mb=peak_rss_mb())
+  r.t_row = now
+
+
+def _evaluate_start(r: _Run) -> None:
+  """Row 0: the greedy evaluation of the starting weights."""
+  r.history = [{"step": 0}]
+  with r.clock("eval_s"):
+    r.history[-1].update(_evaluate(r.policy, r.state.params, r.task, r.eval_problems,
+                                   r.procs))
+  _account(r, r.history[-1])
+  with r.clock("log_s"):
+    r.metrics.append(r.history[-1])
+    r.sinks.write(r.history[-1])
+
+
+def _announce(r: _Run) -> None:
+  """The start line (process 0, with progress on)."""
+  r.last_eval = next((row["eval_accuracy"] for row in reversed(r.history)
+                      if "eval_accuracy" in row), None)
+  run = r.run
+  if run.progress and r.procs.primary:
+    opt = r.resolved.optimizer
     rates = f"lr {opt.lr:g}" + (f", value lr {opt.value_lr:g}" if opt.split else "")
     _say(f"{run.algo} on {run.dataset or run.task} ({run.model} model, {rates}): steps "
-         f"{start + 1}-{run.steps}, writing to {run.out} (the first step compiles; it "
+         f"{r.start + 1}-{run.steps}, writing to {run.out} (the first step compiles; it "
          "takes longest)")
-  base_key = jax.random.PRNGKey(run.seed)
-  partial = None
-  if run.partial_rollouts:     # in-flight samples are not checkpointed (loop.partial)
+
+
+def _make_rollouts(r: _Run) -> Rollouts:
+  """The run's :class:`~jaxrl_llm.loop.rollouts.Rollouts` (in-flight samples of
+  partial rollouts are not checkpointed: :mod:`jaxrl_llm.loop.partial`)."""
+  run = r.run
+  if run.partial_rollouts:
     from jaxrl_llm.loop.partial import PartialRollouts
-    partial = PartialRollouts(policy, task, resolved.sampling, config, run.token_budget,
-                              run.partial_kv)
-  asynchronous = None
-  if run.async_rollouts:       # a rollout thread at most K versions ahead (loop.async_rollout)
+    return Partial(PartialRollouts(r.policy, r.task, r.resolved.sampling, r.resolved.train,
+                                   run.token_budget, run.partial_kv))
+  if run.async_rollouts:
     from jaxrl_llm.loop.async_rollout import AsyncRollouts
-    asynchronous = AsyncRollouts(
-        resolved, task, policy, max_staleness=run.max_staleness, first_step=start + 1,
-        last_step=run.steps, seed=run.seed,
-        devices=jax.devices()[len(_train_devices(run)):] if run.rollout_devices else None)
-    asynchronous.publish(state.params, start)
-  t0, step = time.time(), start
-  t_warm, warm_step = t0, start
-  skips = applied = 0
-  watch = SignalWatch(first_step=start + 1, last_step=run.steps)
-  with rf.GracefulStop(announce=True) as stop:
-    try:
-      for step in range(start + 1, run.steps + 1):
-        rng_np = np.random.default_rng([run.seed, step])
-        key = jax.random.fold_in(base_key, step)
-        t_step = time.time()
-        drawn: tuple[dict, list] | None = None
-        extra: dict[str, float] = {}
-        if partial is not None:     # version: the train steps applied to state.params
-          rows, problems, extra = partial.rollout(state.params, step - 1, rng_np, key)
-          drawn = (rows, problems)
-        elif asynchronous is not None:
-          rows, problems, extra = asynchronous.take(step)
-          drawn = (rows, problems)
-        scored: dict = {}
-        ref = (policy.ref_params(state.params) if uses_ref and ref_params is None
-               else ref_params)
-        batch, stats = build_batch(resolved, task, policy, procs.local(state.params),
-                                   ref, rng_np, key, drawn=drawn, share=share,
-                                   info=scored, packer=packer)
-        if drawn is not None:    # generated by the caller (greedy ones of self-critical here)
-          from jaxrl_llm.loop.partial import behaviour_kl
-          stats.update(extra, behaviour_kl=behaviour_kl(batch),
-                       generate_s=extra.get("generate_s", 0.0) + stats.get("generate_s", 0.0))
-        with clock("update_s"):
-          state, m = step_fn(state, place(batch))
-          jax.block_until_ready((state, m))     # the phase's own time (waiting changes nothing)
-        if asynchronous is not None:
-          asynchronous.publish(state.params, step)
-        row = {"step": step, **stats, **policy.rollout_stats(),
-               **{k: float(host_value(val)) for k, val in m.items()},
-               "time_s": time.time() - t_step}
-        if step <= warmup_steps:
-          row["critic_warmup"] = 1.0     # the policy is frozen (OptimizerSettings)
-        warning = watch.update(step, scored["scores"], group_size=(
-                                   resolved.sampling.group_size if resolved.estimator.group
-                                   else len(scored["scores"])),    # a batch-wide baseline
-                               grad_norm=row.get("grad_norm"),
-                               accuracy=float(np.mean(scored["exact"])))
-        if warning is not None:          # once per run (loop.signals)
-          row["no_learning_signal_steps"] = float(watch.streak)
-          _say(warning)
-        if step % run.eval_every == 0 or step == run.steps:
-          with clock("eval_s"):
-            row.update(_evaluate(policy, state.params, task, eval_problems, procs))
-        for phase in PHASES:
-          row.setdefault(phase, 0.0)
-        account(row)
-        history.append(row)
-        with clock("log_s"):            # after the row's time was taken: in the next row
-          metrics.append(row)
-          sinks.write(row)              # queued: the sinks' thread writes (loop.sinks)
-        last_eval = row.get("eval_accuracy", last_eval)
-        skipped = step_skipped(row, config)
-        ckpt.note_step(skipped)       # a restored state that never learns is not saved again
-        skips = skips + 1 if skipped else 0
-        applied += 0 if skipped else 1
-        if skips >= run.max_consecutive_skips:
-          raise SkippedUpdatesError(
-              f"stopped at step {step}: every update of the last {skips} steps was "
-              "skipped (non-finite loss, gradients or state; see 'skipped' in "
-              f"{metrics_path}); lower --lr or check the rewards. The last good "
-              f"checkpoint is in {ckpt.directory} (step {ckpt.latest_step()}).")
-        if step % run.save_every == 0 or step == run.steps:
-          with clock("save_s"):     # after the row (fsynced first): in the next row
-            ckpt.save(step, state, extra={"step": step})
-        if step == start + 1:
-          t_warm, warm_step = time.time(), step
-        if procs.primary:
-          with clock("log_s"):
-            report_progress(run, step, row, t_warm, warm_step, last_eval=last_eval)
-        if on_step is not None:
-          on_step(row)
-        # Every process acts on a signal any of them received (a collective).
-        signum = procs.agree_stop(stop.signum)
-        if signum and step < run.steps:
-          name = _signame(signum) + ("" if signum == stop.signum else " (on another "
-                                     "process of this job)")
-          _save_now(run, ckpt, state, step, name)
-          raise rf.RunInterrupted(signum, f"stopped by {name} at step {step}")
-    except rf.RunInterrupted:
-      metrics.close()
-      ckpt.close()
-      raise
-    except KeyboardInterrupt:
-      metrics.close()
-      if procs.multi:     # a collective save needs every process: the last one stands
-        _say(f"\ninterrupted: kept the checkpoint of step {ckpt.latest_step()} in "
-             f"{run.out} (a multi-process run saves only when every process stops)")
-        raise
-      _save_on_interrupt(run, ckpt, state)
-      raise
-    except BaseException:
-      metrics.close()
-      if not procs.multi:   # orbax may wait for the other processes: never with a failure
-        ckpt.close()
-      raise
-    finally:
-      sinks.close()
-      if asynchronous is not None:
-        asynchronous.close()
-  metrics.close()
-  kept = ckpt.all_steps()
-  ckpt.close()
-  if run.progress and procs.primary:
-    end_progress_line()
-  if step > start and applied == 0:
+    rollouts = Async(AsyncRollouts(
+        r.resolved, r.task, r.policy, max_staleness=run.max_staleness,
+        first_step=r.start + 1, last_step=run.steps, seed=run.seed,
+        devices=jax.devices()[len(_train_devices(run)):] if run.rollout_devices else None))
+    rollouts.publish(r.state.params, r.start)
+    return rollouts
+  return InStep()
+
+
+def _train_step(r: _Run, step: int) -> dict:
+  """One RL step: rollouts -> batch -> update -> the step's metrics row (eval and the
+  time and memory columns included)."""
+  run, policy = r.run, r.policy
+  rng_np = np.random.default_rng([run.seed, step])
+  key = jax.random.fold_in(jax.random.PRNGKey(run.seed), step)
+  t_step = time.time()
+  drawn, extra = r.rollouts.take(step, r.state.params, rng_np, key)
+  scored: dict = {}
+  ref = (policy.ref_params(r.state.params) if r.uses_ref and r.ref_params is None
+         else r.ref_params)
+  batch, stats = build_batch(r.resolved, r.task, policy, r.procs.local(r.state.params),
+                             ref, rng_np, key, drawn=drawn, share=r.share,
+                             info=scored, packer=r.packer)
+  if drawn is not None:    # generated by the caller (greedy ones of self-critical here)
+    from jaxrl_llm.loop.partial import behaviour_kl
+    stats.update(extra, behaviour_kl=behaviour_kl(batch),
+                 generate_s=extra.get("generate_s", 0.0) + stats.get("generate_s", 0.0))
+  with r.clock("update_s"):
+    r.state, m = r.step_fn(r.state, r.place(batch))
+    jax.block_until_ready((r.state, m))     # the phase's own time (waiting changes nothing)
+  r.rollouts.publish(r.state.params, step)
+  row = {"step": step, **stats, **policy.rollout_stats(),
+         **{k: float(host_value(val)) for k, val in m.items()},
+         "time_s": time.time() - t_step}
+  if step <= r.resolved.critic_warmup_steps:
+    row["critic_warmup"] = 1.0     # the policy is frozen (OptimizerSettings)
+  group = r.resolved.sampling.group_size if r.resolved.estimator.group else len(
+      scored["scores"])            # a batch-wide baseline
+  warning = r.watch.update(step, scored["scores"], group_size=group,
+                           grad_norm=row.get("grad_norm"),
+                           accuracy=float(np.mean(scored["exact"])))
+  if warning is not None:          # once per run (loop.signals)
+    row["no_learning_signal_steps"] = float(r.watch.streak)
+    _say(warning)
+  if step % run.eval_every == 0 or step == run.steps:
+    with r.clock("eval_s"):
+      row.update(_evaluate(policy, r.state.params, r.task, r.eval_problems, r.procs))
+  for phase in PHASES:
+    row.setdefault(phase, 0.0)
+  _account(r, row)
+  return row
+
+
+def _keep_step(r: _Run, step: int, row: dict, stop: rf.GracefulStop,
+               on_step: Callable[[dict], None] | None) -> None:
+  """After a step: its row logged, the skip count, a checkpoint when due, progress,
+  ``on_step``, and a stop signal from any process acted on."""
+  run, ckpt = r.run, r.ckpt
+  r.step = step
+  r.history.append(row)
+  with r.clock("log_s"):            # after the row's time was taken: in the next row
+    r.metrics.append(row)
+    r.sinks.write(row)              # queued: the sinks' thread writes (loop.sinks)
+  r.last_eval = row.get("eval_accuracy", r.last_eval)
+  skipped = step_skipped(row, r.resolved.train)
+  ckpt.note_step(skipped)       # a restored state that never learns is not saved again
+  r.skips = r.skips + 1 if skipped else 0
+  r.applied += 0 if skipped else 1
+  if r.skips >= run.max_consecutive_skips:
     raise SkippedUpdatesError(
-        f"every update of steps {start + 1}-{step} was skipped (non-finite loss, "
-        f"gradients or state; see 'skipped' in {metrics_path}): nothing was learned.")
-  summary = summarize(history, time.time() - t0, run)
-  summary.update(phase_summary([r for r in history if r["step"] > start],
-                               final_save_s=clock.take().get("save_s", 0.0)))
-  if watch.warned is not None:
-    summary["warning"] = watch.warned.removeprefix("warning: ")
-  summary["metrics_file"] = metrics_path
-  summary["checkpoints"] = f"{ckpt.directory} (steps {', '.join(map(str, kept))})"
+        f"stopped at step {step}: every update of the last {r.skips} steps was "
+        "skipped (non-finite loss, gradients or state; see 'skipped' in "
+        f"{r.metrics_path}); lower --lr or check the rewards. The last good "
+        f"checkpoint is in {ckpt.directory} (step {ckpt.latest_step()}).")
+  if step % run.save_every == 0 or step == run.steps:
+    with r.clock("save_s"):     # after the row (fsynced first): in the next row
+      ckpt.save(step, r.state, extra={"step": step})
+  if step == r.start + 1:
+    r.t_warm, r.warm_step = time.time(), step
+  if r.procs.primary:
+    with r.clock("log_s"):
+      report_progress(run, step, row, r.t_warm, r.warm_step, last_eval=r.last_eval)
+  if on_step is not None:
+    on_step(row)
+  # Every process acts on a signal any of them received (a collective).
+  signum = r.procs.agree_stop(stop.signum)
+  if signum and step < run.steps:
+    name = _signame(signum) + ("" if signum == stop.signum else " (on another "
+                               "process of this job)")
+    _save_now(run, ckpt, r.state, step, name)
+    raise rf.RunInterrupted(signum, f"stopped by {name} at step {step}")
+
+
+def _finish(r: _Run, kept: list, wall_s: float) -> dict:
+  """The run's summary (after every resource was closed)."""
+  run = r.run
+  if run.progress and r.procs.primary:
+    end_progress_line()
+  if r.step > r.start and r.applied == 0:
+    raise SkippedUpdatesError(
+        f"every update of steps {r.start + 1}-{r.step} was skipped (non-finite loss, "
+        f"gradients or state; see 'skipped' in {r.metrics_path}): nothing was learned.")
+  summary = summarize(r.history, wall_s, run)
+  summary.update(phase_summary([row for row in r.history if row["step"] > r.start],
+                               final_save_s=r.clock.take().get("save_s", 0.0)))
+  if r.watch.warned is not None:
+    summary["warning"] = r.watch.warned.removeprefix("warning: ")
+  summary["metrics_file"] = r.metrics_path
+  summary["checkpoints"] = f"{r.ckpt.directory} (steps {', '.join(map(str, kept))})"
   return summary
 
 
