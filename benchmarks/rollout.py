@@ -299,6 +299,11 @@ def main(argv=None):
   p.add_argument("--model", default=None,
                  help="a packaged model name or checkpoint path instead of the random model "
                       "(the size flags above are then ignored)")
+  p.add_argument("--prefill-chunk", type=int, default=None,
+                 help="the engine's prefill_chunk (None: the smallest power of two >= "
+                      "--prompt, at most 128, as the RL loop picks it)")
+  p.add_argument("--decode-widths", default=None,
+                 help="the engine's decode_widths, comma-separated (e.g. 8,16; None: off)")
   p.add_argument("--prefill-rows", type=int, default=None,
                  help="the engine's prefill_rows (None: its default)")
   p.add_argument("--d-ff", type=int, default=512)
@@ -341,12 +346,14 @@ def main(argv=None):
         f"{param_bytes / 2**20:.1f} MiB of parameters; memory copy "
         f"{bandwidth / 1e9:.1f} GB/s (read + write)")
 
-  # An engine without the setting (an older checkout) runs with its own prefill.
-  prefill_rows = {} if args.prefill_rows is None else {"prefill_rows": args.prefill_rows}
+  # An engine without these settings (an older checkout) runs with its own.
+  settings = {} if args.prefill_rows is None else {"prefill_rows": args.prefill_rows}
+  if args.decode_widths:
+    settings["decode_widths"] = [int(x) for x in args.decode_widths.split(",")]
   engine = RolloutEngine(paged, max_slots=args.slots,
                          max_len=args.prompt + max(args.long, args.uniform),
                          page_size=args.page_size, steps_per_call=args.steps_per_call,
-                         prefill_chunk=_chunk(args.prompt), **prefill_rows)
+                         prefill_chunk=args.prefill_chunk or _chunk(args.prompt), **settings)
   bytes_per_token = None
   rows, memory_rows = [], []
   warmup = [Request([1] * args.prompt, max_new_tokens=2 * args.steps_per_call)] * 2

@@ -48,6 +48,18 @@ fixed number of slots (static shapes: nothing recompiles as requests come and go
   kernel: on CPU (XLA:CPU, jax 0.10) 8 and 16 slots gave bitwise equal results, while
   1, 2, 4 and 64 slots gave the same tokens with log-probs 1-2 ulp apart (a sampled
   token could then differ where ``u`` falls within such a rounding of a CDF step).
+* **Decode over the live slots (opt-in).** By default every decode step computes all
+  ``max_slots`` rows, finished and empty slots included. ``decode_widths`` (e.g.
+  ``(8, 16)`` at 32 slots) adds compiled row counts: a decode call runs its live slots
+  compacted into the least width that holds them (their logits rows gathered and
+  scattered back: copies), so a heavy-tailed tail of a few long samples stops paying
+  for the empty slots (``stats["row_utilisation"]`` against ``slot_utilisation``).
+  The bitwise guarantee above then holds only if XLA rounds a row the same at every
+  width used, which is a property of the compiler and the machine, not of this code:
+  on XLA:CPU (jax 0.10) 8, 16 and 32 rows gave bitwise equal logits (the tiny test
+  model at 8/16 with XLA's default threads; SmolLM2-135M at 8/16/32 single-threaded),
+  while 1, 2, 4 and 64 did not; check it on the target machine before relying on it
+  (``tests/test_engine.py`` pins 8/16 for the CPU). Hence off by default.
 
 **Partial rollouts** (Kimi k1.5, slime, verl; ``generate(..., token_budget=N,
 version=v)``). A call with a token budget stops once ``N`` tokens were generated and
@@ -83,9 +95,10 @@ from (0 under greedy decoding). ``temperature=0`` means greedy decoding (argmax;
 ``logprobs`` then under :math:`\tau = 1`, ``filtered_logprobs`` 0).
 
 Compilations per engine (for a given model, ``params`` structure and request mix): one
-prefill forward ``[prefill_rows, prefill_chunk]``, one admission (page copy + logits row), one
-decode loop per (any top-k/top-p in the batch, number of stop ids rounded up to a
-power of two) combination: 3 for a homogeneous workload; partial rollouts that
+prefill forward ``[prefill_rows, prefill_chunk]``, one admission (page copy + logits
+row), one decode loop per (any top-k/top-p in the batch, number of stop ids rounded up
+to a power of two) combination: 3 for a homogeneous workload (with ``decode_widths``,
+a decode loop and a row gather/scatter per width used); partial rollouts that
 recompute a new version's cache add prefills of ``[R, prefill_chunk]`` for the
 ``R = max_slots, max_slots / 4, ...`` their rounds need (3 for 32 slots).
 """
@@ -274,6 +287,11 @@ class RolloutEngine:
       the price of padding rows when fewer prompts wait; ``1`` prefills each prompt
       alone (the engine's numbers before batched prefill). Results are bitwise
       reproducible at a given R, not across R (another matmul shape).
+    decode_widths: extra row counts a decode call may run at (each in ``[1,
+      max_slots]``; ``max_slots`` is always one): the live slots go compacted into the
+      least that holds them (module docstring: bitwise only across widths that XLA
+      rounds alike, e.g. 8/16/32 on XLA:CPU). None (default): ``max_slots`` rows
+      always.
     policy: admission order of the waiting samples: ``"longest_first"`` (largest
       ``max_new_tokens`` first, ties in request order: long samples start early and
       do not form a tail on few slots) or ``"fifo"`` (request order).
@@ -312,7 +330,8 @@ class RolloutEngine:
                steps_per_call: int = 16, prefill_chunk: int = 128,
                policy: str = "longest_first", share_prompts: bool = True,
                on_new_version: str = "recompute", refill_after: int = 1,
-               prefill_rows: int | None = None) -> None:
+               prefill_rows: int | None = None,
+               decode_widths: Sequence[int] | None = None) -> None:
     if prefill_rows is None:
       prefill_rows = min(max_slots, max(1, PREFILL_TOKENS // prefill_chunk))
     for name, value in (("max_slots", max_slots), ("max_len", max_len),
@@ -343,6 +362,11 @@ class RolloutEngine:
     self.on_new_version = on_new_version
     self.refill_after = refill_after
     self.prefill_rows = prefill_rows
+    widths = () if decode_widths is None else tuple(decode_widths)
+    if not all(isinstance(x, (int, np.integer)) and 1 <= x <= max_slots for x in widths):
+      raise ValueError(f"`decode_widths` must be ints in [1, max_slots = {max_slots}], got "
+                       f"{decode_widths!r}.")
+    self.decode_widths = tuple(sorted({int(x) for x in widths} | {max_slots}))
     self.stats: dict[str, Any] = {}
     self._state: _State | None = None       # in-flight samples of a partial rollout
     self._calls = 0
@@ -371,7 +395,7 @@ class RolloutEngine:
                     steps_per_call=self.steps_per_call, prefill_chunk=self.prefill_chunk,
                     policy=self.policy, share_prompts=self.share_prompts,
                     on_new_version=self.on_new_version, refill_after=self.refill_after,
-                    prefill_rows=self.prefill_rows)
+                    prefill_rows=self.prefill_rows, decode_widths=self.decode_widths)
     return RolloutEngine(self.fns, **{**settings, **overrides})
 
   # -- validation ------------------------------------------------------------------
@@ -437,7 +461,9 @@ class RolloutEngine:
     steps and device calls, prefill calls and tokens (``prefill_rows_padded``: the
     padding rows of the admission prefill calls; ``prefill_ahead``: groups prefilled
     in rows a round left free, before their admission), ``slot_utilisation`` (tokens
-    generated in the call / (slots x decode steps)), ``useful_tokens`` (those of the
+    generated in the call / (slots x decode steps)), ``row_utilisation`` (tokens
+    generated / rows computed, ``decode_row_steps``: below ``max_slots`` rows a step
+    with ``decode_widths``), ``useful_tokens`` (those of the
     returned completions), ``peak_pages`` and ``mean_pages_in_use``
     (weighted by decode steps), ``page_bytes``, host wall times ``prefill_s``,
     ``decode_s``, ``total_s``, and for partial rollouts ``generated_tokens``,
@@ -491,7 +517,7 @@ class RolloutEngine:
                 first_request: int = 0) -> list[Completion]:
     s, ps, k_steps = self.max_slots, self.page_size, self.steps_per_call
     stats: collections.Counter[str] = collections.Counter(dict.fromkeys((
-        "decode_calls", "decode_steps", "prefill_calls", "prefill_tokens",
+        "decode_calls", "decode_steps", "decode_row_steps", "prefill_calls", "prefill_tokens",
         "prefill_rows_padded", "prefill_ahead", "admit_calls"), 0))
     timers = {"prefill_s": 0.0, "decode_s": 0.0}
     started = time.perf_counter()
@@ -758,16 +784,26 @@ class RolloutEngine:
       live = [(index, slot) for index, slot in enumerate(slots) if slot is not None]
       if not live:
         raise RuntimeError("no sample could be admitted (internal: pages leaked?).")
+      # The call runs W rows, the least of decode_widths that holds the live slots:
+      # row == slot at W = S, else the live slots first, then free ones (padding).
+      w = min(x for x in self.decode_widths if x >= len(live))
+      if w == s:
+        row_slots = list(range(s))
+      else:
+        row_slots = [index for index, _ in live] + [
+            index for index in range(s) if slots[index] is None][:w - len(live)]
+      row_of = {index: row for row, index in enumerate(row_slots)}
       # Hand each live slot the pages its next K tokens write (from its reservation).
-      table = np.zeros((s, self.pages_per_slot), np.int32)
-      arrays = {name: np.zeros(s, dtype) for name, dtype in (
+      table = np.zeros((w, self.pages_per_slot), np.int32)
+      arrays = {name: np.zeros(w, dtype) for name, dtype in (
           ("position", np.int32), ("count", np.int32), ("max_new", np.int32),
           ("request", np.int32), ("sample", np.int32), ("temperature", np.float32),
           ("top_k", np.int32), ("top_p", np.float32))}
       arrays["position"][:] = -1
-      key_data = np.zeros((s, 2), np.uint32)
-      eos = np.full((s, n_eos), -1, np.int32)
-      for index, slot in live:
+      key_data = np.zeros((w, 2), np.uint32)
+      eos = np.full((w, n_eos), -1, np.int32)
+      for slot_index, slot in live:
+        index = row_of[slot_index]
         r = request_of(slot.call, slot.request)
         last = min(slot.position + k_steps - 1, len(r.prompt) + r.max_new_tokens - 2)
         while len(slot.shared) + len(slot.own) <= last // ps:
@@ -789,18 +825,28 @@ class RolloutEngine:
       limit = k_steps if token_budget is None else min(
           k_steps, _ceil_div(token_budget - generated, len(live)))
       start = time.perf_counter()
-      st.pages, st.logits, out, steps = self._decode(
-          params, st.pages, st.logits, table, eos, key_data,
-          min(self.refill_after, len(queue)), limit,
-          steps=k_steps, filtered=filtered, **arrays)
+      if w == s:
+        st.pages, st.logits, out, steps = self._decode(
+            params, st.pages, st.logits, table, eos, key_data,
+            min(self.refill_after, len(queue)), limit,
+            steps=k_steps, filtered=filtered, **arrays)
+      else:                                  # the rows' logits out and back: copies
+        rows = np.asarray(row_slots, np.int32)
+        st.pages, row_logits, out, steps = self._decode(
+            params, st.pages, _take_rows_jit(st.logits, rows), table, eos, key_data,
+            min(self.refill_after, len(queue)), limit,
+            steps=k_steps, filtered=filtered, **arrays)
+        st.logits = _put_rows_jit(st.logits, rows, row_logits)
       steps = int(steps)
       timers["decode_s"] += time.perf_counter() - start
       tokens, logps, flogps = (np.asarray(x)[:, :steps] for x in out)
       stats["decode_calls"] += 1
       stats["decode_steps"] += steps
+      stats["decode_row_steps"] += w * steps
       page_steps += pool.in_use * steps
       stats["peak_pages"] = max(stats["peak_pages"], pool.in_use)
-      for index, slot in live:
+      for slot_index, slot in live:
+        index = row_of[slot_index]
         r = request_of(slot.call, slot.request)
         got = tokens[index] >= 0
         n_new = int(got.sum())
@@ -811,9 +857,9 @@ class RolloutEngine:
         slot.versions.extend([int(version)] * n_new)
         slot.position += n_new
         if n_new and r.eos_ids is not None and slot.tokens[-1] in r.eos_ids:
-          finish(index, "eos")
+          finish(slot_index, "eos")
         elif len(slot.tokens) >= r.max_new_tokens:
-          finish(index, "length")
+          finish(slot_index, "length")
 
     # Requests with nothing left in flight are forgotten; an empty engine frees its pool.
     calls_left = {c for c, _, _ in queue} | {slot.call for slot in slots if slot is not None}
@@ -828,6 +874,7 @@ class RolloutEngine:
         "useful_tokens": useful, "generated_tokens": generated, "slots": s,
         "prefill_rows": self.prefill_rows,
         "slot_utilisation": generated / (s * steps_total),
+        "row_utilisation": generated / max(stats["decode_row_steps"], 1),
         "mean_pages_in_use": page_steps / steps_total, "page_bytes": page_bytes,
         "pool_bytes": page_bytes * self.num_pages, "pages_in_use_after": pool.in_use,
         "pages_reserved_after": pool.reserved, "in_flight_after": self.in_flight,
@@ -893,6 +940,8 @@ def _decode_loop(forward, params, pages, logits, table, eos, key_data, exit_afte
 _prefill_jit = jax.jit(lambda forward, *args: forward(*args), static_argnums=0,
                        donate_argnums=5)
 _admit_jit = jax.jit(_admit, donate_argnums=(0, 1))
+_take_rows_jit = jax.jit(lambda x, rows: x[rows])
+_put_rows_jit = jax.jit(lambda x, rows, values: x.at[rows].set(values), donate_argnums=0)
 _decode_jit = jax.jit(_decode_loop, static_argnames=("forward", "steps", "filtered"),
                       donate_argnums=(2, 3))
 
