@@ -321,10 +321,10 @@ def test_prefill_calls_are_ceil_rows_over_prefill_rows():
   engine.generate(PARAMS, [Request(p, n=2, max_new_tokens=3) for p in prompts], seed=0)
   assert engine.stats["prefill_calls"] == 2 and engine.stats["prefill_rows_padded"] == 1
   assert engine.stats["prefill_tokens"] == 13 + 17 + 8 + 3
-  # The default: 256 tokens a call, at most max_slots rows.
-  assert RolloutEngine(PAGED, max_slots=8, **_ENGINE_KW).prefill_rows == 8
-  assert RolloutEngine(PAGED, max_slots=64, max_len=48, prefill_chunk=64).prefill_rows == 4
-  assert ENGINE.replica(prefill_rows=2).prefill_rows == 2
+  # The default: each prompt alone (the earlier prefill); a replica keeps the setting.
+  assert ENGINE.prefill_rows == 1 and ENGINE.replica(prefill_rows=2).prefill_rows == 2
+  with pytest.raises(ValueError, match="`prefill_rows`"):
+    RolloutEngine(PAGED, max_slots=8, prefill_rows=0, **_ENGINE_KW)
 
 
 def test_free_prefill_rows_prefill_waiting_prompts_ahead_of_admission():

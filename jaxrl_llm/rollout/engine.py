@@ -30,12 +30,13 @@ fixed number of slots (static shapes: nothing recompiles as requests come and go
   ``pages_per_slot + 1`` pages free), so a refill of one slot does not pay R - 1
   padding rows while prompts wait. A row's arithmetic depends on nothing but its own
   tokens, positions and pages at that one shape, which is what keeps the guarantee
-  below: the rows beside it are never a reason for other rounding. (Before, each
-  admitted prompt was prefilled alone in ``[1, c]`` calls for that reason: one call
-  per prompt and per chunk, each reading all the weights. XLA:CPU rounds a row of
-  ``[R, c]`` differently from ``[1, c]`` (other matmul sizes), so with R > 1 the
-  log-probs differ from those ``[1, c]`` calls by float rounding (ulps); pass
-  ``prefill_rows=1`` for the earlier numbers.)
+  below: the rows beside it are never a reason for other rounding. The default
+  ``prefill_rows=1`` is the engine's earlier prefill (each prompt alone, ``[1, c]``,
+  one call per prompt and chunk, each reading all the weights) bit for bit: XLA:CPU
+  rounds a row of ``[R, c]`` differently from ``[1, c]`` (other matmul sizes), so
+  R > 1 gives log-probs some ulps apart, which over a long RL run can flip a sampled
+  token and change the run (the default 400-step job: identical to step 112, then
+  another trajectory).
 * **Batch-invariant sampling.** The token at generated position ``n`` of sample ``j``
   of request ``r`` uses the key ``fold_in(fold_in(fold_in(key(seed), r), j), n)`` and
   an inverse-CDF draw (:mod:`jaxrl_llm.rollout.draw`); the slot computation never
@@ -121,10 +122,6 @@ from jaxrl_llm.rollout.paged_cache import PagePool
 from jaxrl_llm.rollout.protocol import PagedDecodeFns
 
 POLICIES = ("longest_first", "fifo")
-PREFILL_TOKENS = 256
-"""Tokens per admission prefill call by default: ``prefill_rows`` defaults to
-``min(max_slots, max(1, PREFILL_TOKENS // prefill_chunk))`` (on CPU the cost per token
-of a ``[R, c]`` prefill levels off near ``R c = 256``)."""
 ON_NEW_VERSION = ("recompute", "keep")
 
 
@@ -282,11 +279,13 @@ class RolloutEngine:
     steps_per_call: K, the most decode steps per device call.
     prefill_chunk: c, prompt tokens per prefill row (one compilation for all lengths).
     prefill_rows: R, the rows of every admission prefill call ``[R, c]`` (module
-      docstring); default ``min(max_slots, max(1, PREFILL_TOKENS // c))`` (256 tokens
-      a call). A larger R makes fewer, larger calls (fewer reads of the weights) at
-      the price of padding rows when fewer prompts wait; ``1`` prefills each prompt
-      alone (the engine's numbers before batched prefill). Results are bitwise
-      reproducible at a given R, not across R (another matmul shape).
+      docstring). 1 (default) prefills each prompt alone, one call per prompt and
+      chunk (the numbers of earlier versions, bit for bit). A larger R makes fewer,
+      larger calls (the weights read once for R rows; on a CPU, matmuls of more rows
+      run faster per token, e.g. ``R c`` near 256 for SmolLM2-135M: benchmarks/
+      RESULTS.md) and free rows prefill waiting prompts ahead. Results are bitwise
+      reproducible at a given R, not across R (another matmul shape: ulps apart,
+      which can flip a sampled token).
     decode_widths: extra row counts a decode call may run at (each in ``[1,
       max_slots]``; ``max_slots`` is always one): the live slots go compacted into the
       least that holds them (module docstring: bitwise only across widths that XLA
@@ -330,10 +329,8 @@ class RolloutEngine:
                steps_per_call: int = 16, prefill_chunk: int = 128,
                policy: str = "longest_first", share_prompts: bool = True,
                on_new_version: str = "recompute", refill_after: int = 1,
-               prefill_rows: int | None = None,
+               prefill_rows: int = 1,
                decode_widths: Sequence[int] | None = None) -> None:
-    if prefill_rows is None:
-      prefill_rows = min(max_slots, max(1, PREFILL_TOKENS // prefill_chunk))
     for name, value in (("max_slots", max_slots), ("max_len", max_len),
                         ("page_size", page_size), ("steps_per_call", steps_per_call),
                         ("prefill_chunk", prefill_chunk), ("refill_after", refill_after),
