@@ -274,6 +274,106 @@ def test_a_request_is_bitwise_the_same_alone_and_among_32_others():
     assert other.stats["pages_in_use_after"] == 0
 
 
+def test_batched_prefill_is_bitwise_the_same_alone_and_among_others_in_any_row():
+  # Prefill rows of 4 tokens, 3 per call: MIXED[0]'s 6-token prompt takes 2 rows, its
+  # neighbours' prompts (1-19 tokens) up to 5, so across the orders below the prompt
+  # lands in other rows of other calls, split over two calls or not, beside other
+  # prompts or padding. Its tokens and log-probs stay bit for bit the same.
+  engine = RolloutEngine(PAGED, max_slots=8, prefill_rows=3,
+                         **{**_ENGINE_KW, "prefill_chunk": 4})
+  rng = np.random.default_rng(8)
+  others = [Request(rng.integers(1, V, rng.integers(1, 20)).tolist(),
+                    max_new_tokens=int(rng.integers(1, 12)), temperature=1.0)
+            for _ in range(12)]
+  alone = engine.generate(PARAMS, MIXED[:1], seed=11)
+  assert engine.stats["prefill_calls"] == 1 and engine.stats["prefill_rows_padded"] == 1
+  for order in range(3):
+    crowd = [others[k] for k in np.random.default_rng(order).permutation(12)]
+    fifo = engine.replica(policy="fifo")       # MIXED[0] is admitted with the first
+    for eng, requests in ((engine, MIXED[:1] + crowd[:4 * order + 3]),
+                          (fifo, MIXED[:1] + crowd)):
+      out = eng.generate(PARAMS, requests, seed=11)
+      assert all(_same(a, b) for a, b in zip(alone, out[:3]))
+      assert eng.stats["pages_in_use_after"] == 0
+  # Another row count is another matmul shape: same tokens, log-probs within rounding.
+  one = RolloutEngine(PAGED, max_slots=8, prefill_rows=1,
+                      **{**_ENGINE_KW, "prefill_chunk": 4})
+  for a, b in zip(alone, one.generate(PARAMS, MIXED[:1], seed=11)):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+  assert one.stats["prefill_calls"] == 2            # one row per call, 2 chunks
+
+
+def test_prefill_calls_are_ceil_rows_over_prefill_rows():
+  # N prompts of at most one chunk, all admitted at once: ceil(N / R) calls of R rows.
+  for n, rows in ((8, 3), (8, 4), (5, 8), (1, 8)):
+    engine = RolloutEngine(PAGED, max_slots=8, prefill_rows=rows, **_ENGINE_KW)
+    prompts = _prompts(n, [int(k) for k in np.random.default_rng(n).integers(1, 9, n)])
+    engine.generate(PARAMS, [Request(p, max_new_tokens=3) for p in prompts], seed=0)
+    assert engine.stats["prefill_calls"] == -(-n // rows), (n, rows)
+    assert engine.stats["prefill_rows_padded"] == -n % rows
+    assert engine.stats["prefill_tokens"] == sum(map(len, prompts))
+    assert engine.stats["admit_calls"] == n and engine.stats["prefill_rows"] == rows
+  # Longer prompts take ceil(p / c) rows each (c = 8): 13 + 17 + 8 + 3 -> 2 + 3 + 1 + 1
+  # rows = 7 rows, 2 calls of 4; a shared prompt is prefilled once for its n samples.
+  engine = RolloutEngine(PAGED, max_slots=8, prefill_rows=4, **_ENGINE_KW)
+  prompts = _prompts(4, [13, 17, 8, 3])
+  engine.generate(PARAMS, [Request(p, n=2, max_new_tokens=3) for p in prompts], seed=0)
+  assert engine.stats["prefill_calls"] == 2 and engine.stats["prefill_rows_padded"] == 1
+  assert engine.stats["prefill_tokens"] == 13 + 17 + 8 + 3
+  # The default: each prompt alone (the earlier prefill); a replica keeps the setting.
+  assert ENGINE.prefill_rows == 1 and ENGINE.replica(prefill_rows=2).prefill_rows == 2
+  with pytest.raises(ValueError, match="`prefill_rows`"):
+    RolloutEngine(PAGED, max_slots=8, prefill_rows=0, **_ENGINE_KW)
+
+
+def test_free_prefill_rows_prefill_waiting_prompts_ahead_of_admission():
+  # 2 slots, 4 rows per call, 6 one-sample requests of short prompts (longest_first
+  # admits them in the order 1, 3, 5, 0, 4, 2): the first round admits 1 and 3 and
+  # prefills 5 and 0 ahead in the same call; 4's round prefills 2 ahead: 2 calls for 6
+  # prompts, and the same completions as each request alone.
+  prompts = _prompts(6, [5, 3, 7, 2, 6, 4])
+  requests = [Request(p, max_new_tokens=m, temperature=1.0)
+              for p, m in zip(prompts, [4, 9, 2, 6, 3, 5])]
+  engine = RolloutEngine(PAGED, max_slots=2, prefill_rows=4, **_ENGINE_KW)
+  out = engine.generate(PARAMS, requests, seed=4)
+  assert engine.stats["prefill_calls"] == 2 and engine.stats["prefill_ahead"] == 3
+  assert engine.stats["prefill_rows_padded"] == 2
+  assert engine.stats["prefill_tokens"] == sum(map(len, prompts))
+  assert engine.stats["pages_in_use_after"] == 0 and engine.stats["pages_reserved_after"] == 0
+  one_by_one = [engine.generate(PARAMS, [r], seed=4, first_request=i)[0]
+                for i, r in enumerate(requests)]
+  assert all(_same(a, b) for a, b in zip(out, one_by_one))
+  # A pool without room for a prompt beside a full slot prefills nothing ahead.
+  tight = RolloutEngine(PAGED, max_slots=2, prefill_rows=4, num_pages=14, **_ENGINE_KW)
+  assert all(_same(a, b) for a, b in zip(out, tight.generate(PARAMS, requests, seed=4)))
+  assert tight.stats["prefill_ahead"] == 0 and tight.stats["prefill_calls"] > 2
+
+
+def test_decode_widths_run_the_live_slots_compacted_with_the_same_results():
+  # 16 slots; a call with at most 8 live slots runs them as 8 rows (decode_widths).
+  # XLA:CPU rounds a row the same at 8 and 16 rows (measured; not at 1, 2, 4 or 64:
+  # the module docstring), so the results are bit for bit those of 16 rows always.
+  rng = np.random.default_rng(6)
+  requests = [Request(rng.integers(1, V, rng.integers(1, 12)).tolist(),
+                      max_new_tokens=int(m), temperature=1.0)
+              for m in [40] * 2 + [3] * 18]      # a tail of 2 long samples
+  kw = {**_ENGINE_KW, "max_len": 60}
+  full = RolloutEngine(PAGED, max_slots=16, **kw)
+  reference = full.generate(PARAMS, requests, seed=2)
+  bucketed = full.replica(decode_widths=(8,))
+  assert bucketed.decode_widths == (8, 16)
+  out = bucketed.generate(PARAMS, requests, seed=2)
+  assert all(_same(a, b) for a, b in zip(reference, out))
+  stats = bucketed.stats
+  assert stats["decode_row_steps"] < 16 * stats["decode_steps"]
+  assert stats["row_utilisation"] > full.stats["row_utilisation"]
+  assert full.stats["decode_row_steps"] == 16 * full.stats["decode_steps"]
+  assert stats["pages_in_use_after"] == 0
+  with pytest.raises(ValueError, match="`decode_widths`"):
+    RolloutEngine(PAGED, max_slots=4, decode_widths=(8,), **_ENGINE_KW)
+
+
 def test_a_share_of_the_requests_draws_what_the_whole_call_draws():
   # Multi-host rollouts: a process completes requests [a, b) of a step with
   # first_request=a; its draws are keyed as in one call over all of them.

@@ -214,6 +214,30 @@ def test_waiting_samples_of_a_tight_pool_are_continued_too():
   assert engine.pages_in_use == 0
 
 
+def test_prompts_prefilled_ahead_wait_across_calls_and_are_recomputed():
+  # 2 slots, 4 prefill rows: groups are prefilled ahead of their admission and wait
+  # over budgeted calls with their prompt pages and logits. Same version: bitwise the
+  # unbounded call; a new version prefills the waiting groups' prompts again (same
+  # weights: same tokens, log-probs to rounding); every page comes back.
+  kw = {**KW, "prefill_rows": 4, "num_pages": 40}   # room to prefill ahead
+  whole = RolloutEngine(PAGED, max_slots=2, **kw).generate(PARAMS_A, MIXED, seed=3)
+  engine = RolloutEngine(PAGED, max_slots=2, **kw)
+  out = engine.generate(PARAMS_A, MIXED, seed=3, token_budget=6)
+  assert engine.stats["prefill_ahead"] > 0 and engine.waiting > 0
+  out = sorted(out + _drain(engine, PARAMS_A, 6), key=lambda c: (c.request, c.sample))
+  assert all(_same(a, b) for a, b in zip(whole, out))
+  assert engine.pages_in_use == 0 and engine._state is None
+  out = engine.generate(PARAMS_A, MIXED, seed=3, token_budget=6)
+  waiting = engine.waiting
+  out = sorted(out + engine.generate(PARAMS_A, [], version=1),
+               key=lambda c: (c.request, c.sample))
+  assert waiting > 0 and engine.stats["recomputed_tokens"] > 0
+  for a, b in zip(whole, out):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+  assert engine.pages_in_use == 0
+
+
 def test_bad_budget_and_version_raise_naming_the_argument():
   engine = RolloutEngine(PAGED, max_slots=2, **KW)
   for bad in (0, -3, 1.5, True):

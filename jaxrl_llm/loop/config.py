@@ -153,6 +153,11 @@ class RunConfig:
   rollout_slots: int | None = setting(
       None, "the engine's slots, the completions decoded together (None: all "
       "completions of a step, at most 256).", min_int=1)
+  rollout_prefill_rows: int = setting(
+      1, "the engine's prefill_rows: prompts prefilled together per device call, "
+      "[rows, chunk] (1: each prompt alone, the numbers of earlier runs bit for bit; "
+      "more: fewer, larger calls, faster on a real model, e.g. 4-16 on a CPU, with "
+      "log-probs some ulps apart).", min_int=1)
   partial_rollouts: bool = setting(
       False, "partial rollouts (:mod:`jaxrl_llm.loop.partial`): a step generates until "
       "--prompts-per-step groups finished and trains on them; the samples still "

@@ -125,12 +125,13 @@ class Policy:
     return params if self._ref_part is None else self._ref_part(params)
 
   def use_engine(self, *, max_slots: int, max_len: int, page_size: int = 16,
-                 max_prompt_len: int | None = None) -> None:
+                 max_prompt_len: int | None = None, prefill_rows: int = 1) -> None:
     """Generates through a :class:`~jaxrl_llm.rollout.RolloutEngine` of ``max_slots``
     slots from now on (continuous batching, paged KV cache, a group's prompt prefilled
     once); ``max_len`` bounds prompt + completion. ``max_prompt_len`` (when known)
     sizes the prefill chunk: the smallest power of two that holds it, at most 128, so
-    short prompts are not prefilled in 128-token chunks.
+    short prompts are not prefilled in 128-token chunks. ``prefill_rows``: the engine's
+    prompts per prefill call (1: each alone, the earlier numbers).
 
     Raises:
       ValueError: the model provides no paged protocol (``paged_decode_fns``).
@@ -142,7 +143,8 @@ class Policy:
     if max_prompt_len is not None:
       chunk = min(chunk, 1 << max(max_prompt_len - 1, 0).bit_length())
     self.engine = RolloutEngine(self.paged_decode_fns, max_slots=max_slots,
-                                max_len=max_len, page_size=page_size, prefill_chunk=chunk)
+                                max_len=max_len, page_size=page_size, prefill_chunk=chunk,
+                                prefill_rows=prefill_rows)
 
   def use_vllm(self, engine: Any) -> None:
     """Generates through ``engine`` (a :class:`~jaxrl_llm.rollout.vllm.VllmEngine`)

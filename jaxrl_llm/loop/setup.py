@@ -134,7 +134,8 @@ def make_policy(resolved: Resolved, task: Task) -> Policy:
             // jax.process_count())
     policy.use_engine(max_slots=run.rollout_slots or min(rows, _MAX_DEFAULT_SLOTS),
                       max_len=task.max_prompt_len + task.max_new_tokens,
-                      max_prompt_len=task.max_prompt_len)
+                      max_prompt_len=task.max_prompt_len,
+                      prefill_rows=run.rollout_prefill_rows)
   elif run.rollout == "vllm":
     policy.use_vllm(make_vllm_engine(run.model, task.max_prompt_len + task.max_new_tokens))
   return policy

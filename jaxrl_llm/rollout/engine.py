@@ -16,20 +16,51 @@ fixed number of slots (static shapes: nothing recompiles as requests come and go
   at admission and handed over as its tokens arrive, so the pages in use follow the
   tokens in flight; a finished slot's pages (and its unused reservation) return to the
   pool at once.
-* **Shared prompts.** The ``n`` samples of a request prefill its prompt once, in chunks
-  of ``prefill_chunk`` tokens (one compilation whatever the prompt length); they read
+* **Shared prompts.** The ``n`` samples of a request prefill its prompt once; they read
   the prompt's full pages (reference-counted), and each gets its own copy of the
   partly filled last page (copy-on-write) before it writes there.
+* **Batched prefill of a fixed shape.** Every admission prefill call is
+  ``[prefill_rows, prefill_chunk]`` (R rows of c tokens; one compilation whatever the
+  prompts): a prompt of ``p`` tokens takes ``ceil(p / c)`` consecutive rows (a later
+  row reads the keys an earlier one wrote, in the same call or an earlier one), and
+  the prompts of all the groups admitted at one point are packed R rows per call
+  (``ceil(N / R)`` calls for ``N`` prompts of at most ``c`` tokens,
+  ``stats["prefill_calls"]``). Rows a round leaves free prefill the next waiting
+  groups ahead of their admission (``stats["prefill_ahead"]``; while the pool keeps
+  ``pages_per_slot + 1`` pages free), so a refill of one slot does not pay R - 1
+  padding rows while prompts wait. A row's arithmetic depends on nothing but its own
+  tokens, positions and pages at that one shape, which is what keeps the guarantee
+  below: the rows beside it are never a reason for other rounding. The default
+  ``prefill_rows=1`` is the engine's earlier prefill (each prompt alone, ``[1, c]``,
+  one call per prompt and chunk, each reading all the weights) bit for bit: XLA:CPU
+  rounds a row of ``[R, c]`` differently from ``[1, c]`` (other matmul sizes), so
+  R > 1 gives log-probs some ulps apart, which over a long RL run can flip a sampled
+  token and change the run (the default 400-step job: identical to step 112, then
+  another trajectory).
 * **Batch-invariant sampling.** The token at generated position ``n`` of sample ``j``
   of request ``r`` uses the key ``fold_in(fold_in(fold_in(key(seed), r), j), n)`` and
   an inverse-CDF draw (:mod:`jaxrl_llm.rollout.draw`); the slot computation never
   mixes rows (attention reads only the slot's pages, and chunks past a slot's length
-  change nothing bit for bit). So at a given ``max_slots`` a request's tokens and
-  log-probs are bitwise the same alone or among any other requests, in any slot.
+  change nothing bit for bit; a prompt's prefill rows are computed at the one shape
+  ``[prefill_rows, prefill_chunk]`` whatever is beside them). So at a given
+  ``max_slots`` (and ``prefill_rows``) a request's tokens and log-probs are bitwise the
+  same alone or among any other requests, in any slot.
   Another ``max_slots`` is another matmul shape, for which XLA may choose another
   kernel: on CPU (XLA:CPU, jax 0.10) 8 and 16 slots gave bitwise equal results, while
   1, 2, 4 and 64 slots gave the same tokens with log-probs 1-2 ulp apart (a sampled
   token could then differ where ``u`` falls within such a rounding of a CDF step).
+* **Decode over the live slots (opt-in).** By default every decode step computes all
+  ``max_slots`` rows, finished and empty slots included. ``decode_widths`` (e.g.
+  ``(8, 16)`` at 32 slots) adds compiled row counts: a decode call runs its live slots
+  compacted into the least width that holds them (their logits rows gathered and
+  scattered back: copies), so a heavy-tailed tail of a few long samples stops paying
+  for the empty slots (``stats["row_utilisation"]`` against ``slot_utilisation``).
+  The bitwise guarantee above then holds only if XLA rounds a row the same at every
+  width used, which is a property of the compiler and the machine, not of this code:
+  on XLA:CPU (jax 0.10) 8, 16 and 32 rows gave bitwise equal logits (the tiny test
+  model at 8/16 with XLA's default threads; SmolLM2-135M at 8/16/32 single-threaded),
+  while 1, 2, 4 and 64 did not; check it on the target machine before relying on it
+  (``tests/test_engine.py`` pins 8/16 for the CPU). Hence off by default.
 
 **Partial rollouts** (Kimi k1.5, slime, verl; ``generate(..., token_budget=N,
 version=v)``). A call with a token budget stops once ``N`` tokens were generated and
@@ -65,9 +96,10 @@ from (0 under greedy decoding). ``temperature=0`` means greedy decoding (argmax;
 ``logprobs`` then under :math:`\tau = 1`, ``filtered_logprobs`` 0).
 
 Compilations per engine (for a given model, ``params`` structure and request mix): one
-prefill forward ``[1, prefill_chunk]``, one admission (page copy + logits row), one
-decode loop per (any top-k/top-p in the batch, number of stop ids rounded up to a
-power of two) combination: 3 for a homogeneous workload; partial rollouts that
+prefill forward ``[prefill_rows, prefill_chunk]``, one admission (page copy + logits
+row), one decode loop per (any top-k/top-p in the batch, number of stop ids rounded up
+to a power of two) combination: 3 for a homogeneous workload (with ``decode_widths``,
+a decode loop and a row gather/scatter per width used); partial rollouts that
 recompute a new version's cache add prefills of ``[R, prefill_chunk]`` for the
 ``R = max_slots, max_slots / 4, ...`` their rounds need (3 for 32 slots).
 """
@@ -245,7 +277,20 @@ class RolloutEngine:
       in use waits (it and the samples queued after it) until finished slots return
       them.
     steps_per_call: K, the most decode steps per device call.
-    prefill_chunk: prompt tokens per prefill call (one compilation for all lengths).
+    prefill_chunk: c, prompt tokens per prefill row (one compilation for all lengths).
+    prefill_rows: R, the rows of every admission prefill call ``[R, c]`` (module
+      docstring). 1 (default) prefills each prompt alone, one call per prompt and
+      chunk (the numbers of earlier versions, bit for bit). A larger R makes fewer,
+      larger calls (the weights read once for R rows; on a CPU, matmuls of more rows
+      run faster per token, e.g. ``R c`` near 256 for SmolLM2-135M: benchmarks/
+      RESULTS.md) and free rows prefill waiting prompts ahead. Results are bitwise
+      reproducible at a given R, not across R (another matmul shape: ulps apart,
+      which can flip a sampled token).
+    decode_widths: extra row counts a decode call may run at (each in ``[1,
+      max_slots]``; ``max_slots`` is always one): the live slots go compacted into the
+      least that holds them (module docstring: bitwise only across widths that XLA
+      rounds alike, e.g. 8/16/32 on XLA:CPU). None (default): ``max_slots`` rows
+      always.
     policy: admission order of the waiting samples: ``"longest_first"`` (largest
       ``max_new_tokens`` first, ties in request order: long samples start early and
       do not form a tail on few slots) or ``"fifo"`` (request order).
@@ -283,10 +328,13 @@ class RolloutEngine:
                page_size: int = 16, num_pages: int | None = None,
                steps_per_call: int = 16, prefill_chunk: int = 128,
                policy: str = "longest_first", share_prompts: bool = True,
-               on_new_version: str = "recompute", refill_after: int = 1) -> None:
+               on_new_version: str = "recompute", refill_after: int = 1,
+               prefill_rows: int = 1,
+               decode_widths: Sequence[int] | None = None) -> None:
     for name, value in (("max_slots", max_slots), ("max_len", max_len),
                         ("page_size", page_size), ("steps_per_call", steps_per_call),
-                        ("prefill_chunk", prefill_chunk), ("refill_after", refill_after)):
+                        ("prefill_chunk", prefill_chunk), ("refill_after", refill_after),
+                        ("prefill_rows", prefill_rows)):
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
     if policy not in POLICIES:
@@ -310,6 +358,12 @@ class RolloutEngine:
     self.share_prompts = share_prompts
     self.on_new_version = on_new_version
     self.refill_after = refill_after
+    self.prefill_rows = prefill_rows
+    widths = () if decode_widths is None else tuple(decode_widths)
+    if not all(isinstance(x, (int, np.integer)) and 1 <= x <= max_slots for x in widths):
+      raise ValueError(f"`decode_widths` must be ints in [1, max_slots = {max_slots}], got "
+                       f"{decode_widths!r}.")
+    self.decode_widths = tuple(sorted({int(x) for x in widths} | {max_slots}))
     self.stats: dict[str, Any] = {}
     self._state: _State | None = None       # in-flight samples of a partial rollout
     self._calls = 0
@@ -337,7 +391,8 @@ class RolloutEngine:
                     page_size=self.page_size, num_pages=self.num_pages,
                     steps_per_call=self.steps_per_call, prefill_chunk=self.prefill_chunk,
                     policy=self.policy, share_prompts=self.share_prompts,
-                    on_new_version=self.on_new_version, refill_after=self.refill_after)
+                    on_new_version=self.on_new_version, refill_after=self.refill_after,
+                    prefill_rows=self.prefill_rows, decode_widths=self.decode_widths)
     return RolloutEngine(self.fns, **{**settings, **overrides})
 
   # -- validation ------------------------------------------------------------------
@@ -400,8 +455,12 @@ class RolloutEngine:
                first_request: int = 0) -> list[Completion]:
     """Completes every request ``n`` times; returns the completions ordered by
     ``(call, request, sample)``. ``self.stats`` then holds the call's counters: decode
-    steps and device calls, prefill calls and tokens, ``slot_utilisation`` (tokens
-    generated in the call / (slots x decode steps)), ``useful_tokens`` (those of the
+    steps and device calls, prefill calls and tokens (``prefill_rows_padded``: the
+    padding rows of the admission prefill calls; ``prefill_ahead``: groups prefilled
+    in rows a round left free, before their admission), ``slot_utilisation`` (tokens
+    generated in the call / (slots x decode steps)), ``row_utilisation`` (tokens
+    generated / rows computed, ``decode_row_steps``: below ``max_slots`` rows a step
+    with ``decode_widths``), ``useful_tokens`` (those of the
     returned completions), ``peak_pages`` and ``mean_pages_in_use``
     (weighted by decode steps), ``page_bytes``, host wall times ``prefill_s``,
     ``decode_s``, ``total_s``, and for partial rollouts ``generated_tokens``,
@@ -454,7 +513,9 @@ class RolloutEngine:
                 token_budget: int | None, version: int,
                 first_request: int = 0) -> list[Completion]:
     s, ps, k_steps = self.max_slots, self.page_size, self.steps_per_call
-    stats: collections.Counter[str] = collections.Counter()
+    stats: collections.Counter[str] = collections.Counter(dict.fromkeys((
+        "decode_calls", "decode_steps", "decode_row_steps", "prefill_calls", "prefill_tokens",
+        "prefill_rows_padded", "prefill_ahead", "admit_calls"), 0))
     timers = {"prefill_s": 0.0, "decode_s": 0.0}
     started = time.perf_counter()
     page_steps = 0
@@ -501,9 +562,10 @@ class RolloutEngine:
       unfinished job (up to ``max_rows`` of them) in ``[R, prefill_chunk]``, ``R`` the
       least of ``max_rows, max_rows / 4, ...`` (down to 1 or 2) that holds them: the
       rounds that only a few long jobs need cost a few rows, in at most
-      ``log4(max_rows) + 1`` shapes (a compilation each). An admitted prompt goes alone
-      (``max_rows=1``): its logits then never depend on what else is admitted with it
-      (XLA:CPU rounds a row differently at other batch sizes)."""
+      ``log4(max_rows) + 1`` shapes (a compilation each). Used by :func:`recompute`;
+      admissions go through :func:`prefill_packed` (one fixed shape: an admitted
+      prompt's logits never depend on what else is admitted with it, while XLA:CPU
+      rounds a row differently at other batch sizes)."""
       done_at = [0] * len(jobs)
       last: list[Any] = [None] * len(jobs)
       while True:
@@ -530,47 +592,132 @@ class RolloutEngine:
           if done_at[j] == len(jobs[j][0]):
             last[j] = logits[row]
 
+    def prefill_packed(jobs):
+      """Writes each job's ``(tokens, start, page ids)`` and returns its logits after
+      its last token, in calls of a FIXED shape ``[R, prefill_chunk]`` (``R`` =
+      ``prefill_rows``): a job of ``L`` tokens takes ``ceil(L / prefill_chunk)`` rows
+      (consecutive pieces; a later piece reads the keys an earlier one wrote, in the
+      same call or an earlier one), and the rows of all jobs are packed in order, ``R``
+      per call, the last call padded. A row's arithmetic depends only on its own
+      tokens, positions and pages at that shape, so an admitted prompt's keys, values
+      and logits are bitwise the same whatever is prefilled beside it, in any row."""
+      rows, c = self.prefill_rows, self.prefill_chunk
+      pieces = [(j, start + k, tokens[k:k + c], ids, k + c >= len(tokens))
+                for j, (tokens, start, ids) in enumerate(jobs)
+                for k in range(0, len(tokens), c)]
+      last: list[Any] = [None] * len(jobs)
+      for first in range(0, len(pieces), rows):
+        chunk_tokens = np.zeros((rows, c), np.int32)
+        positions = np.full((rows, c), -1, np.int32)
+        table = np.zeros((rows, self.pages_per_slot), np.int32)
+        batch = pieces[first:first + rows]
+        for row, (_, at, part, ids, _) in enumerate(batch):
+          chunk_tokens[row, :len(part)] = part
+          positions[row, :len(part)] = np.arange(len(part)) + at
+          table[row, :len(ids)] = ids
+        logits, st.pages = self._forward(params, chunk_tokens, positions, table, st.pages)
+        stats["prefill_calls"] += 1
+        stats["prefill_rows_padded"] += rows - len(batch)
+        for row, (j, _, _, _, is_last) in enumerate(batch):
+          if is_last:
+            last[j] = logits[row]
+      return last
+
     def set_logits(slot_index, row, src=0, dst=0):
       if st.logits is None:
         st.logits = jnp.zeros((s, row.shape[-1]), jnp.float32)
       st.pages, st.logits = self._admit(st.pages, st.logits, slot_index, row, src, dst)
 
-    def admit(slot_index) -> bool:
-      c, i, j = queue[0]
-      r = request_of(c, i)
-      key = group_key(c, i, j)
-      group = groups[key]
-      p = len(r.prompt)
-      full, partial = p // ps, p % ps != 0
-      own_need = _ceil_div(p + r.max_new_tokens - 1, ps) - full
-      prompt_need = 0 if group.pages else _ceil_div(p, ps)
-      if pool.available < own_need + prompt_need:
-        return False
-      queue.popleft()
-      if not group.pages:
-        group.pages = pool.allocate(prompt_need)
-        start = time.perf_counter()
-        group.logits = prefill_rows([(group.prompt, 0, group.pages)],
-                                    max_rows=1)[0].block_until_ready()
-        stats["prefill_tokens"] += len(group.prompt)
-        timers["prefill_s"] += time.perf_counter() - start
-      shared = group.pages[:full]
-      pool.incref(shared)
-      pool.reserve(own_need)
-      own = []
-      src = dst = 0
-      if partial and own_need:
-        own.append(pool.take())
-        src, dst = group.pages[full], own[0]
-      set_logits(slot_index, group.logits, src, dst)
-      stats["admit_calls"] += 1
-      slots[slot_index] = _Slot(c, i, j, group, shared, own, own_need - len(own), p)
-      group.waiting -= 1
-      if group.waiting == 0:               # the last sample is in: drop the group's hold
-        pool.decref(group.pages)
-        group.logits = None
-        del groups[key]                    # groups holds those with samples waiting
-      return True
+    def prefill_ahead(opened: list[_Group]) -> list[_Group]:
+      """The next waiting groups without a prefill (queue order) that fit in the rows
+      ``opened`` leaves free in its last ``[R, prefill_chunk]`` call, their prompt
+      pages taken: padding rows do their prefill instead of nothing, so the next
+      admissions find it done. A group is taken while the pool keeps
+      ``pages_per_slot + 1`` pages free after its prompt's (so the first waiting
+      sample always fits once the slots are empty: no deadlock); the first that does
+      not fit ends the walk."""
+      c, rows = self.prefill_chunk, self.prefill_rows
+      free = -sum(_ceil_div(len(g.prompt), c) for g in opened) % rows
+      ahead: list[_Group] = []
+      for call, i, j in queue:
+        if not free:
+          break
+        group = groups[group_key(call, i, j)]
+        if group.pages:
+          continue
+        need, pieces = _ceil_div(len(group.prompt), ps), _ceil_div(len(group.prompt), c)
+        if pieces > free or pool.available - need < self.pages_per_slot + 1:
+          break
+        group.pages = pool.allocate(need)
+        ahead.append(group)
+        free -= pieces
+      stats["prefill_ahead"] += len(ahead)
+      return ahead
+
+    def admit_free_slots() -> None:
+      """Admits waiting samples into the free slots, in queue order, while the pool
+      holds their pages. A round takes the pages of every sample it admits first, then
+      prefills the prompts of the groups it opened all together (:func:`prefill_packed`),
+      then hands each admitted sample its group's logits (and its copy of the
+      prompt's partial last page); a group whose last sample got in drops its hold on
+      the prompt's pages after that. When a sample did not fit and that release freed
+      pages, another round tries again."""
+      while True:
+        admitted: list[tuple[int, int, int]] = []      # (slot index, src, dst)
+        opened: list[_Group] = []
+        closed: list[_Group] = []
+        blocked = False
+        for index in range(s):
+          if slots[index] is not None or not queue:
+            continue
+          c, i, j = queue[0]
+          r = request_of(c, i)
+          key = group_key(c, i, j)
+          group = groups[key]
+          p = len(r.prompt)
+          full, partial = p // ps, p % ps != 0
+          own_need = _ceil_div(p + r.max_new_tokens - 1, ps) - full
+          prompt_need = 0 if group.pages else _ceil_div(p, ps)
+          if pool.available < own_need + prompt_need:
+            blocked = True
+            break
+          queue.popleft()
+          if not group.pages:
+            group.pages = pool.allocate(prompt_need)
+            opened.append(group)
+          shared = group.pages[:full]
+          pool.incref(shared)
+          pool.reserve(own_need)
+          own = []
+          src = dst = 0
+          if partial and own_need:
+            own.append(pool.take())
+            src, dst = group.pages[full], own[0]
+          admitted.append((index, src, dst))
+          slots[index] = _Slot(c, i, j, group, shared, own, own_need - len(own), p)
+          group.waiting -= 1
+          if group.waiting == 0:             # the last sample is in: release it below
+            closed.append(group)
+            del groups[key]                  # groups holds those with samples waiting
+        if opened:
+          opened += prefill_ahead(opened)
+          start = time.perf_counter()
+          for group, logits in zip(opened, prefill_packed(
+              [(group.prompt, 0, group.pages) for group in opened])):
+            group.logits = logits
+            stats["prefill_tokens"] += len(group.prompt)
+          jax.block_until_ready([group.logits for group in opened])
+          timers["prefill_s"] += time.perf_counter() - start
+        for index, src, dst in admitted:
+          slot = slots[index]
+          assert slot is not None
+          set_logits(index, slot.group.logits, src, dst)
+          stats["admit_calls"] += 1
+        for group in closed:                 # its samples copied the partial page
+          pool.decref(group.pages)
+          group.logits = None
+        if not (blocked and closed and queue):
+          return
 
     def finish(slot_index, reason):
       slot = slots[slot_index]
@@ -630,22 +777,30 @@ class RolloutEngine:
 
     generated = 0
     while (queue or any(slots)) and (token_budget is None or generated < token_budget):
-      for index in range(s):
-        if slots[index] is None and queue and not admit(index):
-          break
+      admit_free_slots()
       live = [(index, slot) for index, slot in enumerate(slots) if slot is not None]
       if not live:
         raise RuntimeError("no sample could be admitted (internal: pages leaked?).")
+      # The call runs W rows, the least of decode_widths that holds the live slots:
+      # row == slot at W = S, else the live slots first, then free ones (padding).
+      w = min(x for x in self.decode_widths if x >= len(live))
+      if w == s:
+        row_slots = list(range(s))
+      else:
+        row_slots = [index for index, _ in live] + [
+            index for index in range(s) if slots[index] is None][:w - len(live)]
+      row_of = {index: row for row, index in enumerate(row_slots)}
       # Hand each live slot the pages its next K tokens write (from its reservation).
-      table = np.zeros((s, self.pages_per_slot), np.int32)
-      arrays = {name: np.zeros(s, dtype) for name, dtype in (
+      table = np.zeros((w, self.pages_per_slot), np.int32)
+      arrays = {name: np.zeros(w, dtype) for name, dtype in (
           ("position", np.int32), ("count", np.int32), ("max_new", np.int32),
           ("request", np.int32), ("sample", np.int32), ("temperature", np.float32),
           ("top_k", np.int32), ("top_p", np.float32))}
       arrays["position"][:] = -1
-      key_data = np.zeros((s, 2), np.uint32)
-      eos = np.full((s, n_eos), -1, np.int32)
-      for index, slot in live:
+      key_data = np.zeros((w, 2), np.uint32)
+      eos = np.full((w, n_eos), -1, np.int32)
+      for slot_index, slot in live:
+        index = row_of[slot_index]
         r = request_of(slot.call, slot.request)
         last = min(slot.position + k_steps - 1, len(r.prompt) + r.max_new_tokens - 2)
         while len(slot.shared) + len(slot.own) <= last // ps:
@@ -667,18 +822,28 @@ class RolloutEngine:
       limit = k_steps if token_budget is None else min(
           k_steps, _ceil_div(token_budget - generated, len(live)))
       start = time.perf_counter()
-      st.pages, st.logits, out, steps = self._decode(
-          params, st.pages, st.logits, table, eos, key_data,
-          min(self.refill_after, len(queue)), limit,
-          steps=k_steps, filtered=filtered, **arrays)
+      if w == s:
+        st.pages, st.logits, out, steps = self._decode(
+            params, st.pages, st.logits, table, eos, key_data,
+            min(self.refill_after, len(queue)), limit,
+            steps=k_steps, filtered=filtered, **arrays)
+      else:                                  # the rows' logits out and back: copies
+        rows = np.asarray(row_slots, np.int32)
+        st.pages, row_logits, out, steps = self._decode(
+            params, st.pages, _take_rows_jit(st.logits, rows), table, eos, key_data,
+            min(self.refill_after, len(queue)), limit,
+            steps=k_steps, filtered=filtered, **arrays)
+        st.logits = _put_rows_jit(st.logits, rows, row_logits)
       steps = int(steps)
       timers["decode_s"] += time.perf_counter() - start
       tokens, logps, flogps = (np.asarray(x)[:, :steps] for x in out)
       stats["decode_calls"] += 1
       stats["decode_steps"] += steps
+      stats["decode_row_steps"] += w * steps
       page_steps += pool.in_use * steps
       stats["peak_pages"] = max(stats["peak_pages"], pool.in_use)
-      for index, slot in live:
+      for slot_index, slot in live:
+        index = row_of[slot_index]
         r = request_of(slot.call, slot.request)
         got = tokens[index] >= 0
         n_new = int(got.sum())
@@ -689,9 +854,9 @@ class RolloutEngine:
         slot.versions.extend([int(version)] * n_new)
         slot.position += n_new
         if n_new and r.eos_ids is not None and slot.tokens[-1] in r.eos_ids:
-          finish(index, "eos")
+          finish(slot_index, "eos")
         elif len(slot.tokens) >= r.max_new_tokens:
-          finish(index, "length")
+          finish(slot_index, "length")
 
     # Requests with nothing left in flight are forgotten; an empty engine frees its pool.
     calls_left = {c for c, _, _ in queue} | {slot.call for slot in slots if slot is not None}
@@ -704,7 +869,9 @@ class RolloutEngine:
     self.stats = {
         **stats, **timers, "total_s": time.perf_counter() - started,
         "useful_tokens": useful, "generated_tokens": generated, "slots": s,
+        "prefill_rows": self.prefill_rows,
         "slot_utilisation": generated / (s * steps_total),
+        "row_utilisation": generated / max(stats["decode_row_steps"], 1),
         "mean_pages_in_use": page_steps / steps_total, "page_bytes": page_bytes,
         "pool_bytes": page_bytes * self.num_pages, "pages_in_use_after": pool.in_use,
         "pages_reserved_after": pool.reserved, "in_flight_after": self.in_flight,
@@ -770,6 +937,8 @@ def _decode_loop(forward, params, pages, logits, table, eos, key_data, exit_afte
 _prefill_jit = jax.jit(lambda forward, *args: forward(*args), static_argnums=0,
                        donate_argnums=5)
 _admit_jit = jax.jit(_admit, donate_argnums=(0, 1))
+_take_rows_jit = jax.jit(lambda x, rows: x[rows])
+_put_rows_jit = jax.jit(lambda x, rows, values: x.at[rows].set(values), donate_argnums=0)
 _decode_jit = jax.jit(_decode_loop, static_argnames=("forward", "steps", "filtered"),
                       donate_argnums=(2, 3))
 
