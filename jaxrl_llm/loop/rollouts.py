@@ -60,7 +60,8 @@ class Partial(InStep):
   def __init__(self, buffer: Any) -> None:
     self.buffer = buffer          # a jaxrl_llm.loop.partial.PartialRollouts
 
-  def take(self, step, params, rng_np, key):
+  def take(self, step: int, params: Any, rng_np: np.random.Generator | None,
+           key: jax.Array | None) -> tuple[Drawn | None, dict]:
     rows, problems, stats = self.buffer.rollout(params, step - 1, rng_np, key)
     return (rows, problems), stats
 
@@ -72,7 +73,8 @@ class Async(InStep):
   def __init__(self, worker: Any) -> None:
     self.worker = worker          # a jaxrl_llm.loop.async_rollout.AsyncRollouts
 
-  def take(self, step, params, rng_np, key):
+  def take(self, step: int, params: Any, rng_np: np.random.Generator | None,
+           key: jax.Array | None) -> tuple[Drawn | None, dict]:
     rows, problems, stats = self.worker.take(step)
     return (rows, problems), stats
 
