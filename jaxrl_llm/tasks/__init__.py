@@ -89,8 +89,6 @@ def get_task(name: str = DEFAULT_TASK, **kwargs: Any) -> Task:
   Examples:
     >>> get_task("sort", max_len=5).max_new_tokens
     6
-    >>> get_task("rg:chain_sum", config={"size": 4}, eval_size=2).eval_problems(1)[0].answer
-    '7218'
   """
   source = task_source(name)
   if source is not None:

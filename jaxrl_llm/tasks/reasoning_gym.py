@@ -75,6 +75,9 @@ REFUSED = {"composite": "it mixes generators from dataset specs; name the genera
 _POOL_KEYS = ("size", "seed")
 _DEFAULT_POOL_SEED = 0
 
+# The examples of this module generate problems (conftest.py skips them without it).
+__doctest_requires__ = ("reasoning_gym",)
+
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
