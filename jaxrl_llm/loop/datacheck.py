@@ -35,22 +35,12 @@ UNREACHABLE_SHARE = 0.05
 
 
 def _task(run: RunConfig) -> Any:
-  """The run's JsonlTask (as :func:`jaxrl_llm.loop.setup.make_task` builds it)."""
-  from jaxrl_llm.tasks import JsonlTask, load_jsonl
+  """The run's JsonlTask (:func:`jaxrl_llm.loop.task_setup.make_task`)."""
+  from jaxrl_llm.loop.task_setup import make_task
+  from jaxrl_llm.tasks import load_jsonl
   assert run.dataset is not None
   load_jsonl(run.dataset)              # the data's own errors first (FILE:LINE)
-  tokenizer, chat = None, False
-  from jaxrl_llm.model_files import checkpoint_path
-  path = checkpoint_path(run.model)
-  if path is not None:
-    from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")):
-      raise ValueError(f"--model {run.model} has no tokenizer.json (only fast tokenizers "
-                       "are supported)")
-    tokenizer = HFTokenizer.from_pretrained(path)
-    chat = tokenizer.chat_template is not None
-  return JsonlTask(path=run.dataset, reward_fn=run.reward, tokenizer=tokenizer, chat=chat,
-                   max_new_tokens=run.max_new_tokens)
+  return make_task(run)
 
 
 def _max_positions(model: str) -> int | None:

@@ -117,10 +117,12 @@ def _names(spec: str) -> tuple[str, ...]:
     if n in REFUSED:
       raise ValueError(f"`task` rg:{n} is not supported: {REFUSED[n]}")
     if n not in DATASETS:
-      close = [d for d in sorted(DATASETS) if n in d or d in n][:5]
+      import difflib
+      close = difflib.get_close_matches(n, sorted(DATASETS), n=3)
       hint = f" (did you mean {', '.join(close)}?)" if close else ""
+      valid = sorted(set(DATASETS) - set(REFUSED))
       raise ValueError(f"`task` rg:{n}: reasoning-gym has no generator {n!r}{hint}; "
-                       f"it has {len(DATASETS)}: {', '.join(sorted(DATASETS))}")
+                       f"its {len(valid)} generators: {', '.join(valid)}")
   return names
 
 
@@ -154,24 +156,20 @@ def generator_settings(names: Sequence[str], config: Mapping[str, Any]
   return out
 
 
-def _pool_config(settings: Mapping[str, Any], *, size: int | None = None,
-                 seed: int | None = None) -> dict[str, Any]:
-  """The generator's config: ``settings``, with ``size`` and ``seed`` when given (else
-  the settings' own, and seed 0: reasoning-gym's default seed is random)."""
-  out = dict(settings)
-  if size is not None:
-    out["size"] = size
-  out["seed"] = seed if seed is not None else out.get("seed", _DEFAULT_POOL_SEED)
-  return out
-
-
-def _create(name: str, config: Mapping[str, Any]):
-  """``reasoning_gym.create_dataset(name, **config)``, a one-line error if it fails."""
+def _create(name: str, settings: Mapping[str, Any], *, size: int | None = None,
+            seed: int | None = None):
+  """``reasoning_gym.create_dataset(name, **settings)``, with ``size`` and ``seed`` when
+  given (else the settings' own, and seed 0: reasoning-gym's default seed is random);
+  a one-line error if reasoning-gym rejects the settings."""
   rg = _require_rg()
+  config = dict(settings)
+  if size is not None:
+    config["size"] = size
+  config["seed"] = seed if seed is not None else config.get("seed", _DEFAULT_POOL_SEED)
   try:
     return rg.create_dataset(name, **config)
   except Exception as e:  # noqa: BLE001 - reasoning-gym's checks raise many kinds
-    shown = " ".join(f"{k}={v}" for k, v in config.items())
+    shown = " ".join(f"{k}={v}" for k, v in settings.items()) or "its defaults"
     raise ValueError(f"`task_config` for rg:{name} ({shown}): reasoning-gym rejects it: "
                      f"{type(e).__name__}: {_one_line(e)}") from None
 
@@ -196,7 +194,7 @@ def check_spec(spec: str, config: Mapping[str, Any]) -> None:
   _require_rg()
   names = _names(spec)
   for name, settings in generator_settings(names, config).items():
-    dataset = _create(name, _pool_config(settings, size=1))
+    dataset = _create(name, settings, size=1)
     try:
       dataset[0]
     except Exception as e:  # noqa: BLE001 - a generator's failure, whatever it is
@@ -249,9 +247,8 @@ class ReasoningGymTask(Task):
     per_eval = math.ceil(self.eval_size / len(names))
     scorers, evals, entries = {}, [], []
     for name in names:
-      train_ds = _create(name, _pool_config(settings[name]))
-      eval_ds = _create(name, _pool_config(settings[name], size=per_eval,
-                                           seed=self.eval_seed))
+      train_ds = _create(name, settings[name])
+      eval_ds = _create(name, settings[name], size=per_eval, seed=self.eval_seed)
       scorers[name] = train_ds.score_answer
       evals.append([(name, e) for e in eval_ds])
       entries += [(name, e) for e in train_ds]
