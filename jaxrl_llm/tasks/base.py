@@ -108,8 +108,8 @@ class Task(abc.ABC):
 
     Examples:
       >>> from jaxrl_llm.tasks import get_task
-      >>> get_task("reverse").eval_on_train_rows, get_task("reverse", holdout=0.0).eval_on_train_rows
-      (False, True)
+      >>> [get_task("reverse", holdout=h).eval_on_train_rows for h in (0.1, 0.0)]
+      [False, True]
     """
     return self.holdout == 0.0
 
