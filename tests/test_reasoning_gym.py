@@ -95,15 +95,14 @@ def test_several_generators_interleave_and_take_scoped_settings():
   assert [p.info["dataset"] for p in task.eval_problems(5)] == [
       "chain_sum", "leg_counting", "chain_sum", "leg_counting", "chain_sum"]
   assert sorted({p.info["dataset"] for p in task.problems}) == ["chain_sum", "leg_counting"]
-  legs = [p for p in task.eval_problems(5) if p.info["dataset"] == "leg_counting"][0]
+  legs = next(p for p in task.eval_problems(5) if p.info["dataset"] == "leg_counting")
   assert task.score([legs], [f"<answer>{legs.answer}</answer>"]).tolist() == [1.0]
 
 
 def test_chat_template_renders_the_question(tmp_path):
   pytest.importorskip("transformers")
-  from tests.test_hf import make_tokenizer_dir
-
   from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
+  from tests.test_hf import make_tokenizer_dir
   folder = make_tokenizer_dir(tmp_path / "model")
   with open(os.path.join(folder, "config.json"), "w") as f:
     json.dump({"model_type": "llama"}, f)              # a checkpoint folder for --model
