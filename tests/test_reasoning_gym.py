@@ -219,3 +219,14 @@ def test_eval_dataset_and_the_default(tmp_path, capsys):
   from jaxrl_llm.cli import EVAL_ON_TRAIN_ROWS, _early_note
   _early_note(default)
   assert f"({EVAL_ON_TRAIN_ROWS})" in capsys.readouterr().err
+
+
+def test_an_eval_dataset_repeating_training_prompts_warns(tmp_path):
+  from jaxrl_llm.loop.datacheck import check_dataset
+  data = _jsonl(tmp_path / "d.jsonl", range(20))
+  run = RunConfig(dataset=data, eval_dataset=_jsonl(tmp_path / "e.jsonl", [3, 30, 4]))
+  assert check_dataset(run) == [
+      f"warning: 2 of the 3 rows of --eval-dataset {run.eval_dataset} repeat a prompt of "
+      f"--dataset {data} (e.g. line 1); their evaluation is not held out"]
+  run = RunConfig(dataset=data, eval_dataset=_jsonl(tmp_path / "f.jsonl", [30]))
+  assert check_dataset(run) == []

@@ -337,6 +337,10 @@ class ReasoningGymTask(Task):
     """Reward 1."""
     return self.reward(problem, completion) >= 1.0
 
+  def exact(self, problems: Sequence[Problem], completions: Sequence[str]) -> np.ndarray:
+    """Reward 1, bool ``[n]`` (each completion scored once)."""
+    return self.score(problems, completions) >= 1.0
+
   @property
   def answer_chars(self) -> str:
     return "".join(sorted({c for p in self._eval for c in p.answer})) or "0"
