@@ -71,8 +71,7 @@ EVAL_SEED = 1 << 31
 #: Generators refused by name, with the reason.
 REFUSED = {"composite": "it mixes generators from dataset specs; name the generators "
                         "instead (rg:NAME,NAME)"}
-# The settings the task reads itself (the training pool's size and seed).
-_POOL_KEYS = ("size", "seed")
+# The training pool's seed when the settings give none (reasoning-gym's is random).
 _DEFAULT_POOL_SEED = 0
 
 # The examples of this module generate problems (conftest.py skips them without it).
