@@ -15,7 +15,9 @@
   ``Examples:`` block of ``jaxrl_llm/``. A module that needs an optional dependency at
   import time (matplotlib, transformers, torch, ...) is reported as skipped, not as a
   collection error, when that dependency is missing, so the suite runs on the core
-  install too. Any other import error stays a failure.
+  install too; so is a module whose examples need a package listed in its
+  ``__doctest_requires__`` (one imported lazily, e.g. reasoning-gym). Any other
+  import error stays a failure.
 
 The hypothesis profile is in ``tests/conftest.py``.
 """
@@ -23,6 +25,7 @@ The hypothesis profile is in ``tests/conftest.py``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import pathlib
 import tempfile
@@ -93,6 +96,12 @@ def _missing_optional_dependency(path: pathlib.Path) -> str | None:
       return root
   except Exception:  # noqa: BLE001  (the doctest collector reports it)
     return None
+  # A module whose examples alone need a package (one it imports lazily) lists it in
+  # ``__doctest_requires__``, a tuple of top-level package names.
+  module = importlib.import_module(_module_name(path))
+  for name in getattr(module, "__doctest_requires__", ()):
+    if importlib.util.find_spec(name) is None:
+      return name
   return None
 
 

@@ -33,10 +33,14 @@ PLOT_KEYS = (("reward", "train reward"), ("eval_accuracy", "eval accuracy (greed
 ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("--tensor",),
            "async_rollouts": ("--async",)}
 # Metavariables of the options whose values are not one word.
-METAVARS = {"compile_cache": "DIR|off"}
+METAVARS = {"compile_cache": "DIR|off", "task_config": "KEY=VALUE",
+            "holdout": "N|FRACTION", "eval_dataset": "FILE", "dataset": "FILE"}
 # The subcommands (build_parser adds each; train is the default).
 COMMANDS = ("train", "eval", "plot", "export")
 TRAIN_PREFIX = "train__"
+# What the start line and the summary say of a --dataset run evaluated on its own rows.
+EVAL_ON_TRAIN_ROWS = ("eval on training rows: pass --eval-dataset FILE or --holdout "
+                      "N|FRACTION for a held-out score")
 LAUNCH_PREFIX = "launch__"
 LOSS_PREFIX = "loss__"
 
@@ -84,6 +88,11 @@ def _add_field(group, f, hints, *, dest, default, shown):
   if base is bool:
     group.add_argument(*names, dest=dest, default=default,
                        action=argparse.BooleanOptionalAction, help=help_text)
+  elif typing.get_origin(base) is list:     # repeatable; left out unless given
+    (item,) = typing.get_args(base)
+    help_text = help_text.replace(f" (default: {shown})", " (default: none)")
+    group.add_argument(*names, dest=dest, default=argparse.SUPPRESS, action="append",
+                       type=item, help=help_text, metavar=METAVARS.get(f.name, "VALUE"))
   elif base in (int, float, str):
     group.add_argument(*names, dest=dest, default=default, type=_parse(base, optional),
                        choices=choices, help=help_text,
@@ -178,7 +187,9 @@ def _train_epilog() -> str:
   lines += [f"  {r.name:<14} {r.doc}" for r in RECIPES.values()]
   lines += ["policy losses (--policy-loss):"]
   lines += [f"  {spec.name:<14} {spec.doc}" for spec in POLICY_LOSS_REGISTRY.values()]
+  from jaxrl_llm.tasks import TASK_SOURCES
   lines += ["tasks (--task): " + ", ".join(sorted(TASKS))]
+  lines += [f"  {source.doc}" for source in TASK_SOURCES.values()]
   return "\n".join(lines)
 
 
@@ -313,11 +324,12 @@ def cmd_train(args: argparse.Namespace) -> int:
       if args.resume and not args.resume_or_start:
         raise ValueError(f"--resume: {args.out} holds no run (no {rf.CONFIG_FILE}); "
                          "check --out, or pass --resume-or-start to start a new run there")
-      if "max_new_tokens" in _explicit_train_dests(argv) and args.dataset is None:
-        raise ValueError(f"--max-new-tokens applies to --dataset runs: the built-in "
-                         f"task {args.task!r} has its own response budget (its longest "
-                         "answer and eos)")
       run = run_config_from_args(args)
+      if ("max_new_tokens" in _explicit_train_dests(argv) and run.dataset is None
+          and not run.takes_max_new_tokens):
+        raise ValueError(f"--max-new-tokens applies to --dataset runs and task sources' "
+                         f"tasks (rg:...): the built-in task {args.task!r} has its own "
+                         "response budget (its longest answer and eos)")
       if args.resume:
         print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
     from jaxrl_llm.loop.resolve import resolve
@@ -385,6 +397,8 @@ def cmd_train(args: argparse.Namespace) -> int:
       print(f"error: exporting the trained model: {e}", file=sys.stderr)
       return 1
   summary["plot"] = _draw_curves(run.out)
+  if run.eval_on_train_rows:
+    summary["eval_split"] = EVAL_ON_TRAIN_ROWS
   print(format_summary(summary))
   return _leave(multi, 0, ok=True)
 
@@ -631,6 +645,8 @@ def _early_note(run: Any) -> None:
   if not run.progress:
     return
   what = "resuming" if run.resume else f"{run.algo} on {run.dataset or run.task}"
+  if run.eval_on_train_rows:
+    what += f" ({EVAL_ON_TRAIN_ROWS})"
   print(f"jaxrl-llm train: {what}, writing to {run.out}; importing JAX and building "
         "the model (the first step then compiles) ...", file=sys.stderr, flush=True)
 

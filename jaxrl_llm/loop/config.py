@@ -47,6 +47,13 @@ def _task_names() -> list:
   return sorted(TASKS)
 
 
+def _task_source(name: str | None) -> Any:
+  """``(source, spec)`` of a ``PREFIX:SPEC`` task name, or None
+  (:func:`jaxrl_llm.tasks.task_source`)."""
+  from jaxrl_llm.tasks import task_source
+  return task_source(name)
+
+
 def _algo_names() -> list:
   from jaxrl_llm.loop.recipes import RECIPES
   return list(RECIPES)
@@ -56,8 +63,15 @@ def _algo_names() -> list:
 class RunConfig:
   """Everything that defines a run (written to ``config.json``)."""
   task: str | None = setting(
-      DEFAULT_TASK, "the built-in task to train on (None on a --dataset run, which has "
-      "its own: a run's config.json names what it trained on).", choices=_task_names)
+      DEFAULT_TASK, "the task to train on: a built-in task (listed below), or a task "
+      "source's PREFIX:SPEC, e.g. rg:NAME[,NAME...] (reasoning-gym's generators: pip "
+      "install 'jaxrl_llm[rg]'; settings by --task-config). None on a --dataset run, "
+      "which has its own: a run's config.json names what it trained on.")
+  task_config: list[str] = setting(
+      None, "KEY=VALUE, a setting of a task source's --task (repeatable; values read as "
+      "int, float, true/false or text): for rg:..., a field of the generator's config "
+      "(min_terms=2), NAME.KEY=VALUE for one of several generators; size=N and seed=S "
+      "set the training pool (reasoning-gym's size, 500; seed 0).", factory=list)
   algo: str = setting("grpo", "the algorithm recipe (see :mod:`jaxrl_llm.loop.recipes`).",
                       choices=_algo_names)
   model: str = setting(
@@ -109,8 +123,17 @@ class RunConfig:
       "math, boxed, exact, math_verify: Hugging Face's math-verify, pip install "
       "'jaxrl_llm[math_verify]').")
   max_new_tokens: int = setting(DEFAULT_MAX_NEW_TOKENS,
-                                "tokens sampled per completion on --dataset.",
-                                min_int=1)
+                                "tokens sampled per completion on --dataset and on a "
+                                "task source's --task (rg:...).", min_int=1)
+  eval_dataset: str | None = setting(
+      None, "a JSONL file the evaluations of a --dataset run use (held out: never "
+      "trained on). Without it or --holdout, a --dataset run evaluates on the first "
+      "--eval-size rows of its training file (the banner and the summary say so).")
+  holdout: float | None = setting(
+      None, "hold rows of --dataset out of training and evaluate on them: a fraction in "
+      "(0, 1) (the rows whose prompt hashes below it), or a count N >= 1 (the prompts "
+      "of lowest hash, at least N rows); rows sharing a prompt stay together.",
+      low=0.0)
   critic: str | None = setting(
       None, "a separate critic (its own parameters and Adam optimizer) for recipes with "
       "a value model: a Hugging Face model folder it is initialised from, or \"policy\" "
@@ -274,8 +297,12 @@ class RunConfig:
     if self.dataset is not None and self.task is not None:
       raise ValueError(f"--task {self.task} and --dataset are exclusive: a --dataset run "
                        "trains on the dataset")
-    if self.dataset is None and self.task not in tasks:
-      raise ValueError(f"unknown task {self.task!r}; valid tasks: {', '.join(tasks)}")
+    source = _task_source(self.task)
+    if self.dataset is None and self.task not in tasks and source is None:
+      from jaxrl_llm.tasks import TASK_SOURCES
+      raise ValueError(f"unknown task {self.task!r}; valid tasks: {', '.join(tasks)}, or "
+                       f"{', '.join(s.doc for s in TASK_SOURCES.values())}")
+    self._validate_task_settings(source)
     from jaxrl_llm.loop.recipes import get_recipe
     get_recipe(self.algo)                  # an unknown algo, listing the valid ones
     from jaxrl_llm.model_files import PACKAGED_MODELS, checkpoint_path
@@ -287,13 +314,15 @@ class RunConfig:
         self.critic) is None:
       raise ValueError(f"--critic {self.critic!r} must be 'policy', a Hugging Face model "
                        "folder (with config.json), a .gguf file or a packaged model")
-    if self.dataset is None and self.model not in MODEL_PRESETS:
-      raise ValueError("--model PATH (a Hugging Face checkpoint) needs --dataset: the "
-                       "built-in tasks use their own character tokenizer")
+    if self.dataset is None and source is None and self.model not in MODEL_PRESETS:
+      raise ValueError("--model PATH (a Hugging Face checkpoint) needs --dataset or a task "
+                       "source's --task (rg:...): the built-in tasks use their own "
+                       "character tokenizer")
     if self.dataset is not None:
       from jaxrl_llm.tasks import REWARDS
-      if not os.path.isfile(self.dataset):
-        raise ValueError(f"--dataset {self.dataset!r} is not a file")
+      for name, path in (("--dataset", self.dataset), ("--eval-dataset", self.eval_dataset)):
+        if path is not None and not os.path.isfile(path):
+          raise ValueError(f"{name} {path!r} is not a file")
       if self.reward not in REWARDS:
         raise ValueError(f"unknown reward {self.reward!r}; valid rewards: "
                          f"{', '.join(sorted(REWARDS))}")
@@ -351,6 +380,52 @@ class RunConfig:
     if self.token_budget is not None and not self.partial_rollouts:
       raise ValueError("--token-budget is the budget of --partial-rollouts; add "
                        "--partial-rollouts")
+
+  def _validate_task_settings(self, source: Any) -> None:
+    """The settings of the task: --task-config (a task source's), --eval-dataset and
+    --holdout (a --dataset's)."""
+    if source is not None:
+      from jaxrl_llm.tasks import parse_task_config
+      source[0].check(source[1], parse_task_config(self.task_config))
+    elif self.task_config:
+      what = "--dataset" if self.dataset is not None else f"--task {self.task}"
+      raise ValueError(f"--task-config {self.task_config[0]} is a setting of a task "
+                       f"source's --task (rg:NAME); {what} takes none")
+    for name in ("eval_dataset", "holdout"):
+      if getattr(self, name) is not None and self.dataset is None:
+        raise ValueError(f"{flag(name)} is a setting of --dataset (a --task has its own "
+                         "held-out split); add --dataset")
+    if self.eval_dataset is not None and self.holdout is not None:
+      raise ValueError("--eval-dataset and --holdout are exclusive: evaluate on a file, "
+                       "or on rows held out of --dataset")
+    if self.holdout is not None and self.holdout >= 1 and self.holdout != int(self.holdout):
+      raise ValueError(f"--holdout must be a fraction in (0, 1) or a whole count of rows, "
+                       f"got {self.holdout:g}")
+
+  @property
+  def takes_max_new_tokens(self) -> bool:
+    """Whether the response budget is ``max_new_tokens`` (a --dataset, or a task
+    source's --task) rather than a built-in task's own (its longest answer and eos).
+
+    Examples:
+      >>> RunConfig().takes_max_new_tokens, RunConfig(task="rg:chain_sum").takes_max_new_tokens
+      (False, True)
+    """
+    return self.dataset is not None or _task_source(self.task) is not None
+
+  @property
+  def eval_on_train_rows(self) -> bool:
+    """Whether a --dataset run evaluates on its training rows (no --eval-dataset, no
+    --holdout): what :meth:`~jaxrl_llm.tasks.Task.eval_on_train_rows` of its task says,
+    known without building the task.
+
+    Examples:
+      >>> RunConfig(dataset="d.jsonl").eval_on_train_rows
+      True
+      >>> RunConfig(dataset="d.jsonl", holdout=0.1).eval_on_train_rows
+      False
+    """
+    return self.dataset is not None and self.eval_dataset is None and self.holdout is None
 
   def _changed(self, name: str) -> bool:
     """Whether field ``name`` differs from its declared default."""

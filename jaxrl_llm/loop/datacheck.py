@@ -35,22 +35,12 @@ UNREACHABLE_SHARE = 0.05
 
 
 def _task(run: RunConfig) -> Any:
-  """The run's JsonlTask (as :func:`jaxrl_llm.loop.setup.make_task` builds it)."""
-  from jaxrl_llm.tasks import JsonlTask, load_jsonl
+  """The run's JsonlTask (:func:`jaxrl_llm.loop.task_setup.make_task`)."""
+  from jaxrl_llm.loop.task_setup import make_task
+  from jaxrl_llm.tasks import load_jsonl
   assert run.dataset is not None
   load_jsonl(run.dataset)              # the data's own errors first (FILE:LINE)
-  tokenizer, chat = None, False
-  from jaxrl_llm.model_files import checkpoint_path
-  path = checkpoint_path(run.model)
-  if path is not None:
-    from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")):
-      raise ValueError(f"--model {run.model} has no tokenizer.json (only fast tokenizers "
-                       "are supported)")
-    tokenizer = HFTokenizer.from_pretrained(path)
-    chat = tokenizer.chat_template is not None
-  return JsonlTask(path=run.dataset, reward_fn=run.reward, tokenizer=tokenizer, chat=chat,
-                   max_new_tokens=run.max_new_tokens)
+  return make_task(run)
 
 
 def _max_positions(model: str) -> int | None:
@@ -106,6 +96,21 @@ def unparsed_rows(task: Any, reward: str, rows: int = CHECKED_ROWS) -> tuple[int
   return len(problems), [p for p, s in zip(problems, best.tolist()) if s <= 0]
 
 
+def _eval_overlap(run: RunConfig, task: Any) -> list[str]:
+  """A warning when rows of ``--eval-dataset`` repeat a training prompt (their score
+  is not held out)."""
+  if run.eval_dataset is None:
+    return []
+  train = {p.prompt for p in task.problems}
+  evals = task.eval_problems(1 << 62)         # all of them (the first n rows)
+  shared = [p for p in evals if p.prompt in train]
+  if not shared:
+    return []
+  return [f"warning: {len(shared)} of the {len(evals)} rows of --eval-dataset "
+          f"{run.eval_dataset} repeat a prompt of --dataset {run.dataset} (e.g. line "
+          f"{shared[0].info['line']}); their evaluation is not held out"]
+
+
 def check_dataset(run: RunConfig) -> list[str]:
   """Builds and checks the run's dataset task (see the module docstring).
 
@@ -127,11 +132,12 @@ def check_dataset(run: RunConfig) -> list[str]:
         f"--max-new-tokens {task.max_new_tokens} needs {n + task.max_new_tokens} positions; "
         f"{run.model} has {limit} (max_position_embeddings). Shorten or drop the long "
         "prompts, or lower --max-new-tokens")
+  warnings = _eval_overlap(run, task)
   checked, bad = unparsed_rows(task, run.reward)
   if len(bad) <= UNREACHABLE_SHARE * checked:
-    return []
+    return warnings
   examples = "; ".join(f"line {p.info['line']}: {p.answer[:40]!r}" for p in bad[:3])
-  return [f"warning: --reward {run.reward} cannot parse the answers of {len(bad)} of "
+  return [*warnings, f"warning: --reward {run.reward} cannot parse the answers of {len(bad)} of "
           f"{checked} checked rows of {run.dataset} (e.g. {examples}); those rows reward "
           "only a completion that writes the answer exactly, or none. Choose another "
           "--reward (math, boxed, exact, math_verify, ...) or fix the answers"]

@@ -65,9 +65,9 @@ class Budget(NamedTuple):
 
   Attributes:
     max_new_tokens: tokens sampled per completion (the task's response budget).
-    dataset: whether the task is a JSONL ``--dataset`` (its budget is a chosen
-      generation length) rather than a built-in task (whose budget is exactly its
-      longest answer plus eos).
+    dataset: whether the budget is a chosen generation length (``--max-new-tokens``
+      of a JSONL ``--dataset`` or a task source's ``--task rg:...``) rather than a
+      built-in task's (exactly its longest answer plus eos).
   """
   max_new_tokens: int
   dataset: bool

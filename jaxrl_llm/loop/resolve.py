@@ -123,15 +123,17 @@ class Resolved:
 
 def response_budget(run: RunConfig, task: Task | None = None) -> Budget:
   """The run's :class:`~jaxrl_llm.loop.recipes.Budget`: ``task.max_new_tokens``, or
-  without a task ``max_new_tokens`` on ``--dataset`` and the built-in task's own."""
+  without a task ``max_new_tokens`` on ``--dataset`` and a task source's ``--task``
+  (:attr:`~jaxrl_llm.loop.config.RunConfig.takes_max_new_tokens`) and the built-in
+  task's own."""
   if task is not None:
     tokens = task.max_new_tokens
-  elif run.dataset is not None:
+  elif run.takes_max_new_tokens:
     tokens = run.max_new_tokens
   else:
     from jaxrl_llm.tasks import get_task
     tokens = get_task(run.task or "").max_new_tokens
-  return Budget(tokens, dataset=run.dataset is not None)
+  return Budget(tokens, dataset=run.takes_max_new_tokens)
 
 
 # Learning rates by model kind (``effective``): a built-in model trains from scratch; a

@@ -1,8 +1,7 @@
 """The task and the policy of a run: built-in or from local files.
 
-* ``run.dataset`` set: a :class:`~jaxrl_llm.tasks.JsonlTask` over that JSONL file, scored
-  by the reward ``run.reward`` (:data:`jaxrl_llm.tasks.REWARDS`), ``run.max_new_tokens``
-  per completion; else the built-in task ``run.task``.
+* the task: :func:`~jaxrl_llm.loop.task_setup.make_task` (a JSONL ``run.dataset``, a task
+  source's ``run.task`` such as ``rg:chain_sum``, or a built-in task).
 * ``run.model`` a checkpoint (a local Hugging Face Llama / Qwen2 / Qwen3 folder, a GGUF
   file of those families, or a packaged model's name:
   :func:`jaxrl_llm.models.sources.checkpoint_path`): the model from
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from jaxrl_llm.loop.config import RunConfig
 from jaxrl_llm.loop.policy import Policy
 from jaxrl_llm.loop.resolve import Resolved, resolve
+from jaxrl_llm.loop.task_setup import make_task
 from jaxrl_llm.tasks.base import Task
 
 if TYPE_CHECKING:
@@ -43,26 +43,6 @@ def model_file(model: str) -> str:
   if path is None:
     raise ValueError(f"{model!r} is a preset, not a checkpoint.")
   return path
-
-
-def make_task(run: RunConfig) -> Task:
-  """The run's task: a JSONL dataset (``run.dataset``) or the built-in ``run.task``."""
-  if run.dataset is None:
-    if is_checkpoint(run.model):
-      raise ValueError("--model PATH (a Hugging Face checkpoint) needs --dataset: the "
-                       "built-in tasks use their own character tokenizer.")
-    from jaxrl_llm.tasks import get_task
-    assert run.task is not None          # validate(): a run without --dataset has one
-    return get_task(run.task)
-  from jaxrl_llm.tasks import JsonlTask
-  tokenizer = None
-  chat = False
-  if is_checkpoint(run.model):
-    from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
-    tokenizer = HFTokenizer.from_pretrained(model_file(run.model))
-    chat = tokenizer.chat_template is not None
-  return JsonlTask(path=run.dataset, reward_fn=run.reward, tokenizer=tokenizer,
-                   chat=chat, max_new_tokens=run.max_new_tokens)
 
 
 def _load(run: RunConfig, task: Task, *, value_head: bool, path: str | None = None):

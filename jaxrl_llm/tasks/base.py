@@ -101,6 +101,18 @@ class Task(abc.ABC):
     """The characters answers are made of (used by `random_baseline`)."""
     return "0123456789"
 
+  @property
+  def eval_on_train_rows(self) -> bool:
+    """Whether evaluation problems may also be training problems: no held-out split
+    (``holdout == 0``), so eval accuracy may measure memorisation.
+
+    Examples:
+      >>> from jaxrl_llm.tasks import get_task
+      >>> [get_task("reverse", holdout=h).eval_on_train_rows for h in (0.1, 0.0)]
+      [False, True]
+    """
+    return self.holdout == 0.0
+
   def split_key(self, problem: Problem) -> str:
     """The string hashed for the train/eval split (the prompt by default)."""
     return problem.prompt

@@ -162,7 +162,10 @@ class JsonlTask(Task):
   Evaluation problems are the first ``n`` rows of the evaluation split in file order
   (no repeats, so ``eval_problems(n)`` may return fewer than ``n``): the rows of
   ``eval_path`` when given; else, with ``holdout > 0``, the rows whose prompt hashes
-  into the held-out fraction (as in the base class); else all rows (train == eval).
+  into the held-out fraction (as in the base class); else, with ``holdout_rows > 0``,
+  the rows of the prompts of lowest hash, at least ``holdout_rows`` rows; else all
+  rows (train == eval: :attr:`eval_on_train_rows`). A held-out prompt is never a
+  training prompt: rows that repeat a prompt stay together.
 
   Attributes:
     path: the JSONL training file.
@@ -180,6 +183,19 @@ class JsonlTask(Task):
     prompt_key, answer_key: the keys read from each line.
     holdout: fraction of rows held out for evaluation when there is no ``eval_path``
       (default 0: evaluate on the training rows).
+    holdout_rows: the count of rows held out instead (exclusive with ``holdout``).
+
+  Examples:
+    >>> import json, os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "d.jsonl")
+    >>> with open(path, "w") as f:
+    ...   for a in range(10):
+    ...     _ = f.write(json.dumps({"prompt": f"{a}+1=", "answer": a + 1}) + "\\n")
+    >>> task = JsonlTask(path=path, holdout_rows=3)
+    >>> [p.prompt for p in task.eval_problems()], len(task.problems)
+    (['0+1=', '3+1=', '8+1='], 7)
+    >>> task.eval_on_train_rows, JsonlTask(path=path).eval_on_train_rows
+    (False, True)
   """
 
   name: ClassVar[str] = "jsonl"
@@ -193,6 +209,7 @@ class JsonlTask(Task):
   prompt_key: str = "prompt"
   answer_key: str = "answer"
   holdout: float = 0.0
+  holdout_rows: int = 0
   _train: tuple[Problem, ...] = dataclasses.field(init=False, repr=False, compare=False)
   _eval: tuple[Problem, ...] = dataclasses.field(init=False, repr=False, compare=False)
   _reward: Any = dataclasses.field(init=False, repr=False, compare=False)
@@ -203,6 +220,12 @@ class JsonlTask(Task):
     if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
       raise ValueError(f"`max_new_tokens` must be a positive int, got "
                        f"{self.max_new_tokens!r}.")
+    if (not isinstance(self.holdout_rows, int) or isinstance(self.holdout_rows, bool)
+        or self.holdout_rows < 0):
+      raise ValueError(f"`holdout_rows` must be an int >= 0, got {self.holdout_rows!r}.")
+    if self.holdout_rows and self.holdout:
+      raise ValueError("`holdout` and `holdout_rows` are exclusive (a fraction or a "
+                       "count of rows).")
     reward_fn = verifiers.get_reward(self.reward_fn)
     records = load_jsonl(self.path, prompt_key=self.prompt_key, answer_key=self.answer_key)
     eval_records = (None if self.eval_path is None else
@@ -215,14 +238,19 @@ class JsonlTask(Task):
     if eval_records is not None:
       assert self.eval_path is not None   # eval_records were read from it
       evals = [self._problem(r, self.eval_path, tokenizer) for r in eval_records]
-    elif self.holdout > 0:
-      held = [_split_bucket(p.prompt) < self.holdout for p in train]
+    elif self.holdout > 0 or self.holdout_rows > 0:
+      if self.holdout > 0:
+        held = [_split_bucket(p.prompt) < self.holdout for p in train]
+        setting = f"`holdout`={self.holdout}"
+      else:
+        held = _held_rows([p.prompt for p in train], self.holdout_rows)
+        setting = f"`holdout_rows`={self.holdout_rows}"
       evals = [p for p, h in zip(train, held) if h]
       train = [p for p, h in zip(train, held) if not h]
       if not evals or not train:
         raise ValueError(
-            f"`holdout`={self.holdout} puts {len(evals)} of the {len(held)} rows of "
-            f"{self.path} in the eval split; pass `eval_path` or change `holdout`.")
+            f"{setting} puts {len(evals)} of the {len(held)} rows of "
+            f"{self.path} in the eval split; pass `eval_path` or change it.")
     else:
       evals = train
     lengths = [len(self._encode(p, tokenizer)) for p in train + evals]
@@ -280,6 +308,11 @@ class JsonlTask(Task):
     """The training problems in file order (prompts rendered)."""
     return self._train
 
+  @property
+  def eval_on_train_rows(self) -> bool:
+    """Whether evaluation runs on the training rows (no ``eval_path``, no holdout)."""
+    return self.eval_path is None and not self.holdout and not self.holdout_rows
+
   def draw(self, rng: np.random.Generator) -> Problem:
     return self._train[int(rng.integers(len(self._train)))]
 
@@ -310,6 +343,27 @@ class JsonlTask(Task):
 
   def exact(self, problems: Sequence[Problem], completions: Sequence[str]) -> np.ndarray:
     return self.score(problems, completions) >= 1.0
+
+
+def _held_rows(prompts: Sequence[str], rows: int) -> list[bool]:
+  """Which of ``prompts`` are held out: whole prompts (every row of one) in order of
+  their hash (crc32, then text) until at least ``rows`` rows are.
+
+  Examples:
+    >>> _held_rows(["a", "b", "a", "c"], 1)
+    [False, False, False, True]
+  """
+  counts: dict[str, int] = {}
+  for p in prompts:
+    counts[p] = counts.get(p, 0) + 1
+  held: set[str] = set()
+  taken = 0
+  for p in sorted(counts, key=lambda t: (_split_bucket(t), t)):
+    if taken >= rows:
+      break
+    held.add(p)
+    taken += counts[p]
+  return [p in held for p in prompts]
 
 
 def _char_tokenizer(records: Sequence[Record]) -> CharTokenizer:
