@@ -356,7 +356,7 @@ def _announce(r: _Run) -> None:
     rates = f"lr {opt.lr:g}" + (f", value lr {opt.value_lr:g}" if opt.split else "")
     _say(f"{run.algo} on {run.dataset or run.task} ({run.model} model, {rates}): steps "
          f"{r.start + 1}-{run.steps}, writing to {run.out} (the first step compiles; it "
-         "takes longest)")
+         "takes longest)" + ("; eval on training rows" if r.task.eval_on_train_rows else ""))
 
 
 def _make_rollouts(r: _Run) -> Rollouts:
