@@ -134,7 +134,8 @@ def _child_trl(spec: dict) -> None:
   recipe = spec["recipe"]
   gguf_dir, gguf_name = os.path.split(recipe["gguf"])
 
-  records = [json.loads(line) for line in open(spec["dataset"])]
+  with open(spec["dataset"]) as f:
+    records = [json.loads(line) for line in f]
   data = datasets.Dataset.from_list(
       [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": str(r["answer"])}
        for r in records])
