@@ -352,6 +352,8 @@ def _summary(arm: str, proc: dict, rows: list[dict], spec: dict) -> dict:
           "ref_s", 0.0)
     row0 = next((r for r in rows if r.get("step") == 0), {})
     extra = {"setup_s": row0.get("setup_s"), "eval0_s": row0.get("eval_s"),
+             # the rollout's rows are the prompt width plus the whole token budget
+             "width": spec["recipe"]["prompt_tokens"] + spec["max_new_tokens"],
              "first_step_compile_s": steps[0].get("compile_s") if steps else None}
   else:
     for r in steps:
@@ -420,6 +422,7 @@ COLUMNS = (("peak_rss_gb", "peak RSS, whole process (GB)"),
            ("old_logp_s", "    old-logp forward (s)"),
            ("update_s", "  update (s)"),
            ("tokens_per_step", "tokens generated / step"),
+           ("width", "row width of the forwards and update (tokens)"),
            ("cpu_s", "process CPU s (user+sys)"),
            ("wall_s", "process wall s"))
 
@@ -511,6 +514,21 @@ def main(argv=None) -> dict:
 
   runs: list[dict] = []
   loads = [_load_line()]
+
+  def report(done: bool) -> dict:
+    """The results so far (``--json`` is rewritten after every run: a run stopped
+    part-way keeps the repetitions it finished)."""
+    table, med = _table(runs) if {r["arm"] for r in runs} == set(ARMS) else ("", {})
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+                         f"Python {platform.python_version()}",
+              "settings": {k: v for k, v in spec.items() if k != "dataset"},
+              "complete": done, "loads": loads, "runs": runs, "median": med,
+              "table": table}
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
+    return result
+
   for rep in range(args.reps):
     order = arms if rep % 2 == 0 else arms[::-1]
     for arm in order:
@@ -524,17 +542,11 @@ def main(argv=None) -> dict:
             f"{s['generate_s']:.1f}, update {s['update_s']:.1f}), "
             f"{s['tokens_per_step']:.0f} tokens/step, cpu {s['cpu_s']:.0f} s of "
             f"{s['wall_s']:.0f} s wall", flush=True)
-  table, med = _table(runs) if set(arms) == set(ARMS) else ("", {})
-  result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
-                       f"Python {platform.python_version()}",
-            "settings": {k: v for k, v in spec.items() if k != "dataset"},
-            "loads": loads, "runs": runs, "median": med, "table": table}
-  if table:
+      report(False)
+  result = report(True)
+  if result["table"]:
     print(f"\n{args.prompts} prompts x {args.group} samples x {args.max_new_tokens} new "
-          f"tokens, {args.steps} steps, {args.reps} reps\n{table}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=2)
+          f"tokens, {args.steps} steps, {args.reps} reps\n{result['table']}")
   return result
 
 
