@@ -304,11 +304,14 @@ def _vm_hwm_kb(pid: int) -> int | None:
 
 
 def _launch(cmd: list[str], env: dict, rows_path: str, log_path: str,
-            timeout: float) -> dict:
-  """Runs ``cmd``; watches ``rows_path`` for the first step row; ``wait4``'s rusage."""
+            timeout: float, cpus: set[int] | None) -> dict:
+  """Runs ``cmd`` (on ``cpus`` only, when given); watches ``rows_path`` for the first
+  step row; ``wait4``'s rusage."""
+  pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
   with open(log_path, "w") as log:
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            preexec_fn=pin)
     first = None
     hwm = 0
     while True:
@@ -400,7 +403,7 @@ def _run_arm(arm: str, spec: dict, work: str, rep: int, trl_python: str) -> dict
       json.dump(child, f)
     cmd = [trl_python, "-m", "benchmarks.trl_side_by_side", "--child", "trl", spec_path]
   proc = _launch(cmd, _env(), rows_path, os.path.join(work, tag + ".log"),
-                 spec["timeout"])
+                 spec["timeout"], None if spec["cpus"] is None else set(spec["cpus"]))
   s = _summary(arm, proc, _read_rows(rows_path), spec)
   s["rep"] = rep
   return s
@@ -411,8 +414,8 @@ def _median(runs: list[dict], key: str) -> float | None:
   return statistics.median(vals) if vals else None
 
 
-COLUMNS = (("peak_rss_gb", "peak RSS, whole process (GB)"),
-           ("loop_peak_rss_gb", "peak RSS at the last step (GB)"),
+COLUMNS = (("peak_rss_gb", "peak RSS, whole process (GiB)"),
+           ("loop_peak_rss_gb", "peak RSS at the last step (GiB)"),
            ("to_first_step_s", "launch to end of step 1 (s)"),
            ("first_step_s", "step 1 (s)"),
            ("step_s", "s / step after the first"),
@@ -470,6 +473,11 @@ def main(argv=None) -> dict:
                   help="2 prompts x 2 samples x 16 tokens, 2 steps, 1 repetition")
   ap.add_argument("--trl-python", default=sys.executable,
                   help="the Python that has TRL (default: this one)")
+  ap.add_argument("--cpus", default="0",
+                  help="comma-separated CPUs every arm is pinned to (sched_setaffinity), "
+                  "or 'none'. Default 0: one core, since XLA's CPU client still runs a "
+                  "pool of Eigen threads with --xla_cpu_multi_thread_eigen=false (jax "
+                  "0.10.2: two busy tf_XLAEigen threads on 2 cores)")
   ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
   ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
   ap.add_argument("--json", default=None, help="write the results here too")
@@ -502,6 +510,7 @@ def main(argv=None) -> dict:
   spec = {"dataset": dataset, "prompts": args.prompts, "group": args.group,
           "max_new_tokens": args.max_new_tokens, "steps": args.steps, "seed": args.seed,
           "microbatches": args.microbatches, "remat": args.remat,
+          "cpus": None if args.cpus == "none" else [int(c) for c in args.cpus.split(",")],
           "timeout": args.timeout}
   spec_path = os.path.join(work, "recipe_spec.json")
   with open(spec_path, "w") as f:
@@ -537,7 +546,7 @@ def main(argv=None) -> dict:
       s = _run_arm(arm, spec, work, rep, args.trl_python)
       runs.append(s)
       loads.append(_load_line())
-      print(f"  {arm}: peak {s['peak_rss_gb']:.2f} GB, first step ends at "
+      print(f"  {arm}: peak {s['peak_rss_gb']:.2f} GiB, first step ends at "
             f"{s['to_first_step_s']:.0f} s, {s['step_s']:.1f} s/step (generate "
             f"{s['generate_s']:.1f}, update {s['update_s']:.1f}), "
             f"{s['tokens_per_step']:.0f} tokens/step, cpu {s['cpu_s']:.0f} s of "
