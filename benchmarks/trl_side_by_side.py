@@ -12,10 +12,11 @@ ones ``jaxrl-llm train`` uses), plain Adam without gradient clipping or weight d
 no learning-rate schedule, and the same reward function (``jaxrl_llm.tasks.verifiers.
 math_reward``: the last number of the completion against the answer; the TRL arm loads
 that one file, which imports only numpy). Each arm is its own process, launched from
-this script, single-threaded (``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false``;
-``torch.set_num_threads(1)``; ``OMP_NUM_THREADS=1`` for both), and the arms alternate
-(``--reps`` repetitions, the order swapped each repetition), so that a change of the
-machine's load hits both.
+this script, on one core (``--cpus``, default CPU 0, set with ``sched_setaffinity``:
+``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`` alone still leaves XLA two busy Eigen
+threads on jax 0.10.2; ``torch.set_num_threads(1)``; ``OMP_NUM_THREADS=1`` for both),
+and the arms alternate (``--reps`` repetitions, the order swapped each repetition), so
+that a change of the machine's load hits both.
 
 * arm ``jaxrl_llm``: ``python -m jaxrl_llm train --model smollm2-135m-instruct ...
   --no-remat --compile-cache off`` (remat off because TRL's gradient checkpointing is
