@@ -188,6 +188,36 @@ class Task(abc.ABC):
         [bool(self.is_correct(p, c)) for p, c in zip(problems, completions)], bool)
 
 
+class PoolTask(Task):
+  """A task over two fixed tuples of problems: ``self._train`` (what
+  :meth:`sample_prompts` and :meth:`draw` draw from, uniformly with replacement) and
+  ``self._eval`` (whose first ``n`` :meth:`eval_problems` returns, the same on every
+  call); a subclass builds both (a file's rows, a generator's entries)."""
+
+  _train: tuple[Problem, ...]
+  _eval: tuple[Problem, ...]
+
+  @property
+  def problems(self) -> tuple[Problem, ...]:
+    """The training problems, in the order the subclass built them."""
+    return self._train
+
+  def draw(self, rng: np.random.Generator) -> Problem:
+    return self._train[int(rng.integers(len(self._train)))]
+
+  def sample_prompts(self, rng: np.random.Generator, n: int) -> list[Problem]:
+    """``n`` training problems drawn uniformly with replacement from ``rng``."""
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+      raise ValueError(f"`n` must be a non-negative int, got {n!r}.")
+    return [self._train[int(i)] for i in rng.integers(len(self._train), size=n)]
+
+  def eval_problems(self, n: int = 256) -> list[Problem]:
+    """The first ``min(n, len(evaluation split))`` evaluation problems, in order."""
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+      raise ValueError(f"`n` must be a non-negative int, got {n!r}.")
+    return list(self._eval[:n])
+
+
 def position_match(answer: str, completion: str, *, align: str = "left") -> float:
   """Fraction of aligned positions where ``completion`` equals ``answer``.
 

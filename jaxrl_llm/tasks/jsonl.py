@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxrl_llm._names import DEFAULT_MAX_NEW_TOKENS
 from jaxrl_llm.tasks import verifiers
-from jaxrl_llm.tasks.base import Problem, Task
+from jaxrl_llm.tasks.base import PoolTask, Problem
 from jaxrl_llm.tasks.tokenizer import CharTokenizer
 
 Message = Mapping[str, str]
@@ -155,7 +155,7 @@ def _split_bucket(text: str) -> float:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class JsonlTask(Task):
+class JsonlTask(PoolTask):
   """A JSONL dataset as a :class:`~jaxrl_llm.tasks.base.Task`.
 
   Training problems are drawn uniformly with replacement from the training rows.
@@ -303,30 +303,14 @@ class JsonlTask(Task):
     """The longest prompt of the dataset (train and eval), in tokens."""
     return self._max_prompt_len
 
-  @property
-  def problems(self) -> tuple[Problem, ...]:
-    """The training problems in file order (prompts rendered)."""
-    return self._train
 
   @property
   def eval_on_train_rows(self) -> bool:
     """Whether evaluation runs on the training rows (no ``eval_path``, no holdout)."""
     return self.eval_path is None and not self.holdout and not self.holdout_rows
 
-  def draw(self, rng: np.random.Generator) -> Problem:
-    return self._train[int(rng.integers(len(self._train)))]
 
-  def sample_prompts(self, rng: np.random.Generator, n: int) -> list[Problem]:
-    """``n`` training rows drawn uniformly with replacement from ``rng``."""
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-      raise ValueError(f"`n` must be a non-negative int, got {n!r}.")
-    return [self._train[int(i)] for i in rng.integers(len(self._train), size=n)]
 
-  def eval_problems(self, n: int = 256) -> list[Problem]:
-    """The first ``min(n, len(split))`` rows of the evaluation split, in file order."""
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-      raise ValueError(f"`n` must be a non-negative int, got {n!r}.")
-    return list(self._eval[:n])
 
   def score(self, problems: Sequence[Problem], completions: Sequence[str]) -> np.ndarray:
     """The batched reward of each (problem, completion), float32 ``[n]`` (one call)."""

@@ -60,7 +60,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from jaxrl_llm._names import DEFAULT_MAX_NEW_TOKENS
-from jaxrl_llm.tasks.base import Problem, Task
+from jaxrl_llm.tasks.base import PoolTask, Problem
 from jaxrl_llm.tasks.sources import TaskSource
 from jaxrl_llm.tasks.tokenizer import CharTokenizer
 
@@ -202,7 +202,7 @@ def check_spec(spec: str, config: Mapping[str, Any]) -> None:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ReasoningGymTask(Task):
+class ReasoningGymTask(PoolTask):
   """One or several reasoning-gym generators as a :class:`~jaxrl_llm.tasks.base.Task`
   (the module docstring has the prompt, answer, reward and split rules).
 
@@ -297,30 +297,14 @@ class ReasoningGymTask(Task):
     """The longest prompt (training and evaluation), in tokens."""
     return self._max_prompt_len
 
-  @property
-  def problems(self) -> tuple[Problem, ...]:
-    """The training pool, in generator order (the evaluation questions removed)."""
-    return self._train
 
   @property
   def eval_on_train_rows(self) -> bool:
     """False: the evaluation questions are never training questions."""
     return False
 
-  def draw(self, rng: np.random.Generator) -> Problem:
-    return self._train[int(rng.integers(len(self._train)))]
 
-  def sample_prompts(self, rng: np.random.Generator, n: int) -> list[Problem]:
-    """``n`` training problems drawn uniformly with replacement from ``rng``."""
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-      raise ValueError(f"`n` must be a non-negative int, got {n!r}.")
-    return [self._train[int(i)] for i in rng.integers(len(self._train), size=n)]
 
-  def eval_problems(self, n: int = 256) -> list[Problem]:
-    """The first ``min(n, eval_size)`` evaluation problems (the same on every call)."""
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-      raise ValueError(f"`n` must be a non-negative int, got {n!r}.")
-    return list(self._eval[:n])
 
   def reward(self, problem: Problem, completion: str) -> float:
     """reasoning-gym's ``score_answer`` of :func:`extract_answer` (clipped to [0, 1];
