@@ -404,3 +404,23 @@ def test_critic_init_warm_starts_the_value_head_from_a_run_folder(tmp_path, caps
   assert err.startswith(f"error: --critic-init {src!r}: value parameter ") and \
       "layout must match" in err and err.count("\n") == 1, err
   assert not bad.exists() or not os.listdir(bad)
+
+
+def test_build_batch_runs_no_policy_forward_when_the_step_takes_old_logp():
+  from jaxrl_llm.loop.batch import build_batch
+  task = _fake_task(lambda problems, texts: np.arange(len(texts)) % 2 * 1.0)
+  calls = []
+
+  class Counting(_FakePolicy):
+    def forward(self, params, batch):
+      calls.append("forward")
+      return super().forward(params, batch)
+
+  for from_step, forwards in ((False, 1), (True, 0)):
+    calls.clear()
+    run = RunConfig(algo="grpo", prompts_per_step=2, group_size=2,
+                    train={"old_logp_from_step": from_step})
+    batch, stats = build_batch(resolve(run, task), task, Counting(6, 40), None, None,
+                               np.random.default_rng(0), jax.random.PRNGKey(0))
+    assert len(calls) == forwards and ("old_logp" in batch) == (not from_step)
+    assert stats["old_logp_s"] >= 0.0 and (stats["old_logp_s"] == 0.0) == from_step

@@ -646,3 +646,36 @@ def test_compiled_step_grows_linearly_with_the_parameter_leaves():
   leaves the optimised program grew 9.5x, 13,494 to 128,454 lines; now 2.6x)."""
   small, large = _compiled_step_lines(16), _compiled_step_lines(64)
   assert large < 4 * small, (small, large)
+
+
+def test_old_logp_from_step_equals_a_batch_carrying_the_current_log_probs():
+  """With one update per batch, ``old_logp_from_step`` takes pi_old from the update's
+  own forward (detached): the same update as a batch whose ``old_logp`` are the current
+  parameters' log-probs, without that batch key, and the ratio exactly 1."""
+  params = _table_params()
+  batch = {k: v for k, v in _table_batch().items() if k not in ("old_values", "rewards")}
+  config = TrainConfig(**{**GRPO_DEFAULTS, "kl_mode": "loss", "kl_coef": 0.1})
+  step = make_train_step(_table_apply, optax.adam(1e-2), config)
+  from_step = make_train_step(_table_apply, optax.adam(1e-2), dataclasses.replace(
+      config, old_logp_from_step=True))
+  current, _, _ = policy_forward(_table_apply, params, batch)
+  carried = {**batch, "old_logp": np.asarray(current)}
+  new_a, m_a = jax.jit(step)(step.init(params), carried)
+  no_old = {k: v for k, v in batch.items() if k != "old_logp"}
+  new_b, m_b = jax.jit(from_step)(from_step.init(params), no_old)
+  assert_close(new_b.params, new_a.params, atol=1e-6, rtol=1e-6)
+  assert float(m_b["ppo_kl"]) == 0.0 and float(m_b["pg_clipfrac"]) == 0.0
+  assert float(m_b["ratio_mean"]) == 1.0
+  np.testing.assert_allclose(float(m_b["loss"]), float(m_a["loss"]), rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="batch is missing key"):
+    step(step.init(params), no_old)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(num_epochs=2), "num_epochs > 1"), (dict(num_minibatches=2), "num_minibatches"),
+    (dict(use_value=True), "use_value"), (dict(kl_mode="reward"), "kl_mode='reward'"),
+    (dict(kl_mode="loss", adaptive_kl=True), "adaptive_kl"),
+    (dict(rollout_correction="token"), "rollout_correction")])
+def test_old_logp_from_step_refuses_what_reads_old_logp_before_the_update(kwargs, name):
+  with pytest.raises(ValueError, match=f"`old_logp_from_step`.*{name}"):
+    TrainConfig(**{**GRPO_DEFAULTS, **kwargs, "old_logp_from_step": True})

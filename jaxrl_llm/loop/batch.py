@@ -247,15 +247,19 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   if generated_here or generate_s:
     stats["generate_s"] = generate_s
   stats["score_s"] = time.perf_counter() - start - generate_s
-  with clock("old_logp_s"):
-    old_logp, _, old_values = jax.block_until_ready(policy.forward(params, batch))
-  stats["ref_s"] = 0.0
+  old_logp = old_values = None
+  if not config.old_logp_from_step:  # else the update's own forward gives them
+    with clock("old_logp_s"):
+      old_logp, _, old_values = jax.block_until_ready(policy.forward(params, batch))
   if ref_params is not None:       # (on the batch the policy's forward read: one trace)
     with clock("ref_s"):
       ref_logp, _, _ = jax.block_until_ready(policy.ref_forward(ref_params, batch))
     batch["ref_logp"] = np.asarray(ref_logp)
-  batch["old_logp"] = np.asarray(old_logp)
+  if old_logp is not None:
+    batch["old_logp"] = np.asarray(old_logp)
   stats.update(clock.take())
+  for skipped in ("old_logp_s", "ref_s"):
+    stats.setdefault(skipped, 0.0)
   if config.use_value:
     batch["old_values"] = np.asarray(old_values)
   return batch, stats

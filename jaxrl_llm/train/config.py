@@ -151,6 +151,12 @@ class TrainConfig:
   clip_max: float = setting(0.3, "upper bound of the adaptive clip epsilon.")
   logprob_chunk_size: int | None = setting(
       None, "vocabulary-projection chunk for log-probs from hidden states.")
+  old_logp_from_step: bool = setting(
+      False, "take the old log-probs from the update's own forward, detached (the ratio "
+      "is then exactly 1), so the batch needs no ``old_logp`` and the loop runs no "
+      "forward before the update: TRL's ``num_iterations=1``. Needs one update per "
+      "batch (1 epoch, 1 minibatch) and nothing that reads ``old_logp`` before it (no "
+      "value model, ``kl_mode`` reward, adaptive KL or rollout correction).")
   skip_nonfinite: bool = setting(
       True, "skip updates whose inputs, loss, gradients or results are not finite "
       "(counted in ``metrics[\"skipped\"]``).")
@@ -218,6 +224,16 @@ class TrainConfig:
       check_field(f, getattr(self, f.name))
     if self.clip_schedule is not None and self.adaptive_clip:
       raise ValueError("`clip_schedule` and `adaptive_clip` are exclusive: pick one.")
+    if self.old_logp_from_step:
+      reads = {"num_epochs > 1": self.num_epochs > 1,
+               "num_minibatches > 1": self.num_minibatches > 1,
+               "use_value": self.use_value, "kl_mode='reward'": self.kl_mode == "reward",
+               "adaptive_kl": self.adaptive_kl,
+               "rollout_correction": self.rollout_correction is not None}
+      clash = [name for name, on in reads.items() if on]
+      if clash:
+        raise ValueError(f"`old_logp_from_step` needs one update per batch and nothing "
+                         f"reading old_logp before it; {clash[0]} does.")
     if self.adaptive_kl and self.kl_mode == "none":
       raise ValueError("`adaptive_kl` needs `kl_mode` 'loss' or 'reward'.")
     if (self.rollout_is_lower is not None

@@ -110,7 +110,8 @@ def validate_batch(batch: dict, config: TrainConfig) -> None:
   """
   if not isinstance(batch, dict):
     raise ValueError(f"`batch` must be a dict of arrays, got {type(batch).__name__}.")
-  required = ["tokens", "attention_mask", "loss_mask", "old_logp"]
+  required = ["tokens", "attention_mask", "loss_mask"] + (
+      [] if config.old_logp_from_step else ["old_logp"])
   if "advantages" not in batch:
     required.append("rewards")
   if config.use_value:
@@ -491,6 +492,8 @@ def _loss_fn(params, mb, denoms, state, config, apply_fn, eps_low, eps_high):
   agg = lambda x: L.aggregate_parts(x, mask, config.loss_agg_mode,
                                     norm_length=config.norm_length,
                                     segment_ids=seg)[0] / denoms["pg"]
+  if config.old_logp_from_step:     # one update per batch: pi_old is pi, detached
+    mb = {**mb, "old_logp": jax.lax.stop_gradient(logp)}
   pg_tok, pg_metrics = _policy_loss(config, logp, mb, eps_low, eps_high, hp)
   if config.rollout_correction is not None:
     lower = None if config.rollout_is_lower is None else hp["rollout_is_lower"]
