@@ -882,10 +882,11 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
   ids = token_id_fields(tokenizer=tokenizer, config=extra)
   hf_config.update(ids)
   _, params = split_model(model)
-  # Two passes over the tensors, each converted one at a time: names and shapes for
-  # the files' headers, then the bytes (streamed: the host never holds the model twice).
-  specs = [(name, x.dtype, x.shape) for name, x in hf_tensors(config, params,
-                                                                dtype=out_dtype)]
+  # The files' headers from the shapes alone (hf_shapes: nothing converted or gathered),
+  # then the bytes, each tensor converted as it is written: the host never holds the
+  # model twice.
+  specs = [(name, np.dtype(out_dtype), shape)
+           for name, shape in hf_shapes(config, params).items()]
   value: dict[str, np.ndarray] = {}
   if config.value_head:
     value = dict(_value_tensor(name, _host(getattr(model, name)[...]).astype(out_dtype))
