@@ -904,7 +904,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
   shards: list[list[tuple[str, Any, tuple[int, ...]]]] = [[]]
   size = 0
   for spec in specs:
-    nbytes = spec[1].itemsize * math.prod(spec[2])
+    nbytes = _nbytes(*spec[1:])
     if shards[-1] and size + nbytes > limit:
       shards.append([])
       size = 0
@@ -920,7 +920,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
       file = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
       write_safetensors(os.path.join(path, file), shard, tensors, meta)
       weight_map.update({name: file for name, _, _ in shard})
-    total = sum(spec[1].itemsize * math.prod(spec[2]) for spec in specs)
+    total = sum(_nbytes(*spec[1:]) for spec in specs)
     _write_json(os.path.join(path, _INDEX_FILE),
                 {"metadata": {"total_size": total}, "weight_map": weight_map})
   _write_json(os.path.join(path, "config.json"), hf_config)
@@ -937,6 +937,11 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
 _SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16",
                        "bfloat16": "BF16", "int64": "I64", "int32": "I32",
                        "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def _nbytes(dtype: Any, shape: tuple[int, ...]) -> int:
+  """Bytes of a C-ordered array of ``dtype`` and ``shape``."""
+  return np.dtype(dtype).itemsize * math.prod(shape)
 
 
 def write_safetensors(file: str | os.PathLike,
@@ -966,7 +971,7 @@ def write_safetensors(file: str | os.PathLike,
   header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
   offset = 0
   for name, dtype, shape in specs:
-    nbytes = np.dtype(dtype).itemsize * math.prod(shape)
+    nbytes = _nbytes(dtype, shape)
     header[name] = {"dtype": _SAFETENSORS_DTYPES[np.dtype(dtype).name],
                     "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
     offset += nbytes
