@@ -72,7 +72,10 @@ def test_prompt_and_char_tokenizer():
     ("<answer>11</answer>", 0.0),
     ("<answer>x10</answer>", 2 / 3),     # reasoning-gym's partial credit: len(10)/len(x10)
     ("10", 1.0),                          # no tag: the whole completion
-    ("the sum is 10", 2 / 13),
+    ("the sum is 10", 1.0),               # no tag, a number answer: the last number
+    ("8 + 2 is 1,0.", 1.0),               # thousands commas removed
+    ("8 + 2 = 12", 0.0),
+    ("ten", 0.0),                         # no number: the whole completion
     ("", 0.0),
 ])
 def test_scores_are_reasoning_gyms(completion, expected):
@@ -81,7 +84,8 @@ def test_scores_are_reasoning_gyms(completion, expected):
   entry = rg.create_dataset("chain_sum", **SMALL, size=1, seed=task.eval_seed)[0]
   assert entry == p.info["entry"]
   reference = rg.create_dataset("chain_sum", **SMALL).score_answer(
-      extract_answer(completion), entry)
+      extract_answer(completion, numeric=True), entry)
+  assert p.info["numeric"]
   score = task.score([p], [completion])
   assert score.dtype == np.float32 and score.tolist() == [pytest.approx(reference)]
   assert reference == pytest.approx(expected)

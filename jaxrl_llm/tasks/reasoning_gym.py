@@ -12,7 +12,9 @@ scores an answer in [0, 1]. :class:`ReasoningGymTask` runs one or several genera
   else the text itself (after the tokenizer's ``raw_text_prefix``, the bos a base
   model's tokenizer puts first).
 * **answer**: :func:`extract_answer`, the text of the last ``<answer>...</answer>`` of
-  the completion, else the whole completion (stripped).
+  the completion; without one, the completion's last number when the entry's answer
+  is a number (a small instruct model answers "The answer is 17." whatever it is
+  told), else the whole completion (stripped).
 * **reward**: reasoning-gym's ``score_answer`` of that answer (clipped to [0, 1]; a
   scorer that raises scores 0); **exact**: reward 1.
 * **splits**: the training pool is entries ``0..size-1`` of each generator at ``seed``
@@ -78,20 +80,44 @@ _DEFAULT_POOL_SEED = 0
 __doctest_requires__ = ("reasoning_gym",)
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# A number as models write it: sign, digits with thousands commas, decimals, a fraction.
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 
 
-def extract_answer(completion: str) -> str:
-  """The text inside the last ``<answer>...</answer>`` of ``completion``, stripped;
-  the whole completion (stripped) when it has no such tag.
+def is_number(text: str) -> bool:
+  """Whether ``text`` (stripped) is one number (``-12``, ``3.5``, ``1,024``, ``3/4``).
+
+  Examples:
+    >>> is_number(" -12 "), is_number("3/4"), is_number("12 apples")
+    (True, True, False)
+  """
+  return _NUMBER.fullmatch(text.strip()) is not None
+
+
+def extract_answer(completion: str, numeric: bool = False) -> str:
+  """The answer in a completion: the text inside its last ``<answer>...</answer>``,
+  stripped; without such a tag, for a ``numeric`` answer the last number of the
+  completion (thousands commas removed: an instruct model's "The answer is 1,021."
+  gives ``1021``), else the whole completion, stripped.
 
   Examples:
     >>> extract_answer("think... <answer>3</answer> no, <answer> 4 </answer>")
     '4'
     >>> extract_answer(" 42 ")
     '42'
+    >>> extract_answer("8 + 2 = 10, so the answer is 1,021.", numeric=True)
+    '1021'
+    >>> extract_answer("The answer is -3.", numeric=False)
+    'The answer is -3.'
   """
   found = _ANSWER_TAG.findall(completion)
-  return (found[-1] if found else completion).strip()
+  if found:
+    return found[-1].strip()
+  if numeric:
+    numbers = _NUMBER.findall(completion)
+    if numbers:
+      return numbers[-1].replace(",", "")
+  return completion.strip()
 
 
 def _require_rg():
@@ -287,8 +313,10 @@ class ReasoningGymTask(PoolTask):
       prompt = template([{"role": "user", "content": text}], add_generation_prompt=True)
     else:
       prompt = getattr(tokenizer, "raw_text_prefix", "") + text
-    return Problem(prompt=prompt, answer=str(entry["answer"]),
-                   info={"dataset": name, "question": entry["question"], "entry": entry})
+    answer = str(entry["answer"])
+    return Problem(prompt=prompt, answer=answer,
+                   info={"dataset": name, "question": entry["question"], "entry": entry,
+                         "numeric": is_number(answer)})
 
   # ---- the Task interface ------------------------------------------------------
 
@@ -311,7 +339,8 @@ class ReasoningGymTask(PoolTask):
     0 when the scorer raises)."""
     score = self._scorers[problem.info["dataset"]]
     try:
-      value = float(score(extract_answer(completion), problem.info["entry"]))
+      value = float(score(extract_answer(completion, problem.info["numeric"]),
+                          problem.info["entry"]))
     except Exception:  # noqa: BLE001 - a model's text must not end the run
       return 0.0
     return min(max(value, 0.0), 1.0) if math.isfinite(value) else 0.0
@@ -343,4 +372,4 @@ REASONING_GYM = TaskSource(
 
 __all__ = ["ANSWER_INSTRUCTION", "EVAL_SEED", "REASONING_GYM", "REFUSED",
            "ReasoningGymTask", "build", "check_spec", "extract_answer",
-           "generator_settings"]
+           "generator_settings", "is_number"]
