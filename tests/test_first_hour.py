@@ -164,6 +164,8 @@ def test_run_without_learning_signal_warns_and_export_says_unchanged(tmp_path):
   warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: no "
                                                                            "learning signal")]
   assert len(warnings) == 1 and "steps 1-2 of 2" in warnings[0], done.stderr
+  assert re.search(r"cut at --max-new-tokens \d+%, without a parsable answer \d+%",
+                   warnings[0]), warnings[0]
   assert "grpo on train.jsonl" in done.stderr
   assert re.search(r"warning +no learning signal in steps 1-2", done.stdout), done.stdout
   assert re.search(r"policy_weights +UNCHANGED: bit-identical", done.stdout), done.stdout

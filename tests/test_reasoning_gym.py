@@ -73,7 +73,6 @@ def test_prompt_and_char_tokenizer():
     ("<answer>x10</answer>", 2 / 3),     # reasoning-gym's partial credit: len(10)/len(x10)
     ("10", 1.0),                          # no tag: the whole completion
     ("the sum is 10", 1.0),               # no tag, a number answer: the last number
-    ("8 + 2 is 1,0.", 1.0),               # thousands commas removed
     ("8 + 2 = 12", 0.0),
     ("ten", 0.0),                         # no number: the whole completion
     ("", 0.0),

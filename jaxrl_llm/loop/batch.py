@@ -68,8 +68,10 @@ def completion_rows(task: Task, out: Any, group_problems: list, problem: np.ndar
   """The per-row arrays of the completions ``out`` (a
   :class:`~jaxrl_llm.rollout.SampleOutput`: one row per completion, its prompt first)
   of ``group_problems`` (one per row): ``tokens``, ``attention_mask``, ``loss_mask`` (0
-  on prompt positions), the task's ``scores`` and ``exact``, ``lengths``, ``problem``
-  and, with ``rollout_logp``, ``rollout_logp`` (the sampler's log-probs of the
+  on prompt positions), the task's ``scores`` and ``exact``, ``lengths``, ``problem``,
+  ``truncated`` (1 where the completion was cut at the budget, no eos), ``parsed``
+  where the task says (:meth:`~jaxrl_llm.tasks.base.Task.parsed`) and, with
+  ``rollout_logp``, ``rollout_logp`` (the sampler's log-probs of the
   distribution it drew from, aligned with ``tokens``)."""
   texts = decode(task.tokenizer, out.completion, out.completion_mask)
   completion_mask = np.asarray(out.completion_mask, np.float32)
@@ -81,7 +83,11 @@ def completion_rows(task: Task, out: Any, group_problems: list, problem: np.ndar
           "scores": np.asarray(task.score(group_problems, texts), np.float32),
           "exact": np.asarray(task.exact(group_problems, texts), np.float32),
           "lengths": np.asarray(out.lengths, np.int32),
-          "problem": problem}
+          "problem": problem,
+          "truncated": 1.0 - np.asarray(out.finished, np.float32)}
+  parsed = task.parsed(group_problems, texts)
+  if parsed is not None:
+    rows["parsed"] = np.asarray(parsed, np.float32)
   if rollout_logp:
     rows["rollout_logp"] = np.concatenate(
         [pad, np.asarray(out.sampling_logprobs, np.float32) * completion_mask], axis=1)
@@ -113,7 +119,9 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
                 share: Share | None = None,
                 packer: Callable[[dict], tuple[dict, dict]] | None = None
                 ) -> tuple[dict, dict]:
-  """One rollout: ``(batch, stats)`` with ``stats`` reward, accuracy, response length.
+  """One rollout: ``(batch, stats)`` with ``stats`` reward, accuracy, response length,
+  the fraction of completions cut at the budget (``truncated_frac``) and, where the
+  task says, of those without a parsable answer (``unparsed_frac``).
 
   ``rng_np`` draws the prompts and ``key`` the samples, so a step is reproducible
   from ``(seed, step)``. ``ref_params`` is ``policy.ref_params(...)`` of the frozen
@@ -163,7 +171,10 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
   first, problems = drawn
   stats.update(reward=float(np.mean(first["scores"])),
                accuracy=float(np.mean(first["exact"])),
-               response_length=float(np.mean(first["lengths"])))
+               response_length=float(np.mean(first["lengths"])),
+               truncated_frac=float(np.mean(first["truncated"])))
+  if "parsed" in first:
+    stats["unparsed_frac"] = 1.0 - float(np.mean(first["parsed"]))
   rows = first
   if sampling.dynamic_sampling:
     from jaxrl_llm.rollout.dapo import dynamic_sampling

@@ -52,10 +52,10 @@ from jaxrl_llm.loop.evaluation import evaluate
 from jaxrl_llm.loop.policy import Policy
 from jaxrl_llm.loop.processes import Processes, host_value
 from jaxrl_llm.loop.progress import end_progress_line, report_progress
-from jaxrl_llm.loop.resolve import resolve
+from jaxrl_llm.loop.resolve import Resolved, resolve
 from jaxrl_llm.loop.rollouts import Async, InStep, Partial, Rollouts
 from jaxrl_llm.loop.setup import make_policy, make_task
-from jaxrl_llm.loop.signals import SignalWatch
+from jaxrl_llm.loop.signals import SignalWatch, signal_window
 from jaxrl_llm.train import TrainConfig, make_train_step
 
 
@@ -287,10 +287,20 @@ def _build(run: RunConfig, policy: Policy | None, t_entry: float, compiles: Comp
            uses_ref=uses_ref, share=share, packer=packer, eval_problems=eval_problems,
            ckpt=ckpt, metrics=metrics, sinks=sinks, clock=clock, compiles=compiles,
            metrics_path=metrics_path, start=start, history=history,
-           watch=SignalWatch(first_step=start + 1, last_step=run.steps), t_row=t_entry,
+           watch=SignalWatch(_signal_window(resolved), first_step=start + 1,
+                             last_step=run.steps), t_row=t_entry,
            step=start, warm_step=start)
   built[0] = r
   return r
+
+
+def _signal_window(resolved: Resolved) -> int:
+  """Steps without signal before the warning: the groups of a group baseline, else
+  the whole batch as one group (as :func:`_train_step` counts them)."""
+  sampling = resolved.sampling
+  rows = sampling.prompts_per_step * sampling.group_size
+  return (signal_window(sampling.prompts_per_step, sampling.group_size)
+          if resolved.estimator.group else signal_window(1, rows))
 
 
 def _reference(policy: Policy, config: TrainConfig) -> tuple[bool, Any]:
@@ -411,7 +421,9 @@ def _train_step(r: _Run, step: int) -> dict:
       scored["scores"])            # a batch-wide baseline
   warning = r.watch.update(step, scored["scores"], group_size=group,
                            grad_norm=row.get("grad_norm"),
-                           accuracy=float(np.mean(scored["exact"])))
+                           accuracy=float(np.mean(scored["exact"])),
+                           truncated=row.get("truncated_frac"),
+                           unparsed=row.get("unparsed_frac"))
   if warning is not None:          # once per run (loop.signals)
     row["no_learning_signal_steps"] = float(r.watch.streak)
     _say(warning)

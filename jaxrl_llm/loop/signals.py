@@ -7,28 +7,50 @@ advantages, and with the KL term at its minimum (policy = reference) a zero grad
 and a bit-identical model. :class:`SignalWatch` counts such steps: a step has **no
 learning signal** when no group's scores vary (for an estimator without a group
 baseline, PPO's GAE or self-critical: when no score of the batch differs from the
-others), or its gradient norm is exactly 0. After
-:data:`NO_SIGNAL_STEPS` of them in a row (or every step of a shorter run) it returns one
-warning line, once per run.
+others), or its gradient norm is exactly 0. After :func:`signal_window` of them in a
+row (or every step of a shorter run) it returns one warning line, once per run, with
+the fractions of completions cut at the budget and without a parsable answer (what
+usually causes it: a budget too short, an answer format the model does not write).
 
-Why 10 steps: a step with ``P`` prompts whose groups of ``G`` samples each succeed with
-probability ``p`` has no varying group with probability ``(p^G + (1-p)^G)^P``; at the
-smallest useful setting (``P = 1``, ``G = 8``, ``p = 0.05``: 0.66 per step) ten steps in
-a row happen by chance with probability 0.016, and at the defaults (``P = 32``) one step
-already has probability < 1e-5: ten steps is a run that learns nothing, said early
-(2.5 % of the default 400 steps). Steps whose samples are all exactly right are not
-counted: a solved task has no signal either, but that is news of another kind.
+How many steps: a step with ``P`` prompts whose groups of ``G`` samples each succeed
+with probability ``p`` has no varying group with probability
+``q = (p^G + (1-p)^G)^P``. :func:`signal_window` is the fewest steps ``k`` with
+``q^k <= 1%`` at ``p = 5%`` (a task the model solves one time in twenty), kept within
+[3, 10]: 3 steps at ``P = 8, G = 4`` (a real model's first run: ``q = 0.19``) and at
+the defaults (``P = 32``, ``G = 8``), 10 at the smallest useful setting (``P = 1``,
+``G = 8``: ``q = 0.66``, ten in a row by chance 1.6 %). Steps whose samples are all
+exactly right are not counted: a solved task has no signal either, but that is news of
+another kind.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-# Consecutive steps without signal before the warning (see the module docstring).
-NO_SIGNAL_STEPS = 10
+# The bounds of the steps without signal before the warning (the module docstring).
+MIN_NO_SIGNAL_STEPS, NO_SIGNAL_STEPS = 3, 10
+
+
+def signal_window(prompts: int, group_size: int, *, success: float = 0.05,
+                  false_alarm: float = 0.01) -> int:
+  """Consecutive steps without signal that make the warning: the fewest ``k`` with
+  ``q^k <= false_alarm``, ``q = (s^G + (1-s)^G)^P`` the chance that a step of ``P``
+  prompts in groups of ``G``, each sample right with probability ``s = success``, has
+  no varying group; within [:data:`MIN_NO_SIGNAL_STEPS`, :data:`NO_SIGNAL_STEPS`]
+  (``G = 1``, no group baseline: the whole batch is one group of ``P``).
+
+  Examples:
+    >>> signal_window(8, 4), signal_window(32, 8), signal_window(1, 8), signal_window(4, 8)
+    (3, 3, 10, 3)
+  """
+  prompts, group_size = (1, prompts) if group_size <= 1 else (prompts, group_size)
+  q = (success ** group_size + (1 - success) ** group_size) ** prompts
+  k = math.ceil(math.log(false_alarm) / math.log(q)) if 0 < q < 1 else NO_SIGNAL_STEPS
+  return min(max(k, MIN_NO_SIGNAL_STEPS), NO_SIGNAL_STEPS)
 
 
 def groups_with_signal(scores: ArrayLike, group_size: int) -> int:
@@ -48,7 +70,7 @@ class SignalWatch:
   """Counts consecutive train steps without learning signal (see the module doc).
 
   Args:
-    window: steps in a row that make the warning (:data:`NO_SIGNAL_STEPS`).
+    window: steps in a row that make the warning (:func:`signal_window`).
     first_step: the run's first step here (a resumed run starts later).
     last_step: the run's last step (a run shorter than ``window`` warns at its end
       when none of its steps had signal).
@@ -67,9 +89,12 @@ class SignalWatch:
   warned: str | None = None
 
   def update(self, step: int, scores: ArrayLike, *, group_size: int,
-             grad_norm: float | None, accuracy: float) -> str | None:
-    """Records train step ``step`` (its scores [B] and gradient norm); returns the
-    warning line the first time the streak is long enough, else None."""
+             grad_norm: float | None, accuracy: float,
+             truncated: float | None = None, unparsed: float | None = None
+             ) -> str | None:
+    """Records train step ``step`` (its scores [B], gradient norm and, where known, the
+    fractions of its completions cut at the budget and without a parsable answer);
+    returns the warning line the first time the streak is long enough, else None."""
     scores = np.asarray(scores, np.float64)
     flat = groups_with_signal(scores, group_size) == 0
     solved = flat and accuracy >= 1.0
@@ -79,13 +104,17 @@ class SignalWatch:
     if self.warned is not None or self.streak < needed:
       return None
     start = step - self.streak + 1
+    seen = "".join(f", {what} {value:.0%}" for what, value in (
+        ("completions cut at --max-new-tokens", truncated),
+        ("without a parsable answer", unparsed)) if value is not None)
     self.warned = (
         f"warning: no learning signal in steps {start}-{step} of {self.last_step}: every "
-        f"group's rewards were equal (mean reward {float(np.mean(scores)):.3g}) or the "
-        "gradient was 0, so the policy does not change; check that --reward parses the "
-        "dataset's answers, that --max-new-tokens leaves room for one, and that the model "
-        "solves some prompts")
+        f"group's rewards were equal (mean reward {float(np.mean(scores)):.3g}{seen}) or "
+        "the gradient was 0, so the policy does not change; check that --reward parses "
+        "the dataset's answers, that --max-new-tokens leaves room for one, and that the "
+        "model solves some prompts")
     return self.warned
 
 
-__all__ = ["NO_SIGNAL_STEPS", "SignalWatch", "groups_with_signal"]
+__all__ = ["MIN_NO_SIGNAL_STEPS", "NO_SIGNAL_STEPS", "SignalWatch", "groups_with_signal",
+           "signal_window"]

@@ -89,6 +89,15 @@ class Task(abc.ABC):
     """Reward in [0, 1]; 1.0 exactly when `is_correct`. Default: exact match only."""
     return float(self.is_correct(problem, completion))
 
+  def parsed(self, problems: Sequence[Problem], completions: Sequence[str]
+             ) -> np.ndarray | None:
+    """Whether the task found an answer in each completion (bool ``[n]``), or None
+    when it does not say (the default: a built-in task scores any text). The run
+    reports the unparsed fraction (``unparsed_frac``) and names it when a run has no
+    learning signal (:mod:`jaxrl_llm.loop.signals`)."""
+    del problems, completions
+    return None
+
   # ---- shared machinery ------------------------------------------------------------
 
   @property

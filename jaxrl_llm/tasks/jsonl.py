@@ -309,8 +309,15 @@ class JsonlTask(PoolTask):
     """Whether evaluation runs on the training rows (no ``eval_path``, no holdout)."""
     return self.eval_path is None and not self.holdout and not self.holdout_rows
 
-
-
+  def parsed(self, problems: Sequence[Problem], completions: Sequence[str]
+             ) -> np.ndarray | None:
+    """Whether the reward found an answer in each completion, for the rewards that
+    say (:data:`~jaxrl_llm.tasks.verifiers.COMPLETION_PARSERS`: ``math``, ``boxed``);
+    else None."""
+    self._check_pairs(problems, completions)
+    found = (verifiers.COMPLETION_PARSERS.get(self.reward_fn)
+             if isinstance(self.reward_fn, str) else None)
+    return None if found is None else np.asarray([found(c) for c in completions], bool)
 
   def score(self, problems: Sequence[Problem], completions: Sequence[str]) -> np.ndarray:
     """The batched reward of each (problem, completion), float32 ``[n]`` (one call)."""

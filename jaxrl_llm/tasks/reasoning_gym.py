@@ -65,6 +65,7 @@ from jaxrl_llm._names import DEFAULT_MAX_NEW_TOKENS
 from jaxrl_llm.tasks.base import PoolTask, Problem
 from jaxrl_llm.tasks.sources import TaskSource
 from jaxrl_llm.tasks.tokenizer import CharTokenizer
+from jaxrl_llm.tasks.verifiers import extract_last_number, parse_number
 
 #: What follows each question (after a blank line).
 ANSWER_INSTRUCTION = "Give your final answer inside <answer></answer> tags."
@@ -80,25 +81,14 @@ _DEFAULT_POOL_SEED = 0
 __doctest_requires__ = ("reasoning_gym",)
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-# A number as models write it: sign, digits with thousands commas, decimals, a fraction.
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
-
-
-def is_number(text: str) -> bool:
-  """Whether ``text`` (stripped) is one number (``-12``, ``3.5``, ``1,024``, ``3/4``).
-
-  Examples:
-    >>> is_number(" -12 "), is_number("3/4"), is_number("12 apples")
-    (True, True, False)
-  """
-  return _NUMBER.fullmatch(text.strip()) is not None
 
 
 def extract_answer(completion: str, numeric: bool = False) -> str:
   """The answer in a completion: the text inside its last ``<answer>...</answer>``,
   stripped; without such a tag, for a ``numeric`` answer the last number of the
-  completion (thousands commas removed: an instruct model's "The answer is 1,021."
-  gives ``1021``), else the whole completion, stripped.
+  completion (:func:`~jaxrl_llm.tasks.verifiers.extract_last_number`, thousands
+  commas removed: an instruct model's "The answer is 1,021." gives ``1021``), else
+  the whole completion, stripped.
 
   Examples:
     >>> extract_answer("think... <answer>3</answer> no, <answer> 4 </answer>")
@@ -113,10 +103,9 @@ def extract_answer(completion: str, numeric: bool = False) -> str:
   found = _ANSWER_TAG.findall(completion)
   if found:
     return found[-1].strip()
-  if numeric:
-    numbers = _NUMBER.findall(completion)
-    if numbers:
-      return numbers[-1].replace(",", "")
+  number = extract_last_number(completion) if numeric else None
+  if number is not None:
+    return number.replace(",", "")
   return completion.strip()
 
 
@@ -316,7 +305,7 @@ class ReasoningGymTask(PoolTask):
     answer = str(entry["answer"])
     return Problem(prompt=prompt, answer=answer,
                    info={"dataset": name, "question": entry["question"], "entry": entry,
-                         "numeric": is_number(answer)})
+                         "numeric": parse_number(answer) is not None})
 
   # ---- the Task interface ------------------------------------------------------
 
@@ -345,6 +334,22 @@ class ReasoningGymTask(PoolTask):
       return 0.0
     return min(max(value, 0.0), 1.0) if math.isfinite(value) else 0.0
 
+  def parsed(self, problems: Sequence[Problem], completions: Sequence[str]
+             ) -> np.ndarray:
+    """An ``<answer>`` tag, else a number where the answer is one, else any text.
+
+    Examples:
+      >>> task = ReasoningGymTask(datasets=("chain_sum",), eval_size=1,
+      ...                         config={"size": 2, "max_terms": 2, "max_digits": 1})
+      >>> p = task.eval_problems(1)[0]
+      >>> task.parsed([p] * 3, ["<answer>x</answer>", "it is 7", "no idea"]).tolist()
+      [True, True, False]
+    """
+    self._check_pairs(problems, completions)
+    return np.asarray([bool(_ANSWER_TAG.search(c)) or (
+        extract_last_number(c) is not None if p.info["numeric"] else bool(c.strip()))
+        for p, c in zip(problems, completions)], bool)
+
   def is_correct(self, problem: Problem, completion: str) -> bool:
     """Reward 1."""
     return self.reward(problem, completion) >= 1.0
@@ -372,4 +377,4 @@ REASONING_GYM = TaskSource(
 
 __all__ = ["ANSWER_INSTRUCTION", "EVAL_SEED", "REASONING_GYM", "REFUSED",
            "ReasoningGymTask", "build", "check_spec", "extract_answer",
-           "generator_settings", "is_number"]
+           "generator_settings"]

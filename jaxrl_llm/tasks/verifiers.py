@@ -541,6 +541,15 @@ ANSWER_PARSERS: dict[str, Callable[[str], bool]] = {
 }
 
 
+# How a registered reward finds an answer in a completion: ``name -> found(completion)
+# -> bool`` (a run's ``unparsed_frac``, :meth:`jaxrl_llm.tasks.JsonlTask.parsed`); a
+# reward without an entry does not say.
+COMPLETION_PARSERS: dict[str, Callable[[str], bool]] = {
+    "math": lambda completion: extract_answer(completion) is not None,
+    "boxed": lambda completion: extract_boxed(completion) is not None,
+}
+
+
 def register_reward(name: str,
                     fn: RewardFn | None = None) -> RewardFn | Callable[[RewardFn], RewardFn]:
   """Registers a batched reward under ``name`` (usable as a decorator).
@@ -611,8 +620,8 @@ def score(reward: str | RewardFn, prompts: Sequence[str], completions: Sequence[
 
 
 __all__ = [
-    "ANSWER_PARSERS", "EXTRACTORS", "REWARDS", "RewardFn", "answers_match", "boxed_reward",
-    "exact_reward", "math_verify_reward",
+    "ANSWER_PARSERS", "COMPLETION_PARSERS", "EXTRACTORS", "REWARDS", "RewardFn",
+    "answers_match", "boxed_reward", "exact_reward", "math_verify_reward",
     "extract_answer", "extract_boxed", "extract_hash_answer", "extract_last_number",
     "get_reward", "math_reward", "normalize_text", "numbers_close", "parse_number",
     "per_example", "reference_answer", "register_reward", "score",
