@@ -239,6 +239,7 @@ class _FakePolicy:
         tokens=np.concatenate([tokens, completion], 1),
         mask=np.concatenate([np.asarray(mask, np.float32), cmask], 1),
         completion=completion, completion_mask=cmask, lengths=lengths,
+        finished=lengths < max_new_tokens,
         sampling_logprobs=-np.ones((b, max_new_tokens), np.float32))
 
   def forward(self, params, batch):
@@ -254,7 +255,7 @@ def _fake_task(score_fn, max_new_tokens=6):
   return types.SimpleNamespace(
       tokenizer=real.tokenizer, sample_prompts=real.sample_prompts,
       max_prompt_len=real.max_prompt_len, max_new_tokens=max_new_tokens,
-      score=score_fn, exact=score_fn)
+      score=score_fn, exact=score_fn, parsed=lambda problems, texts: None)
 
 
 def test_dynamic_sampling_never_trains_on_an_all_equal_group():
@@ -303,9 +304,18 @@ def test_build_batch_carries_rollout_logp_and_positive_marks():
   task = _fake_task(lambda problems, texts: np.arange(len(texts)) % 2 * 1.0)
   run = RunConfig(algo="vapo", prompts_per_step=2, group_size=2,
                   train={"rollout_correction": "token"})
-  batch, _ = build_batch(resolve(run, task), task, _FakePolicy(6, 40), None, None,
-                         np.random.default_rng(0), jax.random.PRNGKey(0))
+  batch, stats = build_batch(resolve(run, task), task, _FakePolicy(6, 40), None, None,
+                             np.random.default_rng(0), jax.random.PRNGKey(0))
   np.testing.assert_array_equal(batch["positive"], [0.0, 1.0, 0.0, 1.0])
+  # cut at the budget: the rows whose completion took all 6 tokens without an eos
+  lengths = batch["loss_mask"].sum(1)
+  assert stats["truncated_frac"] == np.mean(lengths == 6) == 0.0
+  assert "unparsed_frac" not in stats       # the task does not say
+  fake = _FakePolicy(6, 40)
+  fake.calls = 5                            # its 6th draw: lengths 6, 1, 6, 6
+  _, stats = build_batch(resolve(run, task), task, fake, None, None,
+                         np.random.default_rng(0), jax.random.PRNGKey(0))
+  assert stats["truncated_frac"] == 0.75
   np.testing.assert_array_equal(batch["rollout_logp"], -batch["loss_mask"])
 
 
