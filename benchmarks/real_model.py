@@ -242,12 +242,13 @@ def _ours_cmd(arm: str, spec: dict, out: str) -> list[str]:
 
 def _curves(arm: str, rows: list[dict], spec: dict) -> dict:
   """One run's curves and numbers from its rows (step 0: the evaluation before)."""
-  rows = sorted(rows, key=lambda r: r["step"])
+  # Our rows time a step with its evaluation and checkpoint; TRL's child, without.
+  rows = [dict(r, step_s=r.get("step_s", 0.0) - (0.0 if arm == "trl" else
+                                                  r.get("eval_s", 0.0) + r.get("save_s", 0.0)))
+          for r in sorted(rows, key=lambda r: r["step"])]
   wall, points = 0.0, []
   for r in rows:
     if r["step"] >= 1:
-      if arm != "trl":
-        r["step_s"] = r["step_s"] - r.get("eval_s", 0.0) - r.get("save_s", 0.0)
       wall += r["step_s"]
     points.append({"step": r["step"], "wall_s": wall, "reward": r.get("reward"),
                    "response_length": r.get("response_length"),
