@@ -50,11 +50,11 @@ def test_learning_rates_default_by_model_kind(tmp_path):
   assert (scratch.lr, scratch.value_lr, scratch.split) == (SCRATCH_LR, SCRATCH_LR, False)
   pretrained = resolve(_hf_run(tmp_path, algo="ppo")).optimizer
   assert (pretrained.lr, pretrained.value_lr, pretrained.split) == (
-      1e-6, pytest.approx(1e-5), True)
-  assert PRETRAINED_LR == 1e-6
+      1e-5, pytest.approx(1e-4), True)
+  assert PRETRAINED_LR == 1e-5
   (tmp_path / "v").mkdir()
   vapo = resolve(_hf_run(tmp_path / "v", algo="vapo")).optimizer
-  assert vapo.value_lr == pytest.approx(2e-5)            # the recipe's 2x on top
+  assert vapo.value_lr == pytest.approx(2e-4)            # the recipe's 2x on top
   (tmp_path / "g").mkdir()
   given = resolve(_hf_run(tmp_path / "g", algo="ppo", lr=3e-6)).optimizer
   assert (given.lr, given.value_lr) == (3e-6, pytest.approx(3e-5))   # the user's flag wins

@@ -86,8 +86,8 @@ class RunConfig:
   group_size: int = setting(8, "completions sampled per prompt.", min_int=1)
   lr: float | None = setting(
       None, "Adam learning rate of the policy (None: 1e-3 for a built-in model, trained "
-      "from scratch; 1e-6 for a Hugging Face --model, the actor learning rate of verl's "
-      "PPO and TRL's GRPO defaults for pretrained LLMs).", low=0.0)
+      "from scratch; 1e-5 for a checkpoint --model, measured on SmolLM2-135M: "
+      "jaxrl_llm.loop.resolve.PRETRAINED_LR).", low=0.0)
   seed: int = setting(0, "seed of the model initialisation, the prompts and the "
                       "sampling.")
   clip_end: float | None = setting(
@@ -145,7 +145,7 @@ class RunConfig:
   value_lr: float | None = setting(
       None, "learning rate of the value parameters (the separate critic with --critic, "
       "else the value head; the trunk trains at --lr). None: --lr times the recipe's "
-      "value_lr_scale (vapo: 2, else 1), and times 10 for a Hugging Face --model "
+      "value_lr_scale (vapo: 2, else 1), and times 10 for a checkpoint --model "
       "(verl's critic 1e-5 beside its actor 1e-6).", low=0.0)
   critic_warmup_steps: int | None = setting(
       None, "first steps that train only the value function on rollouts of the frozen "
