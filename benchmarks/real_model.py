@@ -297,6 +297,8 @@ def _run(arm: str, spec: dict, work: str, cpu: int) -> dict:
 
 def _table(results: list[dict], spec: dict) -> str:
   n = spec["eval_size"]
+  failed = [r for r in results if "error" in r]
+  results = [r for r in results if "error" not in r]
   lines = [f"| task | arm | seeds | greedy accuracy before -> after (median; 95 % "
            f"interval of n={n}) | every seed up by more than the base interval | "
            "s / step (median) | adv. variance (as used / raw) | steps to "
@@ -319,6 +321,7 @@ def _table(results: list[dict], spec: dict) -> str:
           f"{med['acc_end']:.3f} [{lo:.3f}, {hi:.3f}] ({each}) | "
           f"{'yes' if up else 'no'} | {med['step_s']:.1f} | {adv_cell} | "
           f"{', '.join('-' if h is None else str(h) for h in hit)} |")
+  lines += [f"failed: {r['task']} {r['arm']} seed {r['seed']}: {r['error']}" for r in failed]
   return "\n".join(lines)
 
 
@@ -346,10 +349,15 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--work", default=None, help="folder of the runs (default: a temp dir)")
   p.add_argument("--json", default=None)
   p.add_argument("--quick", action="store_true")
+  p.add_argument("--table", nargs="+", metavar="JSON", help="print the table of the runs "
+                 "saved in these --json files (later files win) and exit")
   a = p.parse_args(argv)
   if a.child:
     with open(a.child) as f:
       _child_trl(json.load(f))
+    return []
+  if a.table:
+    _print_tables(a.table, {"eval_size": a.eval_size, "target": a.target})
     return []
   if a.quick:
     a.steps, a.prompts, a.group, a.max_new_tokens = 2, 2, 2, 8
@@ -384,6 +392,11 @@ def main(argv=None) -> list[dict]:
     cpu = free.get()
     try:
       result = _run(spec["arm"], spec, work, cpu)
+    except Exception as e:  # noqa: BLE001 - one failed run (e.g. killed for memory)
+      result = {key: spec[key] for key in ("arm", "task", "seed")}
+      result["error"] = " ".join(str(e).split())[:300]
+      print(f"  {spec['task']}-{spec['arm']}-s{spec['seed']} failed: {result['error']}",
+            flush=True)
     finally:
       free.put(cpu)
     with lock:
@@ -399,6 +412,18 @@ def main(argv=None) -> list[dict]:
   results.sort(key=lambda r: order[r["task"], r["arm"], r["seed"]])
   print(_table(results, specs[0]))
   return results
+
+
+def _print_tables(paths: list[str], spec: dict) -> None:
+  """The table of the runs saved in the ``--json`` files ``paths`` (several invocations,
+  e.g. a seed rerun after a failure: a later run of the same task, arm and seed wins)."""
+  runs: dict = {}
+  for path in paths:
+    with open(path) as f:
+      for r in json.load(f):
+        runs[r["task"], r["arm"], r["seed"]] = r
+  print(_table(sorted(runs.values(), key=lambda r: (r["task"], r["arm"], r["seed"])),
+               spec))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The bookkeeping of ``benchmarks/real_model.py`` on made-up rows (the runs train the
 real SmolLM2 for about an hour: ``benchmarks/RESULTS.md``)."""
 
+import json
+
 import pytest
 
 from benchmarks import real_model as bench
@@ -41,8 +43,25 @@ def test_table_and_commands():
   table = bench._table([run, dict(run, seed=1, acc_end=0.2, steps_to_target=None)], SPEC)
   assert "| chain_sum | grpo | 2 | 0.165 -> 0.250 [" in table
   assert "| no | 20.0 | 0.5 / 0.1 | 30, - |" in table      # seed 1 stayed inside
+  failed = {"arm": "trl", "task": "chain_sum", "seed": 0, "error": "exited -9"}
+  assert table + "\nfailed: chain_sum trl seed 0: exited -9" == bench._table(
+      [run, dict(run, seed=1, acc_end=0.2, steps_to_target=None), failed], SPEC)
   cmd = bench._ours_cmd("ppo_dynclip", SPEC, "OUT")
   assert cmd[cmd.index("--task") + 1] == "rg:chain_sum"
   assert cmd[cmd.index("--clip-end") + 1] == "0.05"
   assert "--old-logp-from-step" in cmd and cmd[cmd.index("--kl-mode") + 1] == "none"
   assert "--kl-coef" in bench._ours_cmd("grpo", dict(SPEC, kl=0.001), "OUT")
+
+
+def test_tables_from_saved_runs_later_files_win(tmp_path, capsys):
+  run = {"arm": "grpo", "task": "chain_sum", "seed": 0, "acc_start": 0.165,
+         "acc_end": 0.3, "ci_start": bench.wilson(33, 200), "step_s": 20.0,
+         "adv_var": None, "adv_raw_var": None, "steps_to_target": None}
+  first, second = tmp_path / "a.json", tmp_path / "b.json"
+  first.write_text(json.dumps([{"arm": "trl", "task": "chain_sum", "seed": 0,
+                                "error": "exited -9"}, run]))
+  second.write_text(json.dumps([dict(run, arm="trl", acc_end=0.25)]))
+  bench.main(["--table", str(first), str(second)])
+  out = capsys.readouterr().out
+  assert "| chain_sum | trl | 1 | 0.165 -> 0.250" in out and "failed" not in out
+  assert "| chain_sum | grpo | 1 | 0.165 -> 0.300" in out
