@@ -195,19 +195,38 @@ def _child_trl(spec: dict) -> None:
 
   clock: dict = {}
 
+  def add(key: str, dt: float) -> None:
+    clock[key] = clock.get(key, 0.0) + dt
+
+  class Timed(GRPOTrainer):     # the phases, as benchmarks/trl_side_by_side.py times them
+    def _generate(self, prompts):
+      t = time.perf_counter()
+      out = super()._generate(prompts)
+      add("generate_s", time.perf_counter() - t)
+      return out
+
+    def _prepare_inputs(self, generation_batch):
+      t = time.perf_counter()
+      out = super()._prepare_inputs(generation_batch)
+      add("rollout_side_s", time.perf_counter() - t)
+      return out
+
   class Steps(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **__):
       write({"step": 0, **evaluate(model), "setup_s": time.perf_counter() - t_start})
       clock["wall"] = 0.0
 
     def on_step_begin(self, *_, **__):
-      clock["t"] = time.perf_counter()
+      clock.update(t=time.perf_counter(), generate_s=0.0, rollout_side_s=0.0)
 
     def on_step_end(self, args, state, control, model=None, **__):
       step_s = time.perf_counter() - clock["t"]
       clock["wall"] += step_s
       m = trainer._metrics["train"]
       row = {"step": state.global_step, "step_s": step_s, "wall_s": clock["wall"],
+             "generate_s": clock["generate_s"],
+             "score_s": clock["rollout_side_s"] - clock["generate_s"],
+             "update_s": step_s - clock["rollout_side_s"],
              "reward": m["reward"][-1], "response_length":
              m["completions/mean_length"][-1],
              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
@@ -215,7 +234,7 @@ def _child_trl(spec: dict) -> None:
         row.update(evaluate(model))
       write(row)
 
-  trainer = GRPOTrainer(model=gguf_dir, reward_funcs=[reward], args=args,
+  trainer = Timed(model=gguf_dir, reward_funcs=[reward], args=args,
                         train_dataset=data, processing_class=tok, callbacks=[Steps()])
   trainer.train()
 

@@ -112,6 +112,18 @@ class Share:
     return self.lo // group_size, self.hi // group_size
 
 
+def _draw_stats(rows: dict) -> dict[str, float]:
+  """The means of a draw's rows: reward, accuracy, response length, the fraction cut at
+  the budget and, where the task says, the fraction without a parsable answer."""
+  stats = {"reward": float(np.mean(rows["scores"])),
+           "accuracy": float(np.mean(rows["exact"])),
+           "response_length": float(np.mean(rows["lengths"])),
+           "truncated_frac": float(np.mean(rows["truncated"]))}
+  if "parsed" in rows:
+    stats["unparsed_frac"] = 1.0 - float(np.mean(rows["parsed"]))
+  return stats
+
+
 def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
                 ref_params: Any, rng_np: np.random.Generator, key: jax.Array, *,
                 info: dict | None = None,
@@ -169,12 +181,7 @@ def build_batch(resolved: Resolved, task: Task, policy: Policy, params: Any,
     drawn = _rollout(sampling, task, policy, params, rng_np, key, config,
                      sampling.prompts_per_step, share, clock=clock)
   first, problems = drawn
-  stats.update(reward=float(np.mean(first["scores"])),
-               accuracy=float(np.mean(first["exact"])),
-               response_length=float(np.mean(first["lengths"])),
-               truncated_frac=float(np.mean(first["truncated"])))
-  if "parsed" in first:
-    stats["unparsed_frac"] = 1.0 - float(np.mean(first["parsed"]))
+  stats.update(_draw_stats(first))
   rows = first
   if sampling.dynamic_sampling:
     from jaxrl_llm.rollout.dapo import dynamic_sampling
