@@ -503,3 +503,68 @@ def test_a_disk_that_fills_up_mid_run_is_one_line_with_the_os_cause(tmp_path):
       f"error: cannot save checkpoint step 2 in {out}/checkpoints: no space left on "
       "device (ENOSPC); free some space or choose another --out"), err[-3000:]
   assert left == []                                 # no temporary folder left behind
+
+
+def _step_records(folder, step, value):
+  """Writes ``{"step": value}`` as the step record of checkpoint ``step``: the extra file,
+  and (``value`` a pair) also the copy in the verification record."""
+  import pathlib
+  pathlib.Path(folder, str(step), "extra", "metadata").write_text(json.dumps(
+      {"step": value[0] if isinstance(value, tuple) else value}))
+  if isinstance(value, tuple):
+    verify = pathlib.Path(folder, str(step), "verify", "metadata")
+    record = json.loads(verify.read_text())
+    record["extra"] = {"step": value[0]}
+    verify.write_text(json.dumps(record))
+
+
+def test_a_step_record_that_disagrees_falls_back_or_refuses_in_one_line(capsys, tmp_path):
+  """Reliability issue, item 1: ``{"step": 99999}`` in ``checkpoints/2/extra/metadata``
+  made ``--resume`` train nothing and exit 0; ``{"step": 1}`` there dropped the metrics
+  rows after step 1 and retrained from step 2's parameters and Adam state. Now the
+  record covers the extra file and the step is checked against the folder's name and
+  the state's step counter: the resume falls back to step 1 (one line), or, with no
+  step left, refuses in one line."""
+  import shutil
+  base = tmp_path / "base"
+  small = ["--algo", "grpo", "--prompts-per-step", "4", "--group-size", "2",
+           "--eval-size", "4", "--eval-every", "100", "--save-every", "1", "--no-progress"]
+  assert _main(capsys, "train", "--steps", "2", *small, "--out", str(base)).returncode == 0
+  for name, value, reason in (
+      ("edited", 99999, 'its extra record {"step": 99999} differs from the one saved with '
+       "this step"),
+      ("both", (1,), "its extra record says step 1, its folder 2")):   # record too
+    out = tmp_path / name
+    shutil.copytree(base, out)
+    folder = f"{out}/checkpoints"
+    _step_records(folder, 2, value)
+    done = _main(capsys, "train", "--resume", "--steps", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert lines[:2] == [f"checkpoint {folder}/2 is unusable ({reason}); falling back to "
+                         "an older checkpoint", f"resuming from step 1 ({folder}/1)"], lines
+    assert [r["step"] for r in _rows(out)] == [0, 1, 2]       # step 2 trained again
+  out = tmp_path / "alone"
+  shutil.copytree(base, out)
+  shutil.rmtree(out / "checkpoints" / "1")
+  _step_records(f"{out}/checkpoints", 2, 99999)
+  rows = _rows(out)
+  done = _main(capsys, "train", "--resume", "--steps", "3", "--out", str(out))
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert done.stderr.splitlines() == [
+      f"error: no usable checkpoint in {out}/checkpoints: step 2 (its extra record "
+      '{"step": 99999} differs from the one saved with this step)'], done.stderr
+  assert _rows(out) == rows                                  # nothing trained or dropped
+
+
+def test_the_state_step_counter_must_be_the_folder_step():
+  import jax.numpy as jnp
+  import optax
+
+  from jaxrl_llm.loop.setup import step_problem
+  from jaxrl_llm.train import TrainConfig, init_train_state
+  state = init_train_state({"w": jnp.ones(2)}, optax.adam(1e-3), TrainConfig())
+  assert step_problem(0, state, {"step": 0}) is None
+  assert step_problem(2, state, {"step": 2}) == "its state's step counter is 0, its folder 2"
+  assert step_problem(2, state, {"step": True}) == "its extra record says step True, its folder 2"
+  assert step_problem(2, {"w": 1}, {}) == "its extra record says step None, its folder 2"

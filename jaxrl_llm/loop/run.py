@@ -54,7 +54,7 @@ from jaxrl_llm.loop.processes import Processes, host_value
 from jaxrl_llm.loop.progress import end_progress_line, report_progress
 from jaxrl_llm.loop.resolve import Resolved, resolve
 from jaxrl_llm.loop.rollouts import Async, InStep, Partial, Rollouts
-from jaxrl_llm.loop.setup import make_policy, make_task
+from jaxrl_llm.loop.setup import make_policy, make_task, step_problem
 from jaxrl_llm.loop.signals import SignalWatch, signal_window
 from jaxrl_llm.train import TrainConfig, make_train_step
 
@@ -530,7 +530,7 @@ def _resume(run: RunConfig, ckpt: Checkpointer, metrics_path: str, state,
   say = _say if primary else _silent
   start, keep_upto = 0, -1
   if run.resume and ckpt.all_steps():
-    state, extra = ckpt.restore(state)
+    state, extra = ckpt.restore(state, check=step_problem)   # extra step == folder's
     start = keep_upto = int(extra["step"])
     say(f"resuming from step {start} ({ckpt.directory}/{ckpt.restored_step})")
   elif run.resume:

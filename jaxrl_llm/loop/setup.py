@@ -281,8 +281,34 @@ def restore_state(run_dir: str, resolved: Resolved, params: Any, *,
   template = init_train_state(params, resolved.optimizer.build(), resolved.train,
                               rng=jax.random.PRNGKey(resolved.run.seed), trainable=trainable)
   with Checkpointer(os.path.join(run_dir, rf.CHECKPOINTS_DIR)) as ckpt:
-    state, extra = ckpt.restore(template)
+    state, extra = ckpt.restore(template, check=step_problem)
   return state, int(extra["step"])
+
+
+def step_problem(step: int, state: Any, extra: dict) -> str | None:
+  """Why the checkpoint folder ``step`` of a run does not hold that step (the ``check``
+  of :meth:`~jaxrl_llm.checkpoint.Checkpointer.restore`), or ``None``: its ``extra``
+  record's ``"step"`` and the state's own step counter (a
+  :class:`~jaxrl_llm.train.TrainState`'s ``step``, one per train step; a state without
+  one, e.g. the parameters alone, is not asked) must both be the folder's ``step``.
+  A resume acts on that number: it keeps the metrics rows up to it and trains the steps
+  after it.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> step_problem(12, {"w": jnp.ones(2)}, {"step": 12}) is None
+    True
+    >>> step_problem(12, {"w": jnp.ones(2)}, {"step": 2})
+    'its extra record says step 2, its folder 12'
+  """
+  from jaxrl_llm.loop.processes import host_value
+  said = extra.get("step")
+  if type(said) is not int or said != step:
+    return f"its extra record says step {said!r}, its folder {step}"
+  counter = getattr(state, "step", None)
+  if counter is not None and int(host_value(counter)) != step:
+    return f"its state's step counter is {int(host_value(counter))}, its folder {step}"
+  return None
 
 
 def restore_params(run_dir: str, template: Any) -> tuple[Any, int]:
@@ -294,7 +320,7 @@ def restore_params(run_dir: str, template: Any) -> tuple[Any, int]:
   from jaxrl_llm import run_folder as rf
   from jaxrl_llm.checkpoint import Checkpointer
   with Checkpointer(os.path.join(run_dir, rf.CHECKPOINTS_DIR)) as ckpt:
-    params, extra = ckpt.restore(template, part="params")
+    params, extra = ckpt.restore(template, part="params", check=step_problem)
   return params, int(extra["step"])
 
 
@@ -342,4 +368,5 @@ def warm_start_value_params(run: RunConfig, params: Any) -> Any:
 
 __all__ = ["is_checkpoint", "load_models", "make_policy", "make_task", "make_vllm_engine",
            "model_file", "read_run",
-           "restore_latest", "restore_params", "restore_state", "warm_start_value_params"]
+           "restore_latest", "restore_params", "restore_state", "step_problem",
+           "warm_start_value_params"]
