@@ -273,9 +273,18 @@ def _header_problem(record: dict, step: int, extra: dict) -> str | None:
   saved = record.get("step")
   if saved is not None and saved != step:
     return f"its verification record was saved as step {saved!r}"
-  if "extra" in record and _canonical(record["extra"]) != _canonical(extra):
-    return f"its extra record {_short(extra)} differs from the one saved with this step"
-  return None
+  if "extra" not in record or _canonical(record["extra"]) == _canonical(extra):
+    return None
+  saved_extra = record["extra"] if isinstance(record["extra"], dict) else {}
+  missing = object()
+  one_sided = lambda key: key not in extra or key not in saved_extra
+  for key in sorted(set(extra) | set(saved_extra), key=lambda k: (one_sided(k), k)):
+    now, then = extra.get(key, missing), saved_extra.get(key, missing)
+    if now is missing or then is missing or _canonical(now) != _canonical(then):
+      show = lambda v: "missing" if v is missing else _short(v)
+      return (f"its extra record's {key!r} is {show(now)}, saved as {show(then)} with "
+              "this step")
+  return "its extra record differs from the one saved with this step"
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -307,6 +316,9 @@ class Checkpointer:
     async_save: write in a background thread (every :meth:`save` still waits for it).
     log: called with each one-line message (a checkpoint that failed verification,
       rotation notes); default: print to stderr.
+    stamp: JSON data added to the ``extra`` of every step saved (under its own keys;
+      a :meth:`save`'s ``extra`` wins a clash): e.g. which run the state belongs to,
+      as the training loop records it (``{"run": RunConfig.identity()}``).
 
   Examples:
     >>> import tempfile, jax.numpy as jnp
@@ -321,12 +333,14 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, max_to_keep: int | None = 3,
                save_interval_steps: int = 1, async_save: bool = False,
-               log: Callable[[str], None] | None = None) -> None:
+               log: Callable[[str], None] | None = None,
+               stamp: dict | None = None) -> None:
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"`max_to_keep` must be >= 1 or None, got {max_to_keep}.")
     self.directory = os.path.abspath(directory)
     self.max_to_keep = max_to_keep
     self.log = log or _stderr
+    self.stamp = dict(stamp or {})
     self.bad_steps: dict[int, str] = {}
     self.restored_step: int | None = None
     self._records: dict[int, dict] = {}
@@ -399,13 +413,14 @@ class Checkpointer:
         self._records.pop(s, None)
     if step in self.all_steps():
       return False
+    extra = {**self.stamp, **(extra or {})}
     try:                 # the copy of extra in the record is what a restore reads back
-      saved_extra = json.loads(json.dumps(extra or {}))
+      saved_extra = json.loads(json.dumps(extra))
     except (TypeError, ValueError) as e:
       raise ValueError(f"`extra` must be JSON data: {e}") from None
     record = {**fingerprint(state), "step": step, "extra": saved_extra}
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                              extra=ocp.args.JsonSave(extra or {}),
+                              extra=ocp.args.JsonSave(extra),
                               **{VERIFY_ITEM: ocp.args.JsonSave(record)})
     with _quiet_orbax():
       try:

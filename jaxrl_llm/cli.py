@@ -269,9 +269,14 @@ def _resume_config(args: argparse.Namespace, argv: list):
   from the one the saved run uses (recipe defaults filled in) raises ``ValueError``
   naming it."""
   from jaxrl_llm import run_folder as rf
-  from jaxrl_llm.loop.config import RESUMABLE_FIELDS, RunConfig
+  from jaxrl_llm.loop.config import (
+    RESUMABLE_FIELDS,
+    check_checkpoints_match,
+    read_run_config,
+  )
   from jaxrl_llm.loop.resolve import effective, resolve
-  saved = RunConfig.from_dict(rf.read_json(os.path.join(args.out, rf.CONFIG_FILE)))
+  saved = read_run_config(os.path.join(args.out, rf.CONFIG_FILE))
+  check_checkpoints_match(saved, args.out)     # a hand-edited config.json
   given = run_config_from_args(args)
   # The given options, and the estimator that one of them alone implies (--hybrid-n).
   explicit = _explicit_train_dests(argv) | {TRAIN_PREFIX + k for k in given.train

@@ -55,6 +55,9 @@ from typing import Any
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 CHECKPOINTS_DIR = "checkpoints"
+# A step's ``extra`` dict in its checkpoint folder: the file orbax's JSON handler writes
+# for the item "extra" (jaxrl_llm.checkpoint).
+EXTRA_FILE = os.path.join("extra", "metadata")
 
 
 class RunFolderError(ValueError):
@@ -219,6 +222,39 @@ def restorable_problem(run_dir: str) -> str | None:
     return (f"{run_dir} has no checkpoint yet ({ckpt_dir} is empty or missing): the run "
             "saved none before it stopped")
   return None
+
+
+def checkpoint_extras(run_dir: str) -> dict[int, Any]:
+  """The ``extra`` data of each step in ``run_dir/checkpoints``, as its file holds it.
+
+  Read without JAX, before anything is restored, and so not verified (a restore
+  verifies it: :mod:`jaxrl_llm.checkpoint`): for checks that can refuse a run early.
+  Steps whose file is missing or not JSON, and step folders that are links, are left
+  out.
+
+  Examples:
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> os.makedirs(os.path.join(d, CHECKPOINTS_DIR, "2", "extra"))
+    >>> write_json(os.path.join(d, CHECKPOINTS_DIR, "2", EXTRA_FILE), {"step": 2})
+    >>> checkpoint_extras(d)
+    {2: {'step': 2}}
+  """
+  folder = os.path.join(run_dir, CHECKPOINTS_DIR)
+  try:
+    names = sorted((n for n in os.listdir(folder) if n.isdigit()), key=int)
+  except OSError:
+    return {}
+  out = {}
+  for name in names:
+    step_dir = os.path.join(folder, name)
+    if os.path.islink(step_dir):
+      continue
+    try:
+      out[int(name)] = read_json(os.path.join(step_dir, EXTRA_FILE))
+    except OSError:                   # missing, unreadable or not JSON
+      continue
+  return out
 
 
 def read_json(path: str) -> Any:
@@ -546,8 +582,8 @@ class GracefulStop:
     self._previous = {}
 
 
-__all__ = ["METRICS_FILE", "CONFIG_FILE", "RunFolderError", "RunFolderIOError", "io_error",
-           "os_reason",
-           "to_jsonable", "dumps", "atomic_write_text", "write_json", "read_json", "read_metrics",
-           "rewrite_jsonl", "prepare_metrics", "MetricsWriter", "probe_run_folder",
-           "RunInterrupted", "GracefulStop"]
+__all__ = ["METRICS_FILE", "CONFIG_FILE", "EXTRA_FILE", "RunFolderError",
+           "RunFolderIOError", "io_error", "os_reason", "to_jsonable", "dumps",
+           "atomic_write_text", "write_json", "checkpoint_extras", "read_json",
+           "read_metrics", "rewrite_jsonl", "prepare_metrics", "MetricsWriter",
+           "probe_run_folder", "RunInterrupted", "GracefulStop"]

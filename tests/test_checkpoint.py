@@ -538,8 +538,8 @@ def test_the_step_and_extra_record_must_agree_with_the_folder(tmp_path):
   fresh = Checkpointer(ckpt.directory, log=messages.append)
   _, extra = fresh.restore(abstract_like(states[0]))
   assert fresh.restored_step == 2 and extra == {"step": 2}
-  assert fresh.bad_steps[3] == ('its extra record {"step": 99999} differs from the one '
-                                "saved with this step"), fresh.bad_steps
+  assert fresh.bad_steps[3] == ("its extra record's 'step' is 99999, saved as 3 with "
+                                "this step"), fresh.bad_steps
   shutil.rmtree(os.path.join(ckpt.directory, "3"))
   shutil.copytree(os.path.join(ckpt.directory, "1"), os.path.join(ckpt.directory, "3"))
   fresh = Checkpointer(ckpt.directory, log=messages.append)

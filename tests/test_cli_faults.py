@@ -530,9 +530,13 @@ def test_a_step_record_that_disagrees_falls_back_or_refuses_in_one_line(capsys, 
   small = ["--algo", "grpo", "--prompts-per-step", "4", "--group-size", "2",
            "--eval-size", "4", "--eval-every", "100", "--save-every", "1", "--no-progress"]
   assert _main(capsys, "train", "--steps", "2", *small, "--out", str(base)).returncode == 0
+  from jaxrl_llm import run_folder as rf
+  from jaxrl_llm.loop.config import read_run_config
+  extras = rf.checkpoint_extras(str(base))                # each step records its run
+  assert extras == {s: {"step": s, "run": read_run_config(str(base / "config.json"))
+                        .identity()} for s in (1, 2)}
   for name, value, reason in (
-      ("edited", 99999, 'its extra record {"step": 99999} differs from the one saved with '
-       "this step"),
+      ("edited", 99999, "its extra record's 'step' is 99999, saved as 2 with this step"),
       ("both", (1,), "its extra record says step 1, its folder 2")):   # record too
     out = tmp_path / name
     shutil.copytree(base, out)
@@ -552,8 +556,8 @@ def test_a_step_record_that_disagrees_falls_back_or_refuses_in_one_line(capsys, 
   done = _main(capsys, "train", "--resume", "--steps", "3", "--out", str(out))
   assert done.returncode == 1, done.stderr[-3000:]
   assert done.stderr.splitlines() == [
-      f"error: no usable checkpoint in {out}/checkpoints: step 2 (its extra record "
-      '{"step": 99999} differs from the one saved with this step)'], done.stderr
+      f"error: no usable checkpoint in {out}/checkpoints: step 2 (its extra record's "
+      "'step' is 99999, saved as 2 with this step)"], done.stderr
   assert _rows(out) == rows                                  # nothing trained or dropped
 
 
@@ -568,3 +572,67 @@ def test_the_state_step_counter_must_be_the_folder_step():
   assert step_problem(2, state, {"step": 2}) == "its state's step counter is 0, its folder 2"
   assert step_problem(2, state, {"step": True}) == "its extra record says step True, its folder 2"
   assert step_problem(2, {"w": 1}, {}) == "its extra record says step None, its folder 2"
+
+
+# One fresh interpreter: each hand-edited config.json of a run folder, resumed; reports
+# the exit codes, stderr and whether JAX was imported along the way.
+_EDITED_CONFIGS = r"""
+import contextlib, dataclasses, io, json, os, sys
+import jaxrl_llm.cli as cli
+from jaxrl_llm.loop.config import RunConfig
+root = sys.argv[1]
+good = dataclasses.asdict(RunConfig(steps=3))
+stamp = {"step": 2, "run": RunConfig(steps=3).identity()}
+edits = {
+    "list": [], "null": None, "steps": {**good, "steps": "abc"},
+    "kl_coef": {**good, "train": {"kl_coef": "x"}}, "train": {**good, "train": []},
+    "task_config": {**good, "task_config": "min_terms=2"},
+    "seed": {**good, "seed": True}, "task_type": {**good, "task": 7},
+    "task": {**good, "task": "copy"},          # a valid task, not the one trained
+}
+out = {}
+for name, config in edits.items():
+  run = os.path.join(root, name)
+  os.makedirs(os.path.join(run, "checkpoints", "2", "extra"))
+  with open(os.path.join(run, "config.json"), "w") as f:
+    json.dump(config, f)
+  with open(os.path.join(run, "checkpoints", "2", "extra", "metadata"), "w") as f:
+    json.dump(stamp, f)
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err):
+    rc = cli.main(["train", "--resume", "--out", run, "--no-progress"])
+  out[name] = (rc, err.getvalue())
+out["jax_imported"] = sorted(m for m in ("jax", "jaxlib", "flax", "optax", "orbax")
+                             if m in sys.modules)
+print(json.dumps(out))
+"""
+
+
+def test_a_hand_edited_config_is_one_line_naming_the_field_before_jax(tmp_path):
+  """Reliability issue, item 4: wrong types in a run's config.json gave a traceback on
+  --resume (after up to 35 s of imports and building); a valid but different task
+  resumed the run on that task. Now each is one line naming the file and the field,
+  exit code 2, and JAX is never imported."""
+  done = subprocess.run([sys.executable, "-c", _EDITED_CONFIGS, str(tmp_path)],
+                        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads(done.stdout.strip().splitlines()[-1])
+  assert result.pop("jax_imported") == []
+  expected = {
+      "list": "holds [], not a JSON object of run settings",
+      "null": "holds null, not a JSON object of run settings",
+      "steps": 'steps must be an int, got "abc"',
+      "kl_coef": 'train.kl_coef must be a number, got "x"',
+      "train": "train must be a JSON object of TrainConfig fields, got []",
+      "task_config": 'task_config must be a list of strings, got "min_terms=2"',
+      "seed": "seed must be an int, got true",
+      "task_type": "task must be null or a string, got 7",
+      "task": 'task "copy" (its checkpoints were trained with "reverse"), which step 2 '
+              "records: the file was edited after the run started",
+  }
+  for name, message in expected.items():
+    rc, err = result[name]
+    config = tmp_path / name / "config.json"
+    lines = err.splitlines()
+    assert rc == 2 and len(lines) == 1, (name, rc, err)
+    assert lines[0].startswith(f"error: {config}: {message}"), (name, err)
