@@ -636,3 +636,100 @@ def test_a_hand_edited_config_is_one_line_naming_the_field_before_jax(tmp_path):
     lines = err.splitlines()
     assert rc == 2 and len(lines) == 1, (name, rc, err)
     assert lines[0].startswith(f"error: {config}: {message}"), (name, err)
+
+
+def _tree(folder):
+  """``{relative path: bytes}`` of every file under ``folder``."""
+  return {os.path.relpath(os.path.join(d, n), folder): open(os.path.join(d, n), "rb").read()
+          for d, _, names in os.walk(folder) for n in names}
+
+
+def test_resume_of_a_run_folder_with_planted_links_changes_nothing_outside_it(capsys,
+                                                                              tmp_path):
+  """Reliability issue, item 3: ``--resume`` on a crafted run folder wrote outside it:
+  ``metrics.jsonl.tmp -> F`` was followed by the atomic rewrite (and ``metrics.jsonl``
+  became a link to F), ``curves.png -> F`` and ``config.json.tmp -> F`` were
+  overwritten; a step folder that was a link fell back, trained, then died in
+  ``OSError: Cannot call rmtree on a symbolic link``. Now files are created fresh and
+  renamed into place; a link the run would append to or restore from is refused in
+  one line."""
+  import shutil
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  for name in ("f1", "f2", "f3", "f4"):
+    (outside / name).write_text(f"{name}: not the run's\n")
+  shutil.copytree(outside, outside / "step")
+  before = _tree(outside)
+  base = tmp_path / "base"
+  small = ["--algo", "grpo", "--prompts-per-step", "4", "--group-size", "2",
+           "--eval-size", "4", "--eval-every", "100", "--save-every", "2", "--no-progress"]
+  assert _main(capsys, "train", "--steps", "3", *small, "--out", str(base)).returncode == 0
+  shutil.rmtree(base / "checkpoints" / "3")          # killed after step 3's row: resume
+  run = tmp_path / "links"                           # drops it (a metrics rewrite)
+  shutil.copytree(base, run)
+  for name, target in (("metrics.jsonl.tmp", "f1"), ("curves.png", "f2"),
+                       ("config.json.tmp", "f3")):
+    if os.path.exists(run / name):
+      os.unlink(run / name)
+    os.symlink(outside / target, run / name)
+  done = _main(capsys, "train", "--resume", "--out", str(run))
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert f"{run}/metrics.jsonl: dropped 1 rows after step 2" in done.stderr
+  assert _tree(outside) == before
+  assert not any(os.path.islink(run / n) for n in os.listdir(run)), os.listdir(run)
+  assert [r["step"] for r in _rows(run)] == [0, 1, 2, 3]
+  assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+  for name, plant, message in (
+      ("metrics", ("metrics.jsonl", outside / "f4"),
+       f"is a symbolic link (to {outside}/f4): a run folder's files are written by the "
+       "run alone; remove the link"),
+      ("step", ("checkpoints/4", outside / "step"),
+       f"error: checkpoint step folder {{run}}/checkpoints/4 is a symbolic link (to "
+       f"{outside}/step); a checkpoint is a folder the checkpointer wrote: remove the "
+       "link")):
+    run = tmp_path / name
+    shutil.copytree(base, run)
+    if name == "metrics":
+      os.unlink(run / plant[0])
+    os.symlink(plant[1], run / plant[0])
+    done = _main(capsys, "train", "--resume", "--out", str(run))
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 1 and len(errors) == 1, done.stderr[-3000:]
+    assert message.format(run=run) in errors[0], errors
+    assert "Traceback" not in done.stderr
+    assert _tree(outside) == before
+
+
+def test_an_export_replaces_planted_links_and_writes_nothing_through_them(tmp_path):
+  """Export outputs are written into a fresh folder, then moved into place: a planted
+  ``hf -> D`` or ``value_head.safetensors -> F`` is replaced, D and F are untouched."""
+  from jaxrl_llm.loop.export import _staged
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "model.safetensors").write_text("not the run's\n")
+  before = _tree(outside)
+  run = tmp_path / "run"
+  run.mkdir()
+  os.symlink(outside, run / "hf")
+  os.symlink(outside / "model.safetensors", run / "value_head.safetensors")
+  (run / "critic").mkdir()
+  os.symlink(outside / "model.safetensors", run / "critic" / "model.safetensors")
+  with _staged(str(run)) as stage:
+    for folder in ("hf", "critic"):
+      os.makedirs(os.path.join(stage, folder))
+      with open(os.path.join(stage, folder, "model.safetensors"), "w") as f:
+        f.write("trained\n")
+    with open(os.path.join(stage, "value_head.safetensors"), "w") as f:
+      f.write("head\n")
+  assert sorted(os.listdir(run)) == ["critic", "hf", "value_head.safetensors"]
+  assert _tree(run) == {"hf/model.safetensors": b"trained\n",
+                        "critic/model.safetensors": b"trained\n",
+                        "value_head.safetensors": b"head\n"}
+  assert not any(os.path.islink(os.path.join(d, n)) for d, dirs, names in os.walk(run)
+                 for n in dirs + names)
+  assert _tree(outside) == before
+  with pytest.raises(RuntimeError), _staged(str(run)) as stage:      # a failed export
+    os.makedirs(os.path.join(stage, "hf"))
+    raise RuntimeError("failed mid-export")
+  assert _tree(run)["hf/model.safetensors"] == b"trained\n"           # the old one stays
+  assert sorted(os.listdir(run)) == ["critic", "hf", "value_head.safetensors"]
