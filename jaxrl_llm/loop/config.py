@@ -681,7 +681,7 @@ def check_checkpoints_match(run: RunConfig, run_dir: str) -> None:
     if problem is not None:
       raise ValueError(f"{os.path.join(run_dir, rf.CONFIG_FILE)}: {problem}, which step "
                        f"{step} records: the file was edited after the run started; "
-                       "restore it, or pass --overwrite, or choose another --out")
+                       "restore it (the checkpoints belong to the run it described)")
 
 
 def check_json_types(cls: type, fields: dict, *, prefix: str = "") -> None:
