@@ -17,12 +17,22 @@ verified:
   ``2 i + 1`` are odd, and so invertible mod ``2**32``, *any* change of a single word
   changes both. They are computed on device by one jitted function (a collective when
   the state is sharded), so nothing is gathered to the host.
+* **The step and the extra record too**: the record also holds the step it was saved
+  as and a copy of the JSON ``extra`` dict, so the folder's name, the ``extra`` file
+  and the record must all agree: a step folder renamed or copied, or an ``extra``
+  file edited, truncated or flipped, does not verify. (The record's own entries are
+  checked against the data and the ``extra`` file, so a fault in it is caught too.)
 * **Verified restores with fallback**: :meth:`Checkpointer.restore` re-reads the
   record, checks the restored tree against the template and the record (structure,
-  shapes, dtypes, finiteness, checksums) and, when the latest step fails (flipped
-  bytes, a truncated data file, missing metadata, a non-finite state), logs one line
-  naming it and falls back to the newest step that verifies. Orbax's own errors never
-  escape as tracebacks: a step that cannot be read is a step that does not verify.
+  shapes, dtypes, finiteness, checksums, step, ``extra``; and a caller's own ``check``,
+  e.g. that a train state's step counter is the folder's step) and, when the latest
+  step fails (flipped bytes, a truncated data file, missing metadata, a non-finite
+  state), logs one line naming it and falls back to the newest step that verifies.
+  Orbax's own errors never escape as tracebacks: a step that cannot be read is a step
+  that does not verify.
+* **No links followed**: a step folder that is a symbolic link is refused in one line
+  (:class:`CheckpointError`): restoring it would read, and replacing it delete, files
+  outside the checkpoint folder.
 * **Rotation that keeps a good state**: ``max_to_keep`` keeps the newest N steps *and*
   the newest step that is trusted (saved with a verification record, finite at save
   time and not found bad since), so a run that starts saving garbage cannot rotate
@@ -41,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import logging
 import os
 import re
@@ -241,6 +252,46 @@ def _first_path_difference(what: str, want: list, got: list) -> str:
   return f"tree differs from the {what}: leaves in another order"
 
 
+def _well_formed(record: Any) -> bool:
+  """Whether ``record`` is a verification record :func:`fingerprint` could have written
+  (not a damaged one: a key's name flipped, a list cut short)."""
+  keys = ("paths", "shapes", "dtypes", "checksums")
+  return (isinstance(record, dict) and all(isinstance(record.get(k), list) for k in keys)
+          and len({len(record[k]) for k in keys}) == 1
+          and isinstance(record.get("finite"), bool)
+          and isinstance(record.get("nonfinite", []), list)
+          and all(isinstance(c, list) and len(c) == 2 for c in record["checksums"]))
+
+
+def _canonical(value: Any) -> str:
+  return json.dumps(value, sort_keys=True)
+
+
+def _header_problem(record: dict, step: int, extra: dict) -> str | None:
+  """Why the step and the ``extra`` dict restored from folder ``step`` do not match
+  its record (records of older versions hold neither: nothing to compare), or None."""
+  saved = record.get("step")
+  if saved is not None and saved != step:
+    return f"its verification record was saved as step {saved!r}"
+  if "extra" not in record or _canonical(record["extra"]) == _canonical(extra):
+    return None
+  saved_extra = record["extra"] if isinstance(record["extra"], dict) else {}
+  missing = object()
+  one_sided = lambda key: key not in extra or key not in saved_extra
+  for key in sorted(set(extra) | set(saved_extra), key=lambda k: (one_sided(k), k)):
+    now, then = extra.get(key, missing), saved_extra.get(key, missing)
+    if now is missing or then is missing or _canonical(now) != _canonical(then):
+      show = lambda v: "missing" if v is missing else _short(v)
+      return (f"its extra record's {key!r} is {show(now)}, saved as {show(then)} with "
+              "this step")
+  return "its extra record differs from the one saved with this step"
+
+
+def _short(value: Any, limit: int = 60) -> str:
+  text = _canonical(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _one_line(exc: BaseException, limit: int = 160) -> str:
   text = " ".join(str(exc).split()) or type(exc).__name__
   if len(text) > limit:
@@ -265,6 +316,9 @@ class Checkpointer:
     async_save: write in a background thread (every :meth:`save` still waits for it).
     log: called with each one-line message (a checkpoint that failed verification,
       rotation notes); default: print to stderr.
+    stamp: JSON data added to the ``extra`` of every step saved (under its own keys;
+      a :meth:`save`'s ``extra`` wins a clash): e.g. which run the state belongs to,
+      as the training loop records it (``{"run": RunConfig.identity()}``).
 
   Examples:
     >>> import tempfile, jax.numpy as jnp
@@ -279,12 +333,14 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, max_to_keep: int | None = 3,
                save_interval_steps: int = 1, async_save: bool = False,
-               log: Callable[[str], None] | None = None) -> None:
+               log: Callable[[str], None] | None = None,
+               stamp: dict | None = None) -> None:
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"`max_to_keep` must be >= 1 or None, got {max_to_keep}.")
     self.directory = os.path.abspath(directory)
     self.max_to_keep = max_to_keep
     self.log = log or _stderr
+    self.stamp = dict(stamp or {})
     self.bad_steps: dict[int, str] = {}
     self.restored_step: int | None = None
     self._records: dict[int, dict] = {}
@@ -348,6 +404,7 @@ class Checkpointer:
     self._learned_since_restore = self._learned_since_restore or not skipped
 
   def _save(self, step: int, state: Any, extra: dict | None, force: bool) -> bool:
+    self._refuse_linked_steps()
     for s in self.all_steps():
       if s >= step and s in self.bad_steps:      # replaced by the run that went on
         self.log(f"removing unusable checkpoint {self._step_dir(s)} "
@@ -356,9 +413,14 @@ class Checkpointer:
         self._records.pop(s, None)
     if step in self.all_steps():
       return False
-    record = fingerprint(state)
+    extra = {**self.stamp, **(extra or {})}
+    try:                 # the copy of extra in the record is what a restore reads back
+      saved_extra = json.loads(json.dumps(extra))
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"`extra` must be JSON data: {e}") from None
+    record = {**fingerprint(state), "step": step, "extra": saved_extra}
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                              extra=ocp.args.JsonSave(extra or {}),
+                              extra=ocp.args.JsonSave(extra),
                               **{VERIFY_ITEM: ocp.args.JsonSave(record)})
     with _quiet_orbax():
       try:
@@ -404,7 +466,9 @@ class Checkpointer:
             **{VERIFY_ITEM: ocp.args.JsonRestore()}))[VERIFY_ITEM]
       except Exception:  # noqa: BLE001 - an unreadable record is a missing one
         return None
-      self._records[step] = dict(got or {})
+      if not _well_formed(got):                # e.g. a key's name flipped: damaged
+        return None
+      self._records[step] = dict(got)
     return self._records[step]
 
   def trusted(self, step: int) -> bool:
@@ -437,7 +501,9 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def restore(self, template: Any, step: int | None = None, *,
-              fallback: bool = True, part: str | None = None) -> tuple[Any, dict]:
+              fallback: bool = True, part: str | None = None,
+              check: Callable[[int, Any, dict], str | None] | None = None
+              ) -> tuple[Any, dict]:
     """Restores ``(state, extra)`` from ``step`` (default: the newest that verifies).
 
     ``template`` is a state of the right structure: concrete arrays, or
@@ -450,6 +516,11 @@ class Checkpointer:
     and eval need, in a third of the memory) and the result is the part, verified
     against the leaves of the record under it.
 
+    ``check(step, state, extra)``: the caller's own test of a candidate that passed
+    verification, the reason it is unusable or ``None`` (the training loop's: the
+    ``extra`` step and the state's step counter are the folder's step); a candidate
+    it refuses falls back like a corrupt one.
+
     Every candidate is verified (see the module doc). With ``step=None`` and
     ``fallback``, a step that fails is logged in one line naming it, recorded in
     ``bad_steps``, and the next older step is tried; ``restored_step`` tells which
@@ -460,8 +531,10 @@ class Checkpointer:
 
     Raises:
       FileNotFoundError: the folder holds no checkpoint.
-      CheckpointError: no candidate verifies (the message lists each one's reason).
+      CheckpointError: no candidate verifies (the message lists each one's reason),
+        or a step folder is a symbolic link.
     """
+    self._refuse_linked_steps()
     steps = self.all_steps()
     if not steps:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
@@ -474,6 +547,8 @@ class Checkpointer:
     failures = []
     for s in candidates:
       result, reason = self._restore_verified(template, s, part)
+      if reason is None and check is not None:
+        reason = check(s, *result)
       if reason is None:
         self.restored_step = s
         self._steps_since_restore, self._learned_since_restore = 0, False
@@ -502,21 +577,42 @@ class Checkpointer:
       args = ocp.args.PyTreeRestore(
           item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
           partial_restore=True)
+    _silence_abandoned_writes()                  # and the reads of a step that fails
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
           state=args, extra=ocp.args.JsonRestore()))
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise bare Exception
       return None, f"cannot be read: {_one_line(_root_cause(e))}"
-    state, extra = restored["state"], dict(restored["extra"] or {})
+    state, extra = restored["state"], restored["extra"]
+    if extra is None:
+      extra = {}
+    if not isinstance(extra, dict):
+      return None, f"its extra record is not a JSON object ({type(extra).__name__})"
+    if record is None and os.path.isdir(os.path.join(self._step_dir(step), VERIFY_ITEM)):
+      return None, "its verification record cannot be read (or is damaged)"
+    reason = _header_problem(record, step, extra) if record is not None else None
+    if reason is not None:
+      return None, reason
     if part is not None:
       state = state[part]
       record = None if record is None else record_part(record, part)
     if record is None:
-      if os.path.isdir(os.path.join(self._step_dir(step), VERIFY_ITEM)):
-        return None, "its verification record cannot be read"
       record = fingerprint(state)                # legacy step: structure + finiteness
     reason = verify_against(record, state, template)
     return (state, extra), reason
+
+  def _refuse_linked_steps(self) -> None:
+    """Raises :class:`CheckpointError` when a step folder is a symbolic link."""
+    try:
+      entries = list(os.scandir(self.directory))
+    except OSError:
+      return                                     # orbax reports a missing folder
+    for entry in sorted(entries, key=lambda e: e.name):
+      if entry.name.isdigit() and entry.is_symlink():
+        raise CheckpointError(
+            f"checkpoint step folder {entry.path} is a symbolic link (to "
+            f"{os.readlink(entry.path)}); a checkpoint is a folder the checkpointer "
+            "wrote: remove the link")
 
   def close(self) -> None:
     self._manager.close()
@@ -644,6 +740,10 @@ def _quiet_unraisable(previous: Callable[[Any], None]) -> Callable[[Any], None]:
     if (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and tb
         is not None and traceback.extract_tb(tb)[0].name == "call_soon_threadsafe"):
       return                # a write orbax abandoned completes after its loop closed
+    code = getattr(unraisable.object, "cr_code", None)
+    if (code is not None and "orbax" in code.co_filename
+        and str(exc).startswith(_ABANDONED_READ)):
+      return                # a read orbax abandoned when a sibling read failed, closed
     previous(unraisable)
   return hook
 
@@ -663,6 +763,11 @@ def _silence_abandoned_writes() -> None:
   unraisable hook, the ``asyncio`` logger and the warnings filter pass everything else
   on). Installed by the first save (the echoes can come before orbax reports the
   failure, and after); the hook only over Python's default one.
+
+  A restore that fails the same way (a truncated or flipped data file) abandons its
+  sibling reads: each, closed unfinished, raises "Encountered error while reading
+  array index" from its coroutine, printed as a traceback (three of them for one bad
+  file). The failed step is reported once (the fallback line); those are dropped too.
   """
   global _ASYNCIO_FILTERED
   if not _ASYNCIO_FILTERED:
@@ -678,6 +783,7 @@ def _silence_abandoned_writes() -> None:
 
 _ASYNCIO_FILTERED = False
 _ABANDONED_COROUTINE = r"coroutine 'async_serialize\w*\.<locals>\.\w+' was never awaited"
+_ABANDONED_READ = "Encountered error while reading array index"
 
 
 @contextlib.contextmanager

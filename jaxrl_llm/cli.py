@@ -269,9 +269,14 @@ def _resume_config(args: argparse.Namespace, argv: list):
   from the one the saved run uses (recipe defaults filled in) raises ``ValueError``
   naming it."""
   from jaxrl_llm import run_folder as rf
-  from jaxrl_llm.loop.config import RESUMABLE_FIELDS, RunConfig
+  from jaxrl_llm.loop.config import (
+    RESUMABLE_FIELDS,
+    check_checkpoints_match,
+    read_run_config,
+  )
   from jaxrl_llm.loop.resolve import effective, resolve
-  saved = RunConfig.from_dict(rf.read_json(os.path.join(args.out, rf.CONFIG_FILE)))
+  saved = read_run_config(os.path.join(args.out, rf.CONFIG_FILE))
+  check_checkpoints_match(saved, args.out)     # a hand-edited config.json
   given = run_config_from_args(args)
   # The given options, and the estimator that one of them alone implies (--hybrid-n).
   explicit = _explicit_train_dests(argv) | {TRAIN_PREFIX + k for k in given.train
@@ -512,7 +517,11 @@ def informative_keys(histories: Sequence[list]) -> list:
 
 def plot_runs(runs: Sequence[str], labels: Sequence[str] | None, output: str) -> None:
   """Draws the learning curves of ``runs`` into ``output`` (needs matplotlib): a panel
-  per :func:`informative_keys` metric."""
+  per :func:`informative_keys` metric. The image is written fresh and renamed into
+  place (:func:`jaxrl_llm.run_folder.atomic_write_bytes`): a link at ``output`` is
+  replaced, never written through."""
+  import io
+
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -535,8 +544,12 @@ def plot_runs(runs: Sequence[str], labels: Sequence[str] | None, output: str) ->
       ax.set_xlabel("step")
   axes.flat[0].legend()
   fig.tight_layout()
-  fig.savefig(output, dpi=110)
+  image = io.BytesIO()
+  # The format of output's extension (as savefig(output) picks it), else PNG.
+  fig.savefig(image, dpi=110, format=os.path.splitext(output)[1][1:].lower() or None)
   plt.close(fig)
+  from jaxrl_llm import run_folder as rf
+  rf.atomic_write_bytes(output, image.getvalue())
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -564,6 +577,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
                  "matplotlib (or pip install -e '.[plot]')")
   try:
     plot_runs(args.runs, args.labels, args.output)
+  except rf.RunFolderIOError as e:         # names the file and the cause
+    return _fail("plot", str(e))
   except OSError as e:
     return _fail("plot", f"cannot write {args.output}: {e.strerror or e}")
   print(args.output)

@@ -17,6 +17,13 @@ A run folder holds ``config.json`` (written atomically by :func:`write_json`),
   last one is real corruption and raises :class:`RunFolderIOError` naming the line.
 * **Strict JSON.** NaN and +-inf are written as ``null`` (``allow_nan=False``), so every
   JSON reader accepts the file; numpy scalars become Python numbers.
+* **Never through a link.** Every file is written fresh: a rewrite's temporary is
+  created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a stale one, or a link planted under
+  its name, is unlinked first: the name, never what it points to) and renamed over the
+  file, which replaces a link there rather than following it (:func:`replacing`);
+  ``metrics.jsonl`` is appended to only when it is a file of its own (a symbolic or
+  hard link is refused in one line). So a run folder crafted with links to files
+  elsewhere changes nothing outside it on ``--resume``.
 * **Fail early, in one line.** :func:`probe_run_folder` checks at start that the
   folder can be created and written and that its disk has room; any ``OSError``
   (``ENOSPC`` included) while writing becomes a :class:`RunFolderIOError` whose
@@ -49,12 +56,15 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import IO, Any
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 CHECKPOINTS_DIR = "checkpoints"
+# A step's ``extra`` dict in its checkpoint folder: the file orbax's JSON handler writes
+# for the item "extra" (jaxrl_llm.checkpoint).
+EXTRA_FILE = os.path.join("extra", "metadata")
 
 
 class RunFolderError(ValueError):
@@ -163,24 +173,98 @@ def _fsync_dir(path: str) -> None:
     os.close(fd)
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)      # 0 where the OS has none (Windows)
+
+
+@contextlib.contextmanager
+def replacing(path: str, mode: str = "w") -> Iterator[IO]:
+  """Within: a new file (``mode`` ``"w"``, UTF-8 text, or ``"wb"``) whose content
+  replaces ``path`` when the block ends without an error.
+
+  The content goes to ``<path>.tmp``, created fresh (``O_CREAT | O_EXCL | O_NOFOLLOW``;
+  a stale temporary, or a link planted under its name, is unlinked first: the name
+  only), is fsynced, then renamed over ``path`` (``os.replace``: a link at ``path`` is
+  replaced, never followed) and the folder is fsynced. A crash at any moment leaves
+  the previous file or the complete new one; nothing is ever written through a link.
+  On an error the temporary is removed and ``path`` is left as it was.
+
+  Raises:
+    RunFolderIOError: any ``OSError`` (one line naming ``path``); other errors of the
+      block pass through.
+
+  Examples:
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> os.symlink(os.path.join(d, "elsewhere"), os.path.join(d, "a.txt.tmp"))
+    >>> with replacing(os.path.join(d, "a.txt")) as f:
+    ...   _ = f.write("fresh")
+    >>> sorted(os.listdir(d)), open(os.path.join(d, "a.txt")).read()
+    (['a.txt'], 'fresh')
+  """
+  if mode not in ("w", "wb"):
+    raise ValueError(f"`mode` must be 'w' or 'wb', got {mode!r}.")
+  tmp = path + ".tmp"
+  try:
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(tmp)                     # a stale temporary, or a planted link: the name
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666)
+  except OSError as e:
+    raise io_error("writing", path, e) from None
+  done = False
+  try:
+    f: IO = os.fdopen(fd, "w", encoding="utf-8") if mode == "w" else os.fdopen(fd, "wb")
+    with f:
+      yield f
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+    done = True
+  except OSError as e:
+    raise io_error("writing", path, e) from None
+  finally:
+    if not done:
+      with contextlib.suppress(OSError):
+        os.unlink(tmp)
+  _fsync_dir(os.path.dirname(path))
+
+
 def atomic_write_text(path: str, text: str) -> None:
-  """Writes ``text`` to ``path`` as temp file + fsync + rename (+ fsync of the folder).
+  """Writes ``text`` to ``path`` as temp file + fsync + rename (+ fsync of the folder),
+  never through a link (:func:`replacing`).
 
   A crash at any moment leaves either the previous file or the complete new one.
   Raises :class:`RunFolderIOError` (one line, naming ``path``) on any ``OSError``.
   """
-  tmp = path + ".tmp"
-  try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except OSError as e:
-    with contextlib.suppress(OSError):
-      os.unlink(tmp)
-    raise io_error("writing", path, e) from None
-  _fsync_dir(os.path.dirname(path))
+  with replacing(path) as f:
+    f.write(text)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+  """:func:`atomic_write_text` of ``data`` (e.g. a PNG)."""
+  with replacing(path, "wb") as f:
+    f.write(data)
+
+
+def refuse_link(path: str) -> None:
+  """Raises :class:`RunFolderIOError` when ``path`` is a symbolic link: a file the run
+  appends to (or reads to act on) must be the run folder's own.
+
+  Examples:
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> refuse_link(os.path.join(d, "metrics.jsonl"))            # missing: fine
+    >>> os.symlink("/etc/passwd", os.path.join(d, "metrics.jsonl"))
+    >>> try:
+    ...   refuse_link(os.path.join(d, "metrics.jsonl"))
+    ... except RunFolderIOError as e:
+    ...   print(str(e).replace(d, "RUN"))
+    RUN/metrics.jsonl is a symbolic link (to /etc/passwd): a run folder's files are
+    written by the run alone; remove the link
+  """
+  if os.path.islink(path):
+    raise RunFolderIOError(f"{path} is a symbolic link (to {os.readlink(path)}): a run "
+                           "folder's files are written by the run alone; remove the link",
+                           path=path, err=errno.ELOOP)
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -219,6 +303,39 @@ def restorable_problem(run_dir: str) -> str | None:
     return (f"{run_dir} has no checkpoint yet ({ckpt_dir} is empty or missing): the run "
             "saved none before it stopped")
   return None
+
+
+def checkpoint_extras(run_dir: str) -> dict[int, Any]:
+  """The ``extra`` data of each step in ``run_dir/checkpoints``, as its file holds it.
+
+  Read without JAX, before anything is restored, and so not verified (a restore
+  verifies it: :mod:`jaxrl_llm.checkpoint`): for checks that can refuse a run early.
+  Steps whose file is missing or not JSON, and step folders that are links, are left
+  out.
+
+  Examples:
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> os.makedirs(os.path.join(d, CHECKPOINTS_DIR, "2", "extra"))
+    >>> write_json(os.path.join(d, CHECKPOINTS_DIR, "2", EXTRA_FILE), {"step": 2})
+    >>> checkpoint_extras(d)
+    {2: {'step': 2}}
+  """
+  folder = os.path.join(run_dir, CHECKPOINTS_DIR)
+  try:
+    names = sorted((n for n in os.listdir(folder) if n.isdigit()), key=int)
+  except OSError:
+    return {}
+  out = {}
+  for name in names:
+    step_dir = os.path.join(folder, name)
+    if os.path.islink(step_dir):
+      continue
+    try:
+      out[int(name)] = read_json(os.path.join(step_dir, EXTRA_FILE))
+    except OSError:                   # missing, unreadable or not JSON
+      continue
+  return out
 
 
 def read_json(path: str) -> Any:
@@ -323,6 +440,7 @@ def prepare_metrics(path: str, keep_upto: int | None
     >>> [r["step"] for r in rows], note.endswith("dropped 2 rows after step 2")
     ([0, 1, 2], True)
   """
+  refuse_link(path)
   rows, note = read_metrics(path, missing_ok=True)
   if not rows and note is None:
     return rows, None
@@ -378,12 +496,21 @@ class MetricsWriter:
     self.path = path
     self._fsync = fsync
     self.note: str | None = None
+    refuse_link(path)
     if not _ends_with_newline(path):           # a torn tail: drop it atomically first
       self.note = prepare_metrics(path, None)[1]
-    try:
-      self._file = open(path, "ab")  # noqa: SIM115 - held open until close()
+    try:               # O_NOFOLLOW: a link planted since the check is refused too
+      fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o666)
+      self._file = os.fdopen(fd, "ab")
+      if os.fstat(fd).st_nlink > 1:            # a hard link: other names share the file
+        self._file.close()
+        raise RunFolderIOError(f"{path} has other names (hard links): a run folder's "
+                               "files are written by the run alone; copy it to a file of "
+                               "its own", path=path)
       if not _ends_with_newline(path):         # a complete last row missing its newline
         self._write(b"\n")
+    except RunFolderIOError:
+      raise
     except OSError as e:
       raise io_error("writing", path, e) from None
 
@@ -546,8 +673,9 @@ class GracefulStop:
     self._previous = {}
 
 
-__all__ = ["METRICS_FILE", "CONFIG_FILE", "RunFolderError", "RunFolderIOError", "io_error",
-           "os_reason",
-           "to_jsonable", "dumps", "atomic_write_text", "write_json", "read_json", "read_metrics",
-           "rewrite_jsonl", "prepare_metrics", "MetricsWriter", "probe_run_folder",
-           "RunInterrupted", "GracefulStop"]
+__all__ = ["METRICS_FILE", "CONFIG_FILE", "EXTRA_FILE", "RunFolderError",
+           "RunFolderIOError", "io_error", "os_reason", "to_jsonable", "dumps",
+           "atomic_write_bytes", "atomic_write_text", "replacing", "refuse_link",
+           "write_json", "checkpoint_extras", "read_json",
+           "read_metrics", "rewrite_jsonl", "prepare_metrics", "MetricsWriter",
+           "probe_run_folder", "RunInterrupted", "GracefulStop"]

@@ -479,3 +479,133 @@ def test_the_params_part_restores_alone_verified_against_its_own_leaves(tmp_path
       2: "checksum of ['w'] differs from the one saved with this step"}
   _bit_identical(params, states[0]["params"])
   fresh.close()
+
+
+def _damage(path, how):
+  """Truncates ``path`` to half its size, or flips one bit in its middle."""
+  data = bytearray(pathlib.Path(path).read_bytes())
+  if how == "truncated":
+    data = data[:len(data) // 2]
+  elif data:
+    data[len(data) // 2] ^= 0x01
+  pathlib.Path(path).write_bytes(bytes(data))
+
+
+def test_every_file_of_a_step_truncated_or_flipped_restores_it_exactly_or_falls_back(
+    tmp_path):
+  """Reliability issue, item 1: each file of the newest step folder, truncated and with
+  one bit flipped. The restore either gives that step exactly as saved (the file is one
+  a restore does not act on: orbax's commit notes, an unused index) or falls back to
+  the previous step with one line. Before, a flipped bit in ``extra/metadata`` restored
+  ``{'steq': 3}`` (or another step number) silently: the record did not cover it."""
+  ckpt, states, _ = _saved(tmp_path)
+  ckpt.close()
+  files = sorted(os.path.relpath(p, ckpt.directory) for p in glob.glob(
+      os.path.join(ckpt.directory, "3", "**"), recursive=True) if os.path.isfile(p))
+  assert {"3/extra/metadata", "3/verify/metadata", "3/state/_METADATA"} <= set(files)
+  fell_back = set()
+  for i, rel in enumerate(files):
+    for how in ("truncated", "flipped"):
+      copy = str(tmp_path / f"case{i}{how}")       # a path of its own: no cached reads
+      shutil.copytree(ckpt.directory, copy)
+      _damage(os.path.join(copy, rel), how)
+      messages = []
+      fresh = Checkpointer(copy, log=messages.append)
+      state, extra = fresh.restore(abstract_like(states[0]))
+      step = fresh.restored_step
+      assert step in (2, 3) and extra == {"step": step}, (rel, how, step, extra)
+      _bit_identical(state, states[step - 1])
+      if step == 2:
+        fell_back.add((rel, how))
+        assert len(messages) == 1 and messages[0].startswith(
+            f"checkpoint {copy}/3 is unusable (") and "\n" not in messages[0], messages
+      else:
+        assert messages == [], (rel, how, messages)
+      fresh.close()
+  for rel in ("3/extra/metadata", "3/verify/metadata", "3/state/_METADATA"):
+    assert {(rel, "truncated"), (rel, "flipped")} <= fell_back, (rel, sorted(fell_back))
+
+
+def test_the_step_and_extra_record_must_agree_with_the_folder(tmp_path):
+  """The record holds the step it was saved as and a copy of ``extra``: an edited
+  ``extra`` file, or a step folder copied under another name, falls back; a caller's
+  ``check`` refuses a candidate the same way."""
+  ckpt, states, _ = _saved(tmp_path)
+  ckpt.close()
+  extra_file = os.path.join(ckpt.directory, "3", "extra", "metadata")
+  pathlib.Path(extra_file).write_text(json.dumps({"step": 99999}))
+  messages = []
+  fresh = Checkpointer(ckpt.directory, log=messages.append)
+  _, extra = fresh.restore(abstract_like(states[0]))
+  assert fresh.restored_step == 2 and extra == {"step": 2}
+  assert fresh.bad_steps[3] == ("its extra record's 'step' is 99999, saved as 3 with "
+                                "this step"), fresh.bad_steps
+  shutil.rmtree(os.path.join(ckpt.directory, "3"))
+  shutil.copytree(os.path.join(ckpt.directory, "1"), os.path.join(ckpt.directory, "3"))
+  fresh = Checkpointer(ckpt.directory, log=messages.append)
+  fresh.restore(abstract_like(states[0]))
+  assert fresh.restored_step == 2
+  assert fresh.bad_steps[3] == "its verification record was saved as step 1"
+  seen = []
+
+  def check(step, state, extra):
+    seen.append((step, extra))
+    return "refused by the caller" if step == 2 else None
+
+  fresh = Checkpointer(ckpt.directory, log=messages.append)
+  _, extra = fresh.restore(abstract_like(states[0]), check=check)
+  assert fresh.restored_step == 1 and extra == {"step": 1}
+  assert seen == [(2, {"step": 2}), (1, {"step": 1})]          # 3 failed before the check
+  assert fresh.bad_steps[2] == "refused by the caller"
+  assert messages[-1] == (f"checkpoint {ckpt.directory}/2 is unusable (refused by the "
+                          "caller); falling back to an older checkpoint")
+  with pytest.raises(CheckpointError, match=r"step 2 \(refused by the caller\)"):
+    Checkpointer(ckpt.directory).restore(states[0], step=2, check=check)
+
+
+def test_a_step_folder_that_is_a_symbolic_link_is_refused_in_one_line(tmp_path):
+  """Reliability issue, item 3: a planted ``checkpoints/N -> elsewhere`` fell back,
+  trained, then died deleting it (``OSError: Cannot call rmtree on a symbolic link``)."""
+  ckpt, states, _ = _saved(tmp_path, n=2)
+  ckpt.close()
+  elsewhere = tmp_path / "elsewhere"
+  shutil.copytree(os.path.join(ckpt.directory, "1"), elsewhere)
+  before = sorted(str(p) for p in elsewhere.rglob("*"))
+  os.symlink(elsewhere, os.path.join(ckpt.directory, "5"))
+  fresh = Checkpointer(ckpt.directory, log=lambda m: None)
+  link = f"{ckpt.directory}/5"
+  for act in (lambda: fresh.restore(abstract_like(states[0])),
+              lambda: fresh.save(3, states[1], extra={"step": 3})):
+    with pytest.raises(CheckpointError) as info:
+      act()
+    assert str(info.value) == (f"checkpoint step folder {link} is a symbolic link (to "
+                               f"{elsewhere}); a checkpoint is a folder the checkpointer "
+                               "wrote: remove the link")
+  assert sorted(str(p) for p in elsewhere.rglob("*")) == before
+  fresh.close()
+
+
+def test_the_reads_orbax_abandons_on_a_bad_step_print_no_traceback():
+  """A flipped data file made three sibling reads, closed unfinished, print
+  "Exception ignored in: <coroutine object _read_array_index_and_device_put>" and a
+  50-line traceback each, after the one fallback line."""
+  import types
+
+  from jaxrl_llm.checkpoint import _quiet_unraisable
+  scope: dict = {}
+  exec(compile("async def _read_array_index_and_device_put():\n  pass\n",
+               "/site-packages/orbax/checkpoint/serialization.py", "exec"), scope)
+  ours = scope["_read_array_index_and_device_put"]()
+
+  async def theirs():
+    pass
+
+  other = theirs()
+  passed = []
+  hook = _quiet_unraisable(passed.append)
+  read_failed = Exception("Encountered error while reading array index: (slice(0, 7, 1),)")
+  for obj, exc in ((ours, read_failed), (other, read_failed), (ours, ValueError("x"))):
+    hook(types.SimpleNamespace(exc_value=exc, exc_traceback=None, object=obj))
+  assert [u.object for u in passed] == [other, ours]
+  ours.close()
+  other.close()

@@ -503,3 +503,233 @@ def test_a_disk_that_fills_up_mid_run_is_one_line_with_the_os_cause(tmp_path):
       f"error: cannot save checkpoint step 2 in {out}/checkpoints: no space left on "
       "device (ENOSPC); free some space or choose another --out"), err[-3000:]
   assert left == []                                 # no temporary folder left behind
+
+
+def _step_records(folder, step, value):
+  """Writes ``{"step": value}`` as the step record of checkpoint ``step``: the extra file,
+  and (``value`` a pair) also the copy in the verification record."""
+  import pathlib
+  pathlib.Path(folder, str(step), "extra", "metadata").write_text(json.dumps(
+      {"step": value[0] if isinstance(value, tuple) else value}))
+  if isinstance(value, tuple):
+    verify = pathlib.Path(folder, str(step), "verify", "metadata")
+    record = json.loads(verify.read_text())
+    record["extra"] = {"step": value[0]}
+    verify.write_text(json.dumps(record))
+
+
+def test_a_step_record_that_disagrees_falls_back_or_refuses_in_one_line(capsys, tmp_path):
+  """Reliability issue, item 1: ``{"step": 99999}`` in ``checkpoints/2/extra/metadata``
+  made ``--resume`` train nothing and exit 0; ``{"step": 1}`` there dropped the metrics
+  rows after step 1 and retrained from step 2's parameters and Adam state. Now the
+  record covers the extra file and the step is checked against the folder's name and
+  the state's step counter: the resume falls back to step 1 (one line), or, with no
+  step left, refuses in one line."""
+  import shutil
+  base = tmp_path / "base"
+  small = ["--algo", "grpo", "--prompts-per-step", "4", "--group-size", "2",
+           "--eval-size", "4", "--eval-every", "100", "--save-every", "1", "--no-progress"]
+  assert _main(capsys, "train", "--steps", "2", *small, "--out", str(base)).returncode == 0
+  from jaxrl_llm import run_folder as rf
+  from jaxrl_llm.loop.config import read_run_config
+  extras = rf.checkpoint_extras(str(base))                # each step records its run
+  assert extras == {s: {"step": s, "run": read_run_config(str(base / "config.json"))
+                        .identity()} for s in (1, 2)}
+  for name, value, reason in (
+      ("edited", 99999, "its extra record's 'step' is 99999, saved as 2 with this step"),
+      ("both", (1,), "its extra record says step 1, its folder 2")):   # record too
+    out = tmp_path / name
+    shutil.copytree(base, out)
+    folder = f"{out}/checkpoints"
+    _step_records(folder, 2, value)
+    done = _main(capsys, "train", "--resume", "--steps", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert lines[:2] == [f"checkpoint {folder}/2 is unusable ({reason}); falling back to "
+                         "an older checkpoint", f"resuming from step 1 ({folder}/1)"], lines
+    assert [r["step"] for r in _rows(out)] == [0, 1, 2]       # step 2 trained again
+  out = tmp_path / "alone"
+  shutil.copytree(base, out)
+  shutil.rmtree(out / "checkpoints" / "1")
+  _step_records(f"{out}/checkpoints", 2, 99999)
+  rows = _rows(out)
+  done = _main(capsys, "train", "--resume", "--steps", "3", "--out", str(out))
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert done.stderr.splitlines() == [
+      f"error: no usable checkpoint in {out}/checkpoints: step 2 (its extra record's "
+      "'step' is 99999, saved as 2 with this step)"], done.stderr
+  assert _rows(out) == rows                                  # nothing trained or dropped
+
+
+def test_the_state_step_counter_must_be_the_folder_step():
+  import jax.numpy as jnp
+  import optax
+
+  from jaxrl_llm.loop.setup import step_problem
+  from jaxrl_llm.train import TrainConfig, init_train_state
+  state = init_train_state({"w": jnp.ones(2)}, optax.adam(1e-3), TrainConfig())
+  assert step_problem(0, state, {"step": 0}) is None
+  assert step_problem(2, state, {"step": 2}) == "its state's step counter is 0, its folder 2"
+  assert step_problem(2, state, {"step": True}) == "its extra record says step True, its folder 2"
+  assert step_problem(2, {"w": 1}, {}) == "its extra record says step None, its folder 2"
+
+
+# One fresh interpreter: each hand-edited config.json of a run folder, resumed; reports
+# the exit codes, stderr and whether JAX was imported along the way.
+_EDITED_CONFIGS = r"""
+import contextlib, dataclasses, io, json, os, sys
+import jaxrl_llm.cli as cli
+from jaxrl_llm.loop.config import RunConfig
+root = sys.argv[1]
+good = dataclasses.asdict(RunConfig(steps=3))
+stamp = {"step": 2, "run": RunConfig(steps=3).identity()}
+edits = {
+    "list": [], "null": None, "steps": {**good, "steps": "abc"},
+    "kl_coef": {**good, "train": {"kl_coef": "x"}}, "train": {**good, "train": []},
+    "task_config": {**good, "task_config": "min_terms=2"},
+    "seed": {**good, "seed": True}, "task_type": {**good, "task": 7},
+    "task": {**good, "task": "copy"},          # a valid task, not the one trained
+}
+out = {}
+for name, config in edits.items():
+  run = os.path.join(root, name)
+  os.makedirs(os.path.join(run, "checkpoints", "2", "extra"))
+  with open(os.path.join(run, "config.json"), "w") as f:
+    json.dump(config, f)
+  with open(os.path.join(run, "checkpoints", "2", "extra", "metadata"), "w") as f:
+    json.dump(stamp, f)
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err):
+    rc = cli.main(["train", "--resume", "--out", run, "--no-progress"])
+  out[name] = (rc, err.getvalue())
+out["jax_imported"] = sorted(m for m in ("jax", "jaxlib", "flax", "optax", "orbax")
+                             if m in sys.modules)
+print(json.dumps(out))
+"""
+
+
+def test_a_hand_edited_config_is_one_line_naming_the_field_before_jax(tmp_path):
+  """Reliability issue, item 4: wrong types in a run's config.json gave a traceback on
+  --resume (after up to 35 s of imports and building); a valid but different task
+  resumed the run on that task. Now each is one line naming the file and the field,
+  exit code 2, and JAX is never imported."""
+  done = subprocess.run([sys.executable, "-c", _EDITED_CONFIGS, str(tmp_path)],
+                        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads(done.stdout.strip().splitlines()[-1])
+  assert result.pop("jax_imported") == []
+  expected = {
+      "list": "holds [], not a JSON object of run settings",
+      "null": "holds null, not a JSON object of run settings",
+      "steps": 'steps must be an int, got "abc"',
+      "kl_coef": 'train.kl_coef must be a number, got "x"',
+      "train": "train must be a JSON object of TrainConfig fields, got []",
+      "task_config": 'task_config must be a list of strings, got "min_terms=2"',
+      "seed": "seed must be an int, got true",
+      "task_type": "task must be null or a string, got 7",
+      "task": 'task "copy" (its checkpoints were trained with "reverse"), which step 2 '
+              "records: the file was edited after the run started",
+  }
+  for name, message in expected.items():
+    rc, err = result[name]
+    config = tmp_path / name / "config.json"
+    lines = err.splitlines()
+    assert rc == 2 and len(lines) == 1, (name, rc, err)
+    assert lines[0].startswith(f"error: {config}: {message}"), (name, err)
+
+
+def _tree(folder):
+  """``{relative path: bytes}`` of every file under ``folder``."""
+  return {os.path.relpath(os.path.join(d, n), folder): open(os.path.join(d, n), "rb").read()
+          for d, _, names in os.walk(folder) for n in names}
+
+
+def test_resume_of_a_run_folder_with_planted_links_changes_nothing_outside_it(capsys,
+                                                                              tmp_path):
+  """Reliability issue, item 3: ``--resume`` on a crafted run folder wrote outside it:
+  ``metrics.jsonl.tmp -> F`` was followed by the atomic rewrite (and ``metrics.jsonl``
+  became a link to F), ``curves.png -> F`` and ``config.json.tmp -> F`` were
+  overwritten; a step folder that was a link fell back, trained, then died in
+  ``OSError: Cannot call rmtree on a symbolic link``. Now files are created fresh and
+  renamed into place; a link the run would append to or restore from is refused in
+  one line."""
+  import shutil
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  for name in ("f1", "f2", "f3", "f4"):
+    (outside / name).write_text(f"{name}: not the run's\n")
+  shutil.copytree(outside, outside / "step")
+  before = _tree(outside)
+  base = tmp_path / "base"
+  small = ["--algo", "grpo", "--prompts-per-step", "4", "--group-size", "2",
+           "--eval-size", "4", "--eval-every", "100", "--save-every", "2", "--no-progress"]
+  assert _main(capsys, "train", "--steps", "3", *small, "--out", str(base)).returncode == 0
+  shutil.rmtree(base / "checkpoints" / "3")          # killed after step 3's row: resume
+  run = tmp_path / "links"                           # drops it (a metrics rewrite)
+  shutil.copytree(base, run)
+  for name, target in (("metrics.jsonl.tmp", "f1"), ("curves.png", "f2"),
+                       ("config.json.tmp", "f3")):
+    if os.path.exists(run / name):
+      os.unlink(run / name)
+    os.symlink(outside / target, run / name)
+  done = _main(capsys, "train", "--resume", "--out", str(run))
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert f"{run}/metrics.jsonl: dropped 1 rows after step 2" in done.stderr
+  assert _tree(outside) == before
+  assert not any(os.path.islink(run / n) for n in os.listdir(run)), os.listdir(run)
+  assert [r["step"] for r in _rows(run)] == [0, 1, 2, 3]
+  assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+  for name, plant, message in (
+      ("metrics", ("metrics.jsonl", outside / "f4"),
+       f"is a symbolic link (to {outside}/f4): a run folder's files are written by the "
+       "run alone; remove the link"),
+      ("step", ("checkpoints/4", outside / "step"),
+       f"error: checkpoint step folder {{run}}/checkpoints/4 is a symbolic link (to "
+       f"{outside}/step); a checkpoint is a folder the checkpointer wrote: remove the "
+       "link")):
+    run = tmp_path / name
+    shutil.copytree(base, run)
+    if name == "metrics":
+      os.unlink(run / plant[0])
+    os.symlink(plant[1], run / plant[0])
+    done = _main(capsys, "train", "--resume", "--out", str(run))
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 1 and len(errors) == 1, done.stderr[-3000:]
+    assert message.format(run=run) in errors[0], errors
+    assert "Traceback" not in done.stderr
+    assert _tree(outside) == before
+
+
+def test_an_export_replaces_planted_links_and_writes_nothing_through_them(tmp_path):
+  """Export outputs are written into a fresh folder, then moved into place: a planted
+  ``hf -> D`` or ``value_head.safetensors -> F`` is replaced, D and F are untouched."""
+  from jaxrl_llm.loop.export import _staged
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "model.safetensors").write_text("not the run's\n")
+  before = _tree(outside)
+  run = tmp_path / "run"
+  run.mkdir()
+  os.symlink(outside, run / "hf")
+  os.symlink(outside / "model.safetensors", run / "value_head.safetensors")
+  (run / "critic").mkdir()
+  os.symlink(outside / "model.safetensors", run / "critic" / "model.safetensors")
+  with _staged(str(run)) as stage:
+    for folder in ("hf", "critic"):
+      os.makedirs(os.path.join(stage, folder))
+      with open(os.path.join(stage, folder, "model.safetensors"), "w") as f:
+        f.write("trained\n")
+    with open(os.path.join(stage, "value_head.safetensors"), "w") as f:
+      f.write("head\n")
+  assert sorted(os.listdir(run)) == ["critic", "hf", "value_head.safetensors"]
+  assert _tree(run) == {"hf/model.safetensors": b"trained\n",
+                        "critic/model.safetensors": b"trained\n",
+                        "value_head.safetensors": b"head\n"}
+  assert not any(os.path.islink(os.path.join(d, n)) for d, dirs, names in os.walk(run)
+                 for n in dirs + names)
+  assert _tree(outside) == before
+  with pytest.raises(RuntimeError), _staged(str(run)) as stage:      # a failed export
+    os.makedirs(os.path.join(stage, "hf"))
+    raise RuntimeError("failed mid-export")
+  assert _tree(run)["hf/model.safetensors"] == b"trained\n"           # the old one stays
+  assert sorted(os.listdir(run)) == ["critic", "hf", "value_head.safetensors"]

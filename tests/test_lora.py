@@ -361,6 +361,10 @@ def test_lora_run_on_a_hf_checkpoint_exports_adapters_and_merged_model(tmp_path,
   cfg.update(lora_rank=None, lora_targets="q,k,v,o,gate,up,down")
   with open(os.path.join(plain, "config.json"), "w") as f:
     json.dump(cfg, f)
+  from jaxrl_llm import run_folder as rf
+  for step in rf.checkpoint_extras(plain):      # a run saved before steps recorded
+    extra_file = os.path.join(plain, "checkpoints", str(step), rf.EXTRA_FILE)
+    rf.write_json(extra_file, {"step": step})   # their run (else: config.json edited)
   dest2 = str(tmp_path / "refused")
   assert cli.main(["export", plain, "--out", dest2, "--merge-lora"]) != 0
   assert "no LoRA adapters" in capsys.readouterr().err

@@ -262,3 +262,51 @@ def test_probe_run_folder_checks_that_checkpoints_can_be_written(tmp_path):
   (out / "checkpoints").mkdir()
   RF.probe_run_folder(str(out), min_free_bytes=1)
   assert os.listdir(out / "checkpoints") == []     # the probe leaves nothing behind
+
+
+def _outside(tmp_path):
+  """A file outside the run folder that a planted link points at, and its bytes."""
+  target = tmp_path / "outside.txt"
+  target.write_text("not the run's\n")
+  return target, target.read_bytes()
+
+
+def test_a_rewrite_never_writes_through_a_planted_link(tmp_path):
+  """Reliability issue, item 3: a planted ``metrics.jsonl.tmp -> F`` was followed by the
+  atomic rewrite (F overwritten with the rows) and ``metrics.jsonl`` became a link to
+  F; a link at the file itself is replaced, not written through."""
+  run = tmp_path / "run"
+  run.mkdir()
+  target, before = _outside(tmp_path)
+  path = str(run / "metrics.jsonl")
+  RF.rewrite_jsonl(path, [{"step": s} for s in range(5)])
+  os.symlink(target, path + ".tmp")
+  rows, note = RF.prepare_metrics(path, keep_upto=2)       # drops rows 3-4: a rewrite
+  assert [r["step"] for r in rows] == [0, 1, 2] and note is not None
+  assert not os.path.islink(path) and _strict_rows(path) == rows
+  assert sorted(os.listdir(run)) == ["metrics.jsonl"]       # the link's name is gone too
+  for name in ("config.json", "curves.png"):               # a link at the file itself
+    os.symlink(target, run / name)
+  RF.write_json(str(run / "config.json"), {"steps": 3})
+  RF.atomic_write_bytes(str(run / "curves.png"), b"\x89PNG")
+  assert not os.path.islink(run / "config.json") and not os.path.islink(run / "curves.png")
+  assert RF.read_json(str(run / "config.json")) == {"steps": 3}
+  assert target.read_bytes() == before                     # nothing outside changed
+
+
+def test_metrics_are_never_appended_through_a_link(tmp_path):
+  run = tmp_path / "run"
+  run.mkdir()
+  target, before = _outside(tmp_path)
+  path = str(run / "metrics.jsonl")
+  os.symlink(target, path)
+  for act in (lambda: RF.MetricsWriter(path), lambda: RF.prepare_metrics(path, 2)):
+    with pytest.raises(RF.RunFolderIOError) as info:
+      act()
+    assert str(info.value) == (f"{path} is a symbolic link (to {target}): a run folder's "
+                               "files are written by the run alone; remove the link")
+  os.unlink(path)
+  os.link(target, path)                                    # a hard link: another name
+  with pytest.raises(RF.RunFolderIOError, match=r"has other names \(hard links\)"):
+    RF.MetricsWriter(path)
+  assert target.read_bytes() == before

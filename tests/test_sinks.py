@@ -196,3 +196,27 @@ def test_a_training_run_writes_tensorboard(tmp_path):
   events = read_events(str(tmp_path / "run" / "tensorboard"))
   assert events["reward"] == [(r["step"], round(r["reward"], 6)) for r in rows[1:]]
   assert [s for s, _ in events["eval_accuracy"]] == [0, 2]
+
+
+def test_sinks_write_nothing_through_a_planted_link(tmp_path, monkeypatch):
+  """Reliability issue, item 3: ``RUN/tensorboard`` or ``RUN/wandb`` planted as links
+  would have the sinks write outside the run folder (the sink does not start: one
+  warning); a planted ``wandb_run_id -> F`` was overwritten (now replaced)."""
+  monkeypatch.setitem(sys.modules, "wandb", _FakeWandb())
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "f.txt").write_text("not the run's\n")
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  (run_dir / "wandb_run_id").symlink_to(outside / "f.txt")
+  warnings: list = []
+  run = RunConfig(out=str(run_dir), wandb_project="proj")
+  make_sinks(run, warn=warnings.append).close()
+  assert not (run_dir / "wandb_run_id").is_symlink() and warnings == []
+  for name, flags in (("tensorboard", {"tensorboard": True}),
+                      ("wandb", {"wandb_project": "proj"})):
+    (run_dir / name).symlink_to(outside)
+    make_sinks(RunConfig(out=str(run_dir), **flags), warn=warnings.append).close()
+    assert f"{run_dir}/{name} is a symbolic link (to {outside})" in warnings[-1]
+  assert sorted(os.listdir(outside)) == ["f.txt"]
+  assert (outside / "f.txt").read_text() == "not the run's\n"

@@ -11,8 +11,12 @@ the command's flags and the checks here are generated from those declarations. A
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import json
 import os
+import types
+import typing
 from typing import Any
 
 from jaxrl_llm._names import (
@@ -280,15 +284,23 @@ class RunConfig:
       >>> RunConfig.from_dict({"algo": "ppo", "train": {"kl_coef": 0.01}}).train
       {'kl_coef': 0.01}
     """
+    if not isinstance(fields, dict):
+      raise ValueError(f"holds {_json_text(fields)}, not a JSON object of run settings.")
     own = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(fields) - own)
     if unknown:
       raise ValueError(f"unknown run setting(s) {unknown} (not RunConfig fields).")
+    check_json_types(cls, {k: v for k, v in fields.items() if k != "train"})
+    train = fields.get("train", {})
+    if not isinstance(train, dict):
+      raise ValueError(f"train must be a JSON object of TrainConfig fields, got "
+                       f"{_json_text(train)}.")
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    bad = sorted(set(fields.get("train") or {}) - train_fields)
+    bad = sorted(set(train) - train_fields)
     if bad:
       raise ValueError(f"unknown train setting(s) {bad} (not TrainConfig fields).")
-    return cls(**{**fields, "train": dict(fields.get("train") or {})})
+    check_json_types(TrainConfig, train, prefix="train.")
+    return cls(**{**fields, "train": dict(train)})
 
   def validate(self) -> None:
     """Raises ``ValueError`` with a one-line message for a bad setting of the run's
@@ -600,6 +612,149 @@ class LaunchConfig:
 document_fields(LaunchConfig)
 
 
+def read_run_config(path: str) -> RunConfig:
+  """The :class:`RunConfig` saved in ``path`` (a run folder's ``config.json``).
+
+  Reads no more than the file (no JAX). A file that is not one this library wrote, a
+  hand-edited value of the wrong type included, is a one-line ``ValueError`` that
+  starts with ``path`` and names the field.
+
+  Raises:
+    FileNotFoundError, RunFolderIOError: ``path`` is missing, unreadable or not JSON.
+    ValueError: ``path: <field> must be ...``.
+
+  Examples:
+    >>> import json, os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "config.json")
+    >>> with open(path, "w") as f:
+    ...   json.dump({"steps": "abc"}, f)
+    >>> try:
+    ...   read_run_config(path)
+    ... except ValueError as e:
+    ...   print(str(e).replace(path, "RUN/config.json"))
+    RUN/config.json: steps must be an int, got "abc"
+  """
+  from jaxrl_llm import run_folder as rf
+  fields = rf.read_json(path)
+  try:
+    return RunConfig.from_dict(fields)
+  except ValueError as e:
+    raise ValueError(f"{path}: {str(e).rstrip('.')}") from None
+
+
+def identity_difference(identity: dict, saved: Any) -> str | None:
+  """The first field in which the run ``identity`` (:meth:`RunConfig.identity`)
+  differs from ``saved``, the identity recorded with a checkpoint (``extra["run"]``),
+  as ``task "copy" (its checkpoints were trained with "reverse")``; None when they
+  agree. Fields only one of them has (one that a newer version added) are not compared.
+
+  Examples:
+    >>> saved = RunConfig(task="reverse").identity()
+    >>> identity_difference(RunConfig(task="reverse", steps=9).identity(), saved) is None
+    True
+    >>> identity_difference(RunConfig(task="copy").identity(), saved)
+    'task "copy" (its checkpoints were trained with "reverse")'
+  """
+  if not isinstance(saved, dict):
+    return f"its checkpoints record their run as {_json_text(saved)}"
+  for name in sorted(set(identity) & set(saved)):
+    now, then = _json_text(identity[name], 1000), _json_text(saved[name], 1000)
+    if now != then:
+      return (f"{name} {_json_text(identity[name])} (its checkpoints were trained with "
+              f"{_json_text(saved[name])})")
+  return None
+
+
+def check_checkpoints_match(run: RunConfig, run_dir: str) -> None:
+  """Raises a one-line ``ValueError`` (``RUN/config.json: task "copy" (its checkpoints
+  were trained with "reverse") ...``) when the run that ``run_dir/config.json`` holds,
+  ``run``, is not the one its checkpoints were saved by: the run each step records in
+  its ``extra`` (the training loop's :class:`~jaxrl_llm.checkpoint.Checkpointer` stamp).
+  Reads those small files without JAX, unverified (a restore verifies them again);
+  steps saved by an older version record no run and are not compared."""
+  from jaxrl_llm import run_folder as rf
+  identity = run.identity()
+  for step, extra in sorted(rf.checkpoint_extras(run_dir).items(), reverse=True):
+    if not isinstance(extra, dict) or "run" not in extra:
+      continue
+    problem = identity_difference(identity, extra["run"])
+    if problem is not None:
+      raise ValueError(f"{os.path.join(run_dir, rf.CONFIG_FILE)}: {problem}, which step "
+                       f"{step} records: the file was edited after the run started; "
+                       "restore it (the checkpoints belong to the run it described)")
+
+
+def check_json_types(cls: type, fields: dict, *, prefix: str = "") -> None:
+  """Raises a one-line ``ValueError`` naming the first of ``fields`` (read from JSON)
+  whose value is not of the type its dataclass field in ``cls`` declares.
+
+  JSON's types: ``int`` fields take whole numbers (not ``true``), ``float`` fields any
+  number, ``bool`` fields ``true``/``false``, ``str`` fields strings, optional fields
+  also ``null``; a field whose type JSON cannot hold (a function) only ``null``.
+
+  Examples:
+    >>> check_json_types(TrainConfig, {"kl_coef": 0, "clip_high": None})
+    >>> try:
+    ...   check_json_types(TrainConfig, {"kl_coef": "x"}, prefix="train.")
+    ... except ValueError as e:
+    ...   print(e)
+    train.kl_coef must be a number, got "x"
+  """
+  hints = typing.get_type_hints(cls)
+  for name, value in fields.items():
+    if not _fits(hints[name], value):
+      raise ValueError(f"{prefix}{name} must be {_type_text(hints[name])}, got "
+                       f"{_json_text(value)}")
+
+
+def _fits(tp: Any, value: Any) -> bool:
+  """Whether the JSON value ``value`` is of the declared type ``tp``."""
+  origin, args = typing.get_origin(tp), typing.get_args(tp)
+  if origin in (typing.Union, types.UnionType):
+    return any(_fits(t, value) for t in args)
+  if tp is type(None) or tp is None:
+    return value is None
+  if tp is Any:
+    return True
+  if tp is bool:
+    return isinstance(value, bool)
+  if tp in (int, float):
+    kinds = (int,) if tp is int else (int, float)
+    return isinstance(value, kinds) and not isinstance(value, bool)
+  if tp is str:
+    return isinstance(value, str)
+  if tp is list or origin is list:
+    return isinstance(value, list) and all(_fits(args[0], v) for v in value if args)
+  if tp is dict or origin in (dict, collections.abc.Mapping):
+    return isinstance(value, dict) and (not args or all(
+        _fits(args[1], v) for v in value.values()))
+  return False                           # e.g. a function: JSON holds none
+
+
+def _type_text(tp: Any) -> str:
+  """``tp`` in words, as JSON spells it (``null or a number``)."""
+  origin, args = typing.get_origin(tp), typing.get_args(tp)
+  if origin in (typing.Union, types.UnionType):
+    words = [_type_text(t) for t in (type(None),) + args if t is type(None) or t in args]
+    return " or ".join(dict.fromkeys(words))        # each once, null first
+  if tp is list or origin is list:
+    return "a list" + (f" of {_type_text(args[0]).split(' ', 1)[1]}s" if args else "")
+  if tp is dict or origin in (dict, collections.abc.Mapping):
+    return "a JSON object" + (f" of {_type_text(args[1]).split(' ', 1)[1]}s" if args
+                              else "")
+  return {bool: "true or false", int: "an int", float: "a number",
+          str: "a string"}.get(tp, "null")    # null: a type JSON cannot hold
+
+
+def _json_text(value: Any, limit: int = 40) -> str:
+  """``value`` as JSON (shortened): what a hand-edited file holds."""
+  try:
+    text = json.dumps(value)
+  except (TypeError, ValueError):
+    text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _check_run_field(f: dataclasses.Field, x: Any) -> None:
   """Checks value ``x`` of RunConfig field ``f`` against its declared bounds (a
   one-line ``ValueError`` naming the flag)."""
@@ -618,4 +773,6 @@ def _check_run_field(f: dataclasses.Field, x: Any) -> None:
     raise ValueError(f"{flag(f.name)} must be {op} {low:g} (got {x})")
 
 
-__all__ = ["DEFAULT_TASK", "LaunchConfig", "RESUMABLE_FIELDS", "RunConfig", "flag"]
+__all__ = ["DEFAULT_TASK", "LaunchConfig", "RESUMABLE_FIELDS", "RunConfig",
+           "check_checkpoints_match", "check_json_types", "flag", "identity_difference",
+           "read_run_config"]

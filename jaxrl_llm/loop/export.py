@@ -36,12 +36,20 @@ adapters merged, with the run's tokenizer) for llama.cpp, Ollama and LM Studio.
 ``jaxrl-llm train --model PATH`` calls it at the end of the run (the summary names
 the folders); ``jaxrl-llm export RUN [--out DEST]`` calls it on a finished or
 interrupted run (its latest checkpoint).
+
+Every output is written into a fresh folder first and then moved into ``dest``,
+replacing what had its name there (:func:`_staged`): nothing is written through a link
+a crafted run folder may hold (``hf -> elsewhere``, ``hf/model.safetensors -> F``), and
+an export that fails leaves the previous outputs whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 # Files of a model folder that describe its tokenizer and generation, copied as is.
@@ -136,6 +144,32 @@ def _restore(run_dir: str) -> tuple[Any, Any, Any, int, bool]:
           nnx.merge(critic_graphdef, params[CRITIC]), step, unchanged)
 
 
+@contextlib.contextmanager
+def _staged(dest: str, write: bool = True) -> Iterator[str]:
+  """Within: a fresh, empty folder to write ``dest``'s outputs into (``mkdtemp`` in
+  ``dest``: no link can be there before it). On a clean exit each entry it holds
+  replaces the one of that name in ``dest``: a link or file there is unlinked (the
+  name, never what it points to), an old folder removed whole (``rmtree`` follows no
+  link). The staging folder is always removed. ``write`` False (a process other than
+  0, which writes nothing): a path never created, and nothing moved."""
+  if not write:
+    yield os.path.join(dest, ".export-not-written")
+    return
+  os.makedirs(dest, exist_ok=True)
+  stage = tempfile.mkdtemp(prefix=".export-", dir=dest)
+  try:
+    yield stage
+    for name in sorted(os.listdir(stage)):
+      target = os.path.join(dest, name)
+      if os.path.isdir(target) and not os.path.islink(target):
+        shutil.rmtree(target)
+      elif os.path.lexists(target):
+        os.unlink(target)
+      os.replace(os.path.join(stage, name), target)
+  finally:
+    shutil.rmtree(stage, ignore_errors=True)
+
+
 def export_run(run_dir: str, dest: str | None = None, *, merge_lora: bool = False,
                gguf_type: str | None = None) -> dict:
   """Writes a run's latest checkpoint as Hugging Face folders (see the module doc).
@@ -160,16 +194,6 @@ def export_run(run_dir: str, dest: str | None = None, *, merge_lora: bool = Fals
       (before anything is written).
   """
   import jax
-  from flax import nnx
-
-  from jaxrl_llm.models.critic import drop_value_head
-  from jaxrl_llm.models.hf import (
-    read_hf_config,
-    save_pretrained,
-    save_value_head,
-    token_id_fields,
-  )
-  from jaxrl_llm.models.transformer import split_model
 
   if merge_lora:
     from jaxrl_llm.loop.setup import read_run
@@ -182,11 +206,35 @@ def export_run(run_dir: str, dest: str | None = None, *, merge_lora: bool = Fals
       raise ValueError(f"--gguf-type must be one of {', '.join(WRITE_TYPES)}, got "
                        f"{gguf_type!r}.")
   run, model, critic, step, unchanged = _restore(run_dir)
+  dest = run_dir if dest is None else dest
+  with _staged(dest, write=jax.process_index() == 0) as stage:
+    out = _write_export(run, model, critic, step, stage, merge_lora, gguf_type)
+  if unchanged:
+    out["policy_weights"] = (
+        f"UNCHANGED: bit-identical to {run.model} after {step} steps (every update was "
+        "zero: see 'warning' in the run summary, or the rewards in metrics.jsonl)")
+  # The paths the outputs have now, in dest.
+  return {k: v.replace(stage, dest) for k, v in out.items()}
+
+
+def _write_export(run: Any, model: Any, critic: Any, step: int, dest: str,
+                  merge_lora: bool, gguf_type: str | None) -> dict:
+  """Writes the outputs of :func:`export_run` into the folder ``dest``."""
+  import jax
+  from flax import nnx
+
   from jaxrl_llm.loop.setup import model_file
   from jaxrl_llm.model_files import is_gguf
+  from jaxrl_llm.models.critic import drop_value_head
+  from jaxrl_llm.models.hf import (
+    read_hf_config,
+    save_pretrained,
+    save_value_head,
+    token_id_fields,
+  )
+  from jaxrl_llm.models.transformer import split_model
   from jaxrl_llm.tasks.hf_tokenizer import HFTokenizer
   source = model_file(run.model)
-  dest = run_dir if dest is None else dest
   hf_dir = os.path.join(dest, "hf")
   # A GGUF source has no config.json or tokenizer files to carry over: its tokenizer
   # (read from the file) is saved by save_pretrained instead.
@@ -226,10 +274,6 @@ def export_run(run_dir: str, dest: str | None = None, *, merge_lora: bool = Fals
     save_gguf(policy, gguf_file, gguf_type=gguf_type, tokenizer=tokenizer)
     out["gguf_model"] = (f"{gguf_file} ({gguf_type}, step {step}"
                          f"{'' if tokenizer is not None else ', no tokenizer'})")
-  if unchanged:
-    out["policy_weights"] = (
-        f"UNCHANGED: bit-identical to {run.model} after {step} steps (every update was "
-        "zero: see 'warning' in the run summary, or the rewards in metrics.jsonl)")
   if critic is not None:
     critic_dir = os.path.join(dest, "critic")
     save_pretrained(critic, critic_dir, extra_config=extra)

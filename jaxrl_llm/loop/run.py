@@ -47,14 +47,14 @@ from jaxrl_llm import run_folder as rf
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.loop.accounting import PHASES, CompileLog, PhaseClock, peak_rss_mb, phase_summary
 from jaxrl_llm.loop.batch import Share, build_batch, pack_train_batch
-from jaxrl_llm.loop.config import RunConfig
+from jaxrl_llm.loop.config import RunConfig, read_run_config
 from jaxrl_llm.loop.evaluation import evaluate
 from jaxrl_llm.loop.policy import Policy
 from jaxrl_llm.loop.processes import Processes, host_value
 from jaxrl_llm.loop.progress import end_progress_line, report_progress
 from jaxrl_llm.loop.resolve import Resolved, resolve
 from jaxrl_llm.loop.rollouts import Async, InStep, Partial, Rollouts
-from jaxrl_llm.loop.setup import make_policy, make_task
+from jaxrl_llm.loop.setup import make_policy, make_task, step_problem
 from jaxrl_llm.loop.signals import SignalWatch, signal_window
 from jaxrl_llm.train import TrainConfig, make_train_step
 
@@ -120,7 +120,7 @@ def _check_run_folder(run: RunConfig) -> None:
   """Refuses a folder that holds another run; writes nothing."""
   cfg_path = os.path.join(run.out, rf.CONFIG_FILE)
   if os.path.exists(cfg_path) and not run.overwrite:
-    saved_identity = RunConfig.from_dict(rf.read_json(cfg_path)).identity()
+    saved_identity = read_run_config(cfg_path).identity()
     if saved_identity != run.identity():
       diff = sorted(k for k in set(saved_identity) | set(run.identity())
                     if saved_identity.get(k) != run.identity().get(k))
@@ -271,7 +271,8 @@ def _build(run: RunConfig, policy: Policy | None, t_entry: float, compiles: Comp
   procs.barrier("jaxrl_llm/run_folder_written")
   metrics_path = os.path.join(run.out, rf.METRICS_FILE)
   ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), max_to_keep=2,
-                      log=_say if procs.primary else _silent)
+                      log=_say if procs.primary else _silent,
+                      stamp={"run": run.identity()})     # checked on --resume
   built: list = [None]             # the run, once built: its exit handler reads r.state
   stack.push(functools.partial(_close_checkpointer, run, ckpt, procs, built))
   start, history, state = _resume(run, ckpt, metrics_path, state, procs)
@@ -530,7 +531,8 @@ def _resume(run: RunConfig, ckpt: Checkpointer, metrics_path: str, state,
   say = _say if primary else _silent
   start, keep_upto = 0, -1
   if run.resume and ckpt.all_steps():
-    state, extra = ckpt.restore(state)
+    state, extra = ckpt.restore(state, check=functools.partial(
+        step_problem, identity=run.identity()))     # the folder's step, of this run
     start = keep_upto = int(extra["step"])
     say(f"resuming from step {start} ({ckpt.directory}/{ckpt.restored_step})")
   elif run.resume:

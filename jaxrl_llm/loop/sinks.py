@@ -84,6 +84,7 @@ class TensorBoardSink:
   name = "tensorboard"
 
   def __init__(self, logdir: str) -> None:
+    _own_folder(logdir)
     tensorboardx = _require("tensorboardX", "--tensorboard")
     self.logdir = logdir
     self._writer = tensorboardx.SummaryWriter(logdir=logdir)
@@ -111,15 +112,16 @@ class WandbSink:
 
   def __init__(self, project: str, run_dir: str, config: Mapping[str, Any] | None = None
                ) -> None:
+    _own_folder(os.path.join(run_dir, "wandb"))
     wandb = _require("wandb", "--wandb-project")
+    from jaxrl_llm import run_folder as rf
     id_file = os.path.join(run_dir, WANDB_ID_FILE)
-    if os.path.isfile(id_file):
+    if os.path.isfile(id_file) and not os.path.islink(id_file):
       with open(id_file, encoding="utf-8") as f:
         run_id = f.read().strip()
-    else:
+    else:              # a new run (a link there, not the run's own file, is replaced)
       run_id = uuid.uuid4().hex[:12]
-      with open(id_file, "w", encoding="utf-8") as f:
-        f.write(run_id + "\n")
+      rf.atomic_write_text(id_file, run_id + "\n")
     self._run = wandb.init(project=project, dir=run_dir, id=run_id, resume="allow",
                            name=os.path.basename(os.path.normpath(run_dir)),
                            config=dict(config or {}))
@@ -129,6 +131,15 @@ class WandbSink:
 
   def close(self) -> None:
     self._run.finish()
+
+
+def _own_folder(path: str) -> None:
+  """Refuses a sink's folder in the run folder that is a symbolic link (its writer
+  would write through it, outside the run folder): ``ValueError``, the sink does not
+  start."""
+  if os.path.islink(path):
+    raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}); a run "
+                     "folder's files are written by the run alone: remove the link")
 
 
 class BackgroundSinks:
