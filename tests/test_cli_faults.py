@@ -10,6 +10,7 @@ equal, and strict JSON throughout.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -484,9 +485,7 @@ def test_a_disk_that_fills_up_mid_run_is_one_line_with_the_os_cause(tmp_path):
       deadline = time.time() + 600
       while time.time() < deadline and proc.poll() is None:
         if any(r.get("step") == 1 for r in _rows(out)):
-          free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
-          with open(mnt / "filler", "wb") as f:          # leave 256 KiB for metrics rows
-            f.write(b"\0" * (free - (256 << 10)))
+          _fill(mnt / "filler", leave=256 << 10)          # 256 KiB for metrics rows
           break
         time.sleep(0.02)
       _, err = proc.communicate(timeout=600)
@@ -503,6 +502,20 @@ def test_a_disk_that_fills_up_mid_run_is_one_line_with_the_os_cause(tmp_path):
       f"error: cannot save checkpoint step 2 in {out}/checkpoints: no space left on "
       "device (ENOSPC); free some space or choose another --out"), err[-3000:]
   assert left == []                                 # no temporary folder left behind
+
+
+def _fill(path, leave: int) -> None:
+  """Fills the disk holding ``path`` up to ENOSPC in 1 MiB writes, then frees ``leave``
+  bytes. Writing until the OS refuses (instead of one write sized by ``statvfs``) stays
+  right while the run writes to the same disk."""
+  with open(path, "wb", buffering=0) as f:
+    try:
+      while True:
+        f.write(b"\0" * (1 << 20))
+    except OSError as e:
+      if e.errno != errno.ENOSPC:
+        raise
+    f.truncate(max(0, os.path.getsize(path) - leave))
 
 
 def _step_records(folder, step, value):
