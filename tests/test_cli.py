@@ -127,3 +127,38 @@ def test_every_registered_loss_resolves_and_takes_its_keywords():
     assert set(spec.defaults) | set(spec.static) <= set(params), spec.name
   with pytest.raises(ValueError, match="has no keyword"):
     register_policy_loss("bad", lambda logp, old_logp, advantages, mask: None, tau=1.0)
+
+
+def _readme_train_commands() -> list[list[str]]:
+  """The ``jaxrl-llm train`` commands of README.md's bash blocks, as argv lists (not
+  ``--help``, nor the placeholders ``...`` and ``$i``)."""
+  import re
+  import shlex
+  with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")) as f:
+    blocks = re.findall(r"```bash\n(.*?)```", f.read(), flags=re.S)
+  commands = []
+  for block in blocks:
+    for line in block.replace("\\\n", " ").splitlines():
+      for part in line.split("&&"):
+        words = shlex.split(part.split("#")[0])
+        shown = not any(w in ("--help", "...") or "$" in w for w in words)
+        if words[:2] == ["jaxrl-llm", "train"] and shown:
+          commands.append(words[2:])
+  return commands
+
+
+def test_every_readme_train_command_parses_and_resolves():
+  """Each ``jaxrl-llm train`` line the README shows (the real-model learning run among
+  them) is a valid command: its flags parse, and the run resolves (no model is loaded)
+  unless it names the reader's own files (a model folder or a dataset)."""
+  import jaxrl_llm.cli as cli
+  from jaxrl_llm.loop.resolve import resolve
+  commands = _readme_train_commands()
+  assert len(commands) >= 3
+  assert any("smollm2-135m-instruct" in c and "rg:chain_sum" in c for c in commands)
+  parser = cli.build_parser()
+  for argv in commands:
+    args = parser.parse_args(["train", *argv])
+    own_files = args.dataset is not None or "/" in str(args.model)
+    if not own_files:
+      resolve(cli.run_config_from_args(args))
