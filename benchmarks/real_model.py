@@ -254,8 +254,9 @@ def _ours_cmd(arm: str, spec: dict, out: str) -> list[str]:
          "--no-progress", "--overwrite", "--out", out]
   if spec["kl"]:
     cmd += ["--kl-coef", str(spec["kl"])]
-  else:
-    cmd += ["--kl-mode", "none", "--old-logp-from-step"]
+  else:   # one update per batch: its forward gives the old log-probs (not with a value
+    cmd += ["--kl-mode", "none"]     # head, whose old values are read before it)
+    cmd += [] if "ppo" in arm else ["--old-logp-from-step"]
   return cmd
 
 

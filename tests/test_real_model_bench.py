@@ -49,8 +49,23 @@ def test_table_and_commands():
   cmd = bench._ours_cmd("ppo_dynclip", SPEC, "OUT")
   assert cmd[cmd.index("--task") + 1] == "rg:chain_sum"
   assert cmd[cmd.index("--clip-end") + 1] == "0.05"
-  assert "--old-logp-from-step" in cmd and cmd[cmd.index("--kl-mode") + 1] == "none"
+  assert "--old-logp-from-step" not in cmd and cmd[cmd.index("--kl-mode") + 1] == "none"
+  assert "--old-logp-from-step" in bench._ours_cmd("grpo", SPEC, "OUT")
   assert "--kl-coef" in bench._ours_cmd("grpo", dict(SPEC, kl=0.001), "OUT")
+
+
+def test_every_arm_is_a_valid_command():
+  """Each arm's ``jaxrl-llm train`` command, with and without a KL term, parses and
+  resolves (a value head cannot take ``--old-logp-from-step``: the PPO arms go
+  without it)."""
+  import jaxrl_llm.cli as cli
+  from jaxrl_llm.loop.resolve import resolve
+  parser = cli.build_parser()
+  for arm in (a for a in bench.ARMS if a != "trl"):
+    for spec in (SPEC, dict(SPEC, kl=0.001)):
+      cmd = bench._ours_cmd(arm, spec, "OUT")
+      argv = cmd[cmd.index("train"):]
+      resolve(cli.run_config_from_args(parser.parse_args(argv)))
 
 
 def test_tables_from_saved_runs_later_files_win(tmp_path, capsys):
