@@ -430,6 +430,20 @@ def test_bad_input_raises_naming_the_argument():
     RolloutEngine(PAGED, max_slots=1, max_len=8, policy="random")
 
 
+def test_prompt_ids_outside_the_vocabulary_raise_naming_request_and_position():
+  # The embedding lookup clamps an id >= V to V - 1 (and a negative one wraps): the
+  # engine refuses them before anything runs, naming the request and the position.
+  ok = Request([1, 2], max_new_tokens=2)
+  with pytest.raises(ValueError, match=r"^`requests\[1\]\.prompt\[2\]` = 32 is outside "
+                     r"the vocabulary \[0, 32\)\.$"):
+    ENGINE.generate(PARAMS, [ok, Request([0, 31, V, 5], max_new_tokens=2)])
+  with pytest.raises(ValueError, match=r"`requests\[0\]\.prompt\[1\]` = -1 is outside"):
+    ENGINE.generate(PARAMS, [Request(np.array([3, -1]), max_new_tokens=2)])
+  assert ENGINE.vocab_size(PARAMS) == V and ENGINE.replica().vocab_size(PARAMS) == V
+  assert ENGINE.in_flight == 0
+  assert len(ENGINE.generate(PARAMS, [Request([0, V - 1], max_new_tokens=2)])) == 1
+
+
 @pytest.mark.slow   # importing torch + transformers dominates (~20 s on 2 cores)
 @pytest.mark.parametrize("family", ["qwen3"])
 def test_greedy_engine_equals_sample_on_a_tiny_hugging_face_checkpoint(family, tmp_path):

@@ -367,6 +367,7 @@ class RolloutEngine:
     self.stats: dict[str, Any] = {}
     self._state: _State | None = None       # in-flight samples of a partial rollout
     self._calls = 0
+    self._vocab: int | None = None           # the logits' width (vocab_size)
     # Module-level jits with the model's forward as a static argument: engines over
     # the same decode_fns share their compilations.
     self._forward = functools.partial(_prefill_jit, decode_fns.forward)
@@ -393,7 +394,9 @@ class RolloutEngine:
                     policy=self.policy, share_prompts=self.share_prompts,
                     on_new_version=self.on_new_version, refill_after=self.refill_after,
                     prefill_rows=self.prefill_rows, decode_widths=self.decode_widths)
-    return RolloutEngine(self.fns, **{**settings, **overrides})
+    copy = RolloutEngine(self.fns, **{**settings, **overrides})
+    copy._vocab = self._vocab
+    return copy
 
   # -- validation ------------------------------------------------------------------
 
@@ -404,11 +407,30 @@ class RolloutEngine:
     own = _ceil_div(p + request.max_new_tokens - 1, ps) - p // ps
     return _ceil_div(p, ps) + own
 
-  def _check(self, requests) -> None:
+  def vocab_size(self, params: Any) -> int:
+    """V, the width of the model's next-token logits for ``params`` (read once from
+    the shapes of a one-token ``forward``, :func:`jax.eval_shape`: nothing runs)."""
+    if self._vocab is None:
+      def probe(p):
+        pages = self.fns.init_pages(p, 1, self.page_size)
+        one = jnp.zeros((1, 1), jnp.int32)
+        return self.fns.forward(p, one, one, one, pages)[0]
+      self._vocab = int(jax.eval_shape(probe, params).shape[-1])
+    return self._vocab
+
+  def _check(self, requests, params: Any = None) -> None:
     if not isinstance(requests, Sequence) or not all(
         isinstance(r, Request) for r in requests):
       raise ValueError("`requests` must be a sequence of Request.")
+    vocab = self.vocab_size(params) if requests and params is not None else None
     for i, r in enumerate(requests):
+      if vocab is not None:
+        ids = np.asarray(r.prompt)
+        bad = np.nonzero((ids < 0) | (ids >= vocab))[0]
+        if bad.size:
+          j = int(bad[0])
+          raise ValueError(f"`requests[{i}].prompt[{j}]` = {int(ids[j])} is outside the "
+                           f"vocabulary [0, {vocab}).")
       total = len(r.prompt) + r.max_new_tokens
       if total > self.max_len:
         raise ValueError(
@@ -487,13 +509,15 @@ class RolloutEngine:
         ``Completion.request`` stays the index in ``requests``.
 
     Raises:
-      ValueError: ``requests`` not a sequence of :class:`Request`, or a request whose
+      ValueError: ``requests`` not a sequence of :class:`Request`, a prompt id outside
+        the vocabulary ``[0, V)`` (naming the request and position; the embedding
+        lookup would clamp it), or a request whose
         prompt + ``max_new_tokens`` exceeds ``max_len``, or that needs more pages than
         the whole pool; ``token_budget`` not None or an int >= 1; ``version`` not an
         int; ``first_request`` not an int >= 0. Any error raised while generating (a
         ``KeyboardInterrupt`` too) drops the in-flight samples, as :meth:`reset`.
     """
-    self._check(requests)
+    self._check(requests, params)
     if token_budget is not None and (not isinstance(token_budget, (int, np.integer))
                                      or isinstance(token_budget, bool) or token_budget < 1):
       raise ValueError(f"`token_budget` must be None or an int >= 1, got {token_budget!r}.")
