@@ -90,8 +90,9 @@ def first_fit_decreasing(lengths: Any, max_tokens: int) -> tuple[np.ndarray, np.
   (row of the first bin, start 0).
 
   Raises:
-    ValueError: ``max_tokens`` not a positive int, a negative length, or a length
-      above ``max_tokens`` (naming the sequence).
+    ValueError: ``max_tokens`` not a positive int, ``lengths`` not a 1-D sequence of
+      ints (a float or 2-D one is refused, not rounded or flattened), a negative
+      length, or a length above ``max_tokens`` (naming the sequence).
 
   Examples:
     >>> row, start = first_fit_decreasing([3, 2, 4, 1], 5)
@@ -100,7 +101,12 @@ def first_fit_decreasing(lengths: Any, max_tokens: int) -> tuple[np.ndarray, np.
   """
   if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
     raise ValueError(f"`max_tokens` must be a positive int, got {max_tokens!r}.")
-  lengths = np.asarray(lengths, np.int64).reshape(-1)
+  given = np.asarray(lengths)
+  if given.ndim != 1 or not (given.size == 0 or (np.issubdtype(given.dtype, np.integer)
+                                                 and given.dtype != bool)):
+    raise ValueError(f"`lengths` must be a 1-D sequence of ints, got shape {given.shape} "
+                     f"dtype {given.dtype}.")
+  lengths = given.astype(np.int64)
   if lengths.size and lengths.min() < 0:
     raise ValueError(f"`lengths` must be >= 0, got {lengths.min()}.")
   too_long = np.nonzero(lengths > max_tokens)[0]
@@ -354,6 +360,38 @@ def padding_fraction(attention_mask: ArrayLike) -> float:
   return float(1.0 - m.mean()) if m.size else 0.0
 
 
+# The train step's per-token entries ([N, L]) and its per-token-or-sequence ones.
+_TOKEN_KEYS = ("tokens", "loss_mask", "old_logp", "rewards", "old_values", "returns",
+               "ref_logp", "positions", "rollout_logp")
+_TOKEN_OR_SEQUENCE_KEYS = ("advantages", "positive")
+
+
+def _check_batch(batch: dict) -> None:
+  """Raises ``ValueError`` naming the key for an entry that would be packed wrongly or
+  passed through unpacked: a per-token entry not of ``attention_mask``'s shape, a
+  ``loss_mask`` nonzero on padding (packing drops padding: those tokens would vanish)."""
+  mask = np.asarray(batch["attention_mask"])
+  if mask.ndim != 2:
+    raise ValueError(f"batch['attention_mask'] must be [N, L], got shape {mask.shape}.")
+  for key in _TOKEN_KEYS + _TOKEN_OR_SEQUENCE_KEYS:
+    if key not in batch:
+      continue
+    shape = np.shape(batch[key])
+    allowed = (mask.shape, mask.shape[:1]) if key in _TOKEN_OR_SEQUENCE_KEYS else (
+        mask.shape,)
+    if shape not in allowed:
+      raise ValueError(f"batch['{key}'] must have shape "
+                       f"{' or '.join(str(a) for a in allowed)} (batch['attention_mask'] "
+                       f"[N, L]), got {shape}.")
+  if "loss_mask" in batch:
+    loss_mask = np.asarray(batch["loss_mask"])
+    stray = np.argwhere((loss_mask != 0) & (mask == 0))
+    if stray.size:
+      row, col = (int(i) for i in stray[0])
+      raise ValueError(f"batch['loss_mask'] must be 0 where batch['attention_mask'] is 0, "
+                       f"got {loss_mask[row, col].item()!r} at [{row}, {col}].")
+
+
 def pack_batch(batch: dict, max_tokens: int, *, row_multiple: int = 1,
                num_rows: int | None = None) -> tuple[dict, PackPlan]:
   """Packs a padded train batch (:mod:`jaxrl_llm.train.step` keys) into rows of
@@ -365,6 +403,12 @@ def pack_batch(batch: dict, max_tokens: int, *, row_multiple: int = 1,
   sequence's own positions: ``batch["positions"]`` if given, else the index among its
   real tokens, as the padded step's default) are added. Unpack per-token results with
   ``unpack(plan, y)``.
+
+  Raises:
+    ValueError: a known per-token entry (``tokens``, ``loss_mask``, ``old_logp``, ...)
+      not of ``attention_mask``'s shape ``[N, L]``, ``advantages`` / ``positive`` not
+      ``[N, L]`` or ``[N]`` (naming the key), or ``loss_mask`` nonzero where
+      ``attention_mask`` is 0 (packing keeps real tokens only).
 
   Examples:
     >>> import numpy as np
@@ -379,6 +423,7 @@ def pack_batch(batch: dict, max_tokens: int, *, row_multiple: int = 1,
     raise ValueError(f"`batch` needs 'tokens' and 'attention_mask' (has {sorted(batch)}).")
   if "segment_ids" in batch:
     raise ValueError("`batch` is already packed (it has 'segment_ids').")
+  _check_batch(batch)
   plan = plan_packing(batch["attention_mask"], max_tokens, row_multiple=row_multiple,
                       num_rows=num_rows)
   n = plan.length.shape[0]

@@ -92,6 +92,35 @@ def test_sequence_longer_than_budget_raises_naming_max_tokens():
     first_fit_decreasing([1], 0)
 
 
+def test_first_fit_decreasing_refuses_float_or_2d_lengths():
+  # np.asarray(lengths, int64).reshape(-1) used to round 2.7 to 2 and flatten [[3, 2]].
+  for bad in ([2.7, 1.0], [[3, 2]], [True, False], np.ones((2, 2), np.int64)):
+    with pytest.raises(ValueError, match=r"^`lengths` must be a 1-D sequence of ints, got "):
+      first_fit_decreasing(bad, 8)
+  assert first_fit_decreasing([], 8)[0].tolist() == []
+  assert first_fit_decreasing(np.array([3, 2], np.int32), 4)[0].tolist() == [0, 1]
+
+
+def test_pack_batch_checks_loss_mask_and_advantages_against_attention_mask():
+  mask = np.array([[1, 1, 0], [1, 1, 1]])
+  good = {"tokens": np.array([[5, 6, 0], [7, 8, 9]]), "attention_mask": mask,
+          "loss_mask": np.array([[0, 1, 0], [0, 1, 1]]), "advantages": np.array([1., -1.])}
+  packed, _ = pack_batch(good, max_tokens=6)
+  assert np.asarray(packed["loss_mask"]).tolist() == [[0, 1, 1, 0, 1, 0]]
+  # A wrong shape used to pass through unpacked (a [2, 2] loss_mask beside [1, 6] rows).
+  for key, value, want in (
+      ("loss_mask", np.ones((2, 2)), r"batch\['loss_mask'\] must have shape \(2, 3\) "),
+      ("advantages", np.ones(3), r"batch\['advantages'\] must have shape \(2, 3\) or "
+                                 r"\(2,\) "),
+      ("tokens", np.ones((3, 3), np.int32), r"batch\['tokens'\] must have shape")):
+    with pytest.raises(ValueError, match=want):
+      pack_batch({**good, key: value}, max_tokens=6)
+  # A trainable token on padding would vanish in the packed batch.
+  with pytest.raises(ValueError, match=r"^batch\['loss_mask'\] must be 0 where "
+                     r"batch\['attention_mask'\] is 0, got 1 at \[0, 2\]\.$"):
+    pack_batch({**good, "loss_mask": np.array([[0, 1, 1], [0, 1, 1]])}, max_tokens=6)
+
+
 def test_check_segments_rejects_bad_layouts():
   check_segments([[1, 1, 2, 0]], [[0, 1, 0, 0]], attention_mask=[[1, 1, 1, 0]])
   with pytest.raises(ValueError, match="`segment_ids` row 0: segment 1 is not one"):
