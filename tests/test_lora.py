@@ -123,6 +123,37 @@ def test_only_adapters_train_and_optimizer_state_is_adapter_sized(base_dtype):
       assert a.dtype == np.asarray(b).dtype and a.tobytes() == np.asarray(b).tobytes(), name
 
 
+def test_trainable_masks_are_bools_of_the_params_structure():
+  # A mask was read by truthiness: "no" or 0.5 on a base weight trained the frozen base.
+  g, params = split_model(apply_lora(_model(value_head=False), rank=2, targets="q"))
+
+  def marking(value=None, drop=False):
+    def trainable(p):
+      mask = lora_trainable(p)
+      if drop:
+        del mask["blocks"][0]["attn"]["wq"]
+      else:
+        mask["blocks"][0]["attn"]["wq"] = value
+      return mask
+    return trainable
+
+  def opt_size(trainable):
+    step = make_train_step(make_apply_fn(g), optax.adam(1e-2), TrainConfig(),
+                           trainable=trainable)
+    return sum(x.size for x in jax.tree_util.tree_leaves(step.init(params).opt_state))
+
+  assert opt_size(marking(np.bool_(False))) == opt_size(lora_trainable)
+  assert opt_size(marking(True)) > opt_size(lora_trainable)
+  for value, shown in (("no", "str 'no'"), (0.5, "float 0.5"), (1, "int 1")):
+    with pytest.raises(ValueError, match=rf"^`trainable\(params\)` must hold bools, got "
+                       rf"{shown} at \['blocks'\]\[0\]\['attn'\]\['wq'\]\.$"):
+      opt_size(marking(value))
+  with pytest.raises(ValueError, match=r"^`trainable\(params\)` must have a prefix of the "
+                     r"structure of `params`: at \['blocks'\]\[0\]\['attn'\] it has .* "
+                     r"where `params` has .*\['wq'\]"):
+    opt_size(marking(drop=True))
+
+
 def test_second_step_moves_a_too():
   lora = apply_lora(_model(value_head=False), rank=2, targets="q")
   g, params = split_model(lora)

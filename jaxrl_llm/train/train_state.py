@@ -8,6 +8,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxrl_llm.control import (
@@ -42,6 +43,60 @@ class TrainState:
   rng: jax.Array
 
 
+def trainable_mask(params: Any, trainable: Callable[[Any], Any]) -> Any:
+  """``trainable(params)``, checked: a pytree of bools (Python or NumPy ``bool``) whose
+  structure is a prefix of ``params``; raises a one-line ``ValueError`` naming
+  ``trainable`` otherwise. A mask read by truthiness would train a part marked
+  ``"no"`` or ``0.5`` (a frozen LoRA base).
+
+  Examples:
+    >>> trainable_mask({"a": 1.0, "b": 2.0}, lambda p: {"a": True, "b": False})
+    {'a': True, 'b': False}
+    >>> trainable_mask({"a": 1.0}, lambda p: {"a": "no"})
+    Traceback (most recent call last):
+    ...
+    ValueError: `trainable(params)` must hold bools, got str 'no' at ['a'].
+  """
+  mask = trainable(params)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(mask):
+    if not isinstance(leaf, (bool, np.bool_)):
+      shown = (f"{type(leaf).__name__} of shape {np.shape(leaf)}" if np.ndim(leaf)
+               else f"{type(leaf).__name__} {leaf!r}")
+      raise ValueError(f"`trainable(params)` must hold bools, got {shown} at "
+                       f"{jax.tree_util.keystr(path) or 'the root'}.")
+  where = _structure_mismatch(mask, params, ())
+  if where is not None:
+    raise ValueError(f"`trainable(params)` must have a prefix of the structure of "
+                     f"`params`: {where}.")
+  return mask
+
+
+def _children(tree: Any) -> tuple[str, list]:
+  """``(kind, [(key, child), ...])`` one level down a pytree (no children: a leaf)."""
+  if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(tree)) and tree is not None:
+    return type(tree).__name__, []
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+  return type(tree).__name__, [(path[0], child) for path, child in flat]
+
+
+def _structure_mismatch(mask: Any, params: Any, path: tuple) -> str | None:
+  """Where ``mask`` (bools at its leaves) stops being a prefix of ``params``."""
+  if isinstance(mask, (bool, np.bool_)):
+    return None
+  (mask_kind, mask_kids), (kind, kids) = _children(mask), _children(params)
+  keys = [jax.tree_util.keystr((k,)) for k, _ in mask_kids]
+  want = [jax.tree_util.keystr((k,)) for k, _ in kids]
+  if mask_kind != kind or keys != want:
+    return (f"at {jax.tree_util.keystr(path) or 'the root'} it has a {mask_kind} with "
+            f"children {' '.join(keys) or '(none)'} where `params` has a {kind} with "
+            f"children {' '.join(want) or '(none)'}")
+  for (key, m), (_, p) in zip(mask_kids, kids):
+    found = _structure_mismatch(m, p, path + (key,))
+    if found is not None:
+      return found
+  return None
+
+
 def split_trainable(params: Any, trainable: Callable[[Any], Any] | None
                     ) -> tuple[Any, Any, Any]:
   """``(mask, train, frozen)``: ``params`` split by ``trainable(params)``, a pytree of
@@ -59,7 +114,7 @@ def split_trainable(params: Any, trainable: Callable[[Any], Any] | None
   """
   if trainable is None:
     return None, params, None
-  mask = trainable(params)
+  mask = trainable_mask(params, trainable)
   train = jax.tree_util.tree_map(lambda m, p: p if m else None, mask, params)
   frozen = jax.tree_util.tree_map(lambda m, p: None if m else p, mask, params)
   return mask, train, frozen
