@@ -408,6 +408,10 @@ def read_metrics(path: str, *, missing_ok: bool = False
       problem = None if isinstance(row, dict) else "not a JSON object"
     except (ValueError, UnicodeDecodeError) as e:
       problem = str(e)
+    if problem is not None and not rows and not _torn_row(raw):
+      what = "binary data" if _binary(raw) else "text"
+      raise RunFolderIOError(f"{path} is not a metrics file: line {i + 1} is {what}, not "
+                             "a JSON object", path=path)
     if problem is not None:
       if i == len(lines) - 1:
         note = f"{path}: line {i + 1} is incomplete (torn write); ignored it"
@@ -416,6 +420,20 @@ def read_metrics(path: str, *, missing_ok: bool = False
                              "the file is corrupted before its last line", path=path)
     rows.append(row)
   return rows, note
+
+
+def _torn_row(raw: bytes) -> bool:
+  """Whether an unparsable line looks like what a crash leaves of a row: its start
+  (``{...``), or the zeros a power cut can leave in place of unwritten data."""
+  body = raw.strip()
+  return body.startswith(b"{") or not body.strip(b"\0")
+
+
+def _binary(raw: bytes) -> bool:
+  try:
+    return b"\0" in raw or not raw.decode("utf-8").isprintable()
+  except UnicodeDecodeError:
+    return True
 
 
 def rewrite_jsonl(path: str, rows: Iterable[dict]) -> None:
@@ -427,32 +445,75 @@ def prepare_metrics(path: str, keep_upto: int | None
                     ) -> tuple[list[dict], str | None]:
   """Readies ``metrics.jsonl`` for appending when a run (re)starts.
 
-  Keeps the rows with ``step <= keep_upto`` (all rows when ``None``; none and no file
-  when the file is missing), drops a torn last line, and rewrites the file atomically
-  (:func:`rewrite_jsonl`) only if something was dropped. Returns the kept rows and a
-  one-line note about what was dropped (``None`` if nothing).
+  Keeps the rows a resume can trust: an int ``step`` (not a bool), steps strictly
+  increasing (a duplicate or out-of-order row is dropped; the first of equal steps
+  stays) and ``step <= keep_upto`` (any step when ``None``). Drops a torn last line,
+  and rewrites the file atomically (:func:`rewrite_jsonl`) only if something was
+  dropped (a missing file stays missing). Returns the kept rows and one line saying
+  what was dropped, and, for ``keep_upto >= 0``, which steps up to it have no row (a
+  file emptied or deleted: all of them); ``None`` when all is well.
 
   Examples:
     >>> import os, tempfile
     >>> p = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
-    >>> rewrite_jsonl(p, [{"step": s} for s in range(5)])
-    >>> rows, note = prepare_metrics(p, keep_upto=2)
-    >>> [r["step"] for r in rows], note.endswith("dropped 2 rows after step 2")
-    ([0, 1, 2], True)
+    >>> rewrite_jsonl(p, [{"step": s} for s in (0, 1, 1, 3, 2, "4", 4, 5)])
+    >>> rows, note = prepare_metrics(p, keep_upto=4)
+    >>> [r["step"] for r in rows]
+    [0, 1, 3, 4]
+    >>> print(note.replace(p, "RUN/metrics.jsonl"))
+    RUN/metrics.jsonl: dropped 1 row after step 4, 1 row whose step is not an int
+    (row 6: '4'), 2 duplicate or out-of-order rows (row 3: step 1 after step 1)
   """
   refuse_link(path)
-  rows, note = read_metrics(path, missing_ok=True)
-  if not rows and note is None:
-    return rows, None
-  kept = rows if keep_upto is None else [
-      r for r in rows if isinstance(r.get("step"), int) and r["step"] <= keep_upto]
-  dropped = len(rows) - len(kept)
+  rows, torn = read_metrics(path, missing_ok=True)
+  kept: list[dict] = []
+  after, not_int, disorder = [], [], []     # (row number, its step[, the step before])
+  for n, row in enumerate(rows, 1):
+    step = row.get("step")
+    if type(step) is not int:
+      not_int.append((n, step))
+    elif keep_upto is not None and step > keep_upto:
+      after.append((n, step))
+    elif kept and step <= kept[-1]["step"]:
+      disorder.append((n, step, kept[-1]["step"]))
+    else:
+      kept.append(row)
+  dropped = []
+  if after:
+    dropped.append(f"{_rows(len(after))} after step {keep_upto}")
+  if not_int:
+    dropped.append(f"{_rows(len(not_int))} whose step is not an int (row {not_int[0][0]}: "
+                   f"{_short_repr(not_int[0][1])})")
+  if disorder:
+    n, step, before = disorder[0]
+    dropped.append(f"{_rows(len(disorder), 'duplicate or out-of-order row')} (row {n}: "
+                   f"step {step} after step {before})")
+  parts = [] if torn is None else [torn.removeprefix(f"{path}: ")]
   if dropped:
-    extra = f"{path}: dropped {dropped} rows after step {keep_upto}"
-    note = extra if note is None else f"{note}; {extra}"
-  if note is not None:
+    parts.append("dropped " + ", ".join(dropped))
+  if torn is not None or dropped:
     rewrite_jsonl(path, kept)
-  return kept, note
+  if keep_upto is not None and keep_upto >= 0:
+    last = kept[-1]["step"] if kept else -1
+    if not rows and torn is None:
+      state = "is missing" if not os.path.exists(path) else "is empty"
+      parts.append(f"it {state}: the rows of steps 0-{keep_upto} are lost")
+    elif last < keep_upto:
+      parts.append(f"no row kept after step {last}: the rows of steps {last + 1}-"
+                   f"{keep_upto} are lost" if kept else
+                   f"no row kept: the rows of steps 0-{keep_upto} are lost")
+  if not parts:
+    return kept, None
+  return kept, f"{path}: " + "; ".join(parts)
+
+
+def _rows(count: int, what: str = "row") -> str:
+  return f"{count} {what}" + ("" if count == 1 else "s")
+
+
+def _short_repr(value: Any, limit: int = 40) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _ends_with_newline(path: str) -> bool:

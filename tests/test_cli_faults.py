@@ -251,6 +251,15 @@ def test_eval_and_plot_say_what_is_missing_where(capsys, tmp_path):
                   "2 labels for 1 run")
 
 
+def test_plot_on_binary_garbage_says_it_is_not_a_metrics_file(capsys, tmp_path):
+  for name, garbage in (("a", bytes(range(256)) * 8), ("b", b"\x00\x01\x02\xff data")):
+    run = tmp_path / name
+    run.mkdir()
+    (run / "metrics.jsonl").write_bytes(garbage)
+    _one_line_error(_main(capsys, "plot", str(run), "-o", str(tmp_path / "c.png")),
+                    f"{run}/metrics.jsonl is not a metrics file: line 1 is binary data")
+
+
 def test_plot_tolerates_a_torn_line_and_explains_a_missing_matplotlib(capsys, tmp_path):
   run = tmp_path / "run"
   run.mkdir()
@@ -687,7 +696,7 @@ def test_resume_of_a_run_folder_with_planted_links_changes_nothing_outside_it(ca
     os.symlink(outside / target, run / name)
   done = _main(capsys, "train", "--resume", "--out", str(run))
   assert done.returncode == 0, done.stderr[-3000:]
-  assert f"{run}/metrics.jsonl: dropped 1 rows after step 2" in done.stderr
+  assert f"{run}/metrics.jsonl: dropped 1 row after step 2" in done.stderr
   assert _tree(outside) == before
   assert not any(os.path.islink(run / n) for n in os.listdir(run)), os.listdir(run)
   assert [r["step"] for r in _rows(run)] == [0, 1, 2, 3]

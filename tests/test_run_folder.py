@@ -96,8 +96,58 @@ def test_prepare_metrics_keeps_rows_up_to_resume_step_and_rewrites_only_if_neede
   assert os.stat(path).st_ino != inode                   # replaced by rename, not in place
   assert _strict_rows(path) == rows
   assert not os.path.exists(path + ".tmp")
-  assert RF.prepare_metrics(str(tmp_path / "none.jsonl"), keep_upto=3) == ([], None)
+  none = str(tmp_path / "none.jsonl")
+  assert RF.prepare_metrics(none, keep_upto=None) == ([], None)      # a fresh run
+  assert RF.prepare_metrics(none, keep_upto=-1) == ([], None)
+  assert RF.prepare_metrics(none, keep_upto=3) == (
+      [], f"{none}: it is missing: the rows of steps 0-3 are lost")   # resumed at 3
   assert not os.path.exists(tmp_path / "none.jsonl")
+
+
+def test_resume_keeps_only_int_increasing_steps_and_says_what_it_dropped(tmp_path):
+  # A mid-file row whose step is not an int was dropped as "after step 12"; duplicated
+  # and out-of-order rows were kept.
+  path = str(tmp_path / "metrics.jsonl")
+  steps = [0, 1, 2, "3", 3, 3, 2, None, 4, 5, True, 6, 13, 14]
+  RF.rewrite_jsonl(path, [{"step": s, "i": i} for i, s in enumerate(steps)] + [{"i": 99}])
+  rows, note = RF.prepare_metrics(path, keep_upto=12)
+  assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
+  assert note == (f"{path}: dropped 2 rows after step 12, 4 rows whose step is not an int "
+                  "(row 4: '3'), 2 duplicate or out-of-order rows (row 6: step 3 after "
+                  "step 3); no row kept after step 6: the rows of steps 7-12 are lost")
+  assert _strict_rows(path) == rows                       # rewritten: what is kept
+  assert RF.prepare_metrics(path, keep_upto=6) == (rows, None)
+
+
+def test_resume_says_when_the_metrics_file_was_emptied_or_deleted(tmp_path):
+  path = str(tmp_path / "metrics.jsonl")
+  with open(path, "w"):
+    pass
+  assert RF.prepare_metrics(path, keep_upto=12) == (
+      [], f"{path}: it is empty: the rows of steps 0-12 are lost")
+  os.remove(path)
+  assert RF.prepare_metrics(path, keep_upto=12) == (
+      [], f"{path}: it is missing: the rows of steps 0-12 are lost")
+  with open(path, "w") as f:
+    f.write('{"step": 0}\n{"step": 1}\n{"ste')
+  assert RF.prepare_metrics(path, keep_upto=1) == (
+      [{"step": 0}, {"step": 1}], f"{path}: line 3 is incomplete (torn write); ignored it")
+
+
+def test_binary_garbage_is_not_a_metrics_file_but_a_power_cut_tail_is_torn(tmp_path):
+  path = str(tmp_path / "metrics.jsonl")
+  for garbage, what in ((bytes(range(256)) * 4, "binary data"), (b"\x00\x01\xffgarbage",
+                        "binary data"), (b"hello world\n", "text")):
+    with open(path, "wb") as f:
+      f.write(garbage)
+    with pytest.raises(RF.RunFolderIOError,
+                       match=rf"^{path}: is not a metrics file: line 1 is {what}, not a JSON "
+                       "object$".replace(": is", " is")):
+      RF.read_metrics(path)
+  for tail in (b"\0" * 64, b'{"st'):            # zeros where a power cut lost the data
+    with open(path, "wb") as f:
+      f.write(tail)
+    assert RF.read_metrics(path)[0] == []
 
 
 _CHILD = r"""
