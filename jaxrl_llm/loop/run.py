@@ -522,10 +522,11 @@ def _resume(run: RunConfig, ckpt: Checkpointer, metrics_path: str, state,
             procs: Processes | None = None):
   """``(start step, kept metrics rows, state)``: the newest checkpoint that verifies.
 
-  The metrics rows after that step (computed again by this run) and a torn last line
-  are dropped by an atomic rewrite; the rows up to it are kept. In a multi-process run
-  every process restores (its shards, a collective) and process 0 alone touches the
-  metrics file (the others keep no rows).
+  The metrics rows after that step (computed again by this run), a torn last line and
+  rows a resume cannot trust (a step not an int, duplicated or out of order) are
+  dropped by an atomic rewrite, said in one note; the rows up to it are kept. In a
+  multi-process run every process restores (its shards, a collective) and process 0
+  alone touches the metrics file (the others keep no rows).
   """
   primary = procs is None or procs.primary
   say = _say if primary else _silent
