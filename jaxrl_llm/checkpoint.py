@@ -318,7 +318,9 @@ class Checkpointer:
       rotation notes); default: print to stderr.
     stamp: JSON data added to the ``extra`` of every step saved (under its own keys;
       a :meth:`save`'s ``extra`` wins a clash): e.g. which run the state belongs to,
-      as the training loop records it (``{"run": RunConfig.identity()}``).
+      as the training loop records it (``{"run": RunConfig.identity()}``). A value
+      may be a function of no arguments, called at each save (live data: the loop's
+      learning-signal watch).
 
   Examples:
     >>> import tempfile, jax.numpy as jnp
@@ -413,7 +415,7 @@ class Checkpointer:
         self._records.pop(s, None)
     if step in self.all_steps():
       return False
-    extra = {**self.stamp, **(extra or {})}
+    extra = {**{k: v() if callable(v) else v for k, v in self.stamp.items()}, **(extra or {})}
     try:                 # the copy of extra in the record is what a restore reads back
       saved_extra = json.loads(json.dumps(extra))
     except (TypeError, ValueError) as e:

@@ -207,6 +207,18 @@ def test_keep_last_n_when_all_are_good(tmp_path):
   ckpt.close()
 
 
+def test_a_stamp_function_is_called_at_each_save_and_a_save_extra_wins(tmp_path):
+  calls = iter(range(1, 10))
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=None,
+                      stamp={"run": "r", "live": lambda: next(calls), "step": -1})
+  state = {"w": jnp.ones(3)}
+  for step in (1, 2):
+    assert ckpt.save(step, state, extra={"step": step})
+  for step in (1, 2):
+    assert ckpt.restore(state, step)[1] == {"run": "r", "live": step, "step": step}
+  ckpt.close()
+
+
 def test_save_failure_is_one_line_naming_the_folder(tmp_path):
   states = _states(1)
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
