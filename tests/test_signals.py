@@ -76,3 +76,69 @@ def test_jsonl_parsed_follows_the_reward(tmp_path):
   assert JsonlTask(path=str(path), reward_fn="boxed").parsed([p] * 3, texts).tolist() == [
       False, True, False]
   assert JsonlTask(path=str(path), reward_fn="exact").parsed([p] * 3, texts) is None
+
+
+def test_signal_watch_state_round_trips_and_refuses_another_step():
+  watch = SignalWatch(window=5, first_step=1, last_step=9)
+  flat = np.zeros(4)
+  for s in (1, 2, 3):
+    watch.update(s, flat, group_size=2, grad_norm=None, accuracy=0.0)
+  saved = watch.state()
+  assert saved == {"step": 3, "streak": 3, "warned": None, "first_step": 1}
+  again = SignalWatch(window=5, last_step=9)
+  assert again.restore(saved, 3) and again.state() == saved
+  # A state of another step, or a malformed one, starts afresh after the resumed step.
+  for bad, step in ((saved, 4), ({**saved, "streak": 9}, 3), ({**saved, "streak": 2.0}, 3),
+                    ({**saved, "warned": 1}, 3), ({"step": 3}, 3), (None, 3)):
+    fresh = SignalWatch(window=5, last_step=9)
+    assert not fresh.restore(bad, step)
+    assert fresh.state() == {"step": step, "streak": 0, "warned": None,
+                             "first_step": step + 1}
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_no_signal_streak(tmp_path, monkeypatch):
+  """A streak of steps without signal crosses the resume: a run stopped at step 2 of
+  4 and resumed warns at step 4 with a streak of 4, as the uninterrupted run does, and
+  its rows are that run's. A checkpoint without the watch's state (an older version)
+  resumes with a fresh watch: no error, the streak counted from step 3."""
+  import json
+  import os
+
+  import jaxrl_llm.loop.run as loop_run
+  from jaxrl_llm.checkpoint import Checkpointer
+  from jaxrl_llm.loop.config import RunConfig
+  data = tmp_path / "never.jsonl"      # an answer the tiny random model never writes
+  data.write_text("".join(json.dumps({"prompt": f"q{i}:", "answer": "zqzqzqzq"}) + "\n"
+                          for i in range(16)))
+  cfg = dict(steps=4, prompts_per_step=4, group_size=2, eval_every=2, eval_size=4,
+             save_every=2, progress=False, dataset=str(data), reward="exact",
+             max_new_tokens=4)
+
+  def rows(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+      return [{k: v for k, v in json.loads(line).items() if not k.endswith("_s")
+               and k not in ("compiles", "peak_rss_mb", "compile_cache_hits")}
+              for line in f]
+
+  def stop_after_two(row):
+    if row["step"] == 2:
+      raise KeyboardInterrupt
+
+  def stopped_then_resumed(out):
+    with pytest.raises(KeyboardInterrupt):
+      loop_run.run_training(RunConfig(out=out, **cfg), on_step=stop_after_two)
+    monkeypatch.undo()
+    return loop_run.run_training(RunConfig(out=out, resume=True, **cfg))
+
+  whole, parts, old = (str(tmp_path / name) for name in ("whole", "parts", "old"))
+  assert "steps 1-4 of 4" in loop_run.run_training(RunConfig(out=whole, **cfg))["warning"]
+  assert "steps 1-4 of 4" in stopped_then_resumed(parts)["warning"]
+  want, got = rows(whole), rows(parts)
+  assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
+  assert [r.get("no_learning_signal_steps") for r in want] == [None] * 4 + [4.0]
+  assert got == want
+  monkeypatch.setattr(loop_run, "Checkpointer", lambda *a, stamp, **kw: Checkpointer(
+      *a, stamp={k: v for k, v in stamp.items() if k != "signal_watch"}, **kw))
+  assert "steps 3-4 of 4" in stopped_then_resumed(old)["warning"]
+  assert [r.get("no_learning_signal_steps") for r in rows(old)] == [None] * 4 + [2.0]

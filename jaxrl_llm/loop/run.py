@@ -270,12 +270,14 @@ def _build(run: RunConfig, policy: Policy | None, t_entry: float, compiles: Comp
     _write_run_folder(run)                    # everything built: the run starts here
   procs.barrier("jaxrl_llm/run_folder_written")
   metrics_path = os.path.join(run.out, rf.METRICS_FILE)
+  watch = SignalWatch(_signal_window(resolved), last_step=run.steps)   # saved, resumed
   ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), max_to_keep=2,
                       log=_say if procs.primary else _silent,
-                      stamp={"run": run.identity()})     # checked on --resume
+                      stamp={"run": run.identity(),              # checked on --resume
+                             "signal_watch": watch.state})
   built: list = [None]             # the run, once built: its exit handler reads r.state
   stack.push(functools.partial(_close_checkpointer, run, ckpt, procs, built))
-  start, history, state = _resume(run, ckpt, metrics_path, state, procs)
+  start, history, state = _resume(run, ckpt, metrics_path, state, procs, watch)
   metrics = rf.MetricsWriter(metrics_path) if procs.primary else _NoMetrics()
   stack.callback(metrics.close)
   from jaxrl_llm.loop.sinks import BackgroundSinks, make_sinks
@@ -288,8 +290,7 @@ def _build(run: RunConfig, policy: Policy | None, t_entry: float, compiles: Comp
            uses_ref=uses_ref, share=share, packer=packer, eval_problems=eval_problems,
            ckpt=ckpt, metrics=metrics, sinks=sinks, clock=clock, compiles=compiles,
            metrics_path=metrics_path, start=start, history=history,
-           watch=SignalWatch(_signal_window(resolved), first_step=start + 1,
-                             last_step=run.steps), t_row=t_entry,
+           watch=watch, t_row=t_entry,
            step=start, warm_step=start)
   built[0] = r
   return r
@@ -519,14 +520,15 @@ def step_skipped(row: dict, config: TrainConfig) -> bool:
 
 
 def _resume(run: RunConfig, ckpt: Checkpointer, metrics_path: str, state,
-            procs: Processes | None = None):
+            procs: Processes | None = None, watch: SignalWatch | None = None):
   """``(start step, kept metrics rows, state)``: the newest checkpoint that verifies.
 
   The metrics rows after that step (computed again by this run), a torn last line and
   rows a resume cannot trust (a step not an int, duplicated or out of order) are
   dropped by an atomic rewrite, said in one note; the rows up to it are kept. In a
   multi-process run every process restores (its shards, a collective) and process 0
-  alone touches the metrics file (the others keep no rows).
+  alone touches the metrics file (the others keep no rows). ``watch`` continues the
+  learning-signal streak saved with the step (a fresh one when none was saved).
   """
   primary = procs is None or procs.primary
   say = _say if primary else _silent
@@ -536,6 +538,8 @@ def _resume(run: RunConfig, ckpt: Checkpointer, metrics_path: str, state,
         step_problem, identity=run.identity()))     # the folder's step, of this run
     start = keep_upto = int(extra["step"])
     say(f"resuming from step {start} ({ckpt.directory}/{ckpt.restored_step})")
+    if watch is not None:
+      watch.restore(extra.get("signal_watch"), start)
   elif run.resume:
     say(f"no checkpoint in {ckpt.directory}: starting from step 0")
   if not primary:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -75,6 +76,10 @@ class SignalWatch:
     last_step: the run's last step (a run shorter than ``window`` warns at its end
       when none of its steps had signal).
 
+  A resumed run continues the streak of the run it resumes: :meth:`state` is saved
+  with each checkpoint (the loop's ``extra`` record) and :meth:`restore` reads it
+  back, so its rows (``no_learning_signal_steps``) are the uninterrupted run's.
+
   Examples:
     >>> watch = SignalWatch(window=2, first_step=1, last_step=5)
     >>> watch.update(1, [0., 0.], group_size=2, grad_norm=0.0, accuracy=0.0) is None
@@ -87,6 +92,7 @@ class SignalWatch:
   last_step: int = 1
   streak: int = 0
   warned: str | None = None
+  recorded: int = 0         # the last step recorded (0: none): the state's step
 
   def update(self, step: int, scores: ArrayLike, *, group_size: int,
              grad_norm: float | None, accuracy: float,
@@ -100,6 +106,7 @@ class SignalWatch:
     solved = flat and accuracy >= 1.0
     none = (flat and not solved) or (grad_norm is not None and grad_norm == 0.0)
     self.streak = self.streak + 1 if none else 0
+    self.recorded = step
     needed = min(self.window, self.last_step - self.first_step + 1)
     if self.warned is not None or self.streak < needed:
       return None
@@ -114,6 +121,42 @@ class SignalWatch:
         "the dataset's answers, that --max-new-tokens leaves room for one, and that the "
         "model solves some prompts")
     return self.warned
+
+  def state(self) -> dict:
+    """What a checkpoint saves (JSON): the last step recorded, the streak, the warning
+    given (or None) and the run's first step.
+
+    Examples:
+      >>> SignalWatch(window=3, first_step=1, last_step=9).state()
+      {'step': 0, 'streak': 0, 'warned': None, 'first_step': 1}
+    """
+    return {"step": self.recorded, "streak": self.streak, "warned": self.warned,
+            "first_step": self.first_step}
+
+  def restore(self, saved: Any, step: int) -> bool:
+    """Continues from :meth:`state` ``saved`` of a run resumed at ``step``; returns
+    whether it did. A state of another step (a Ctrl-C save of a step the watch had not
+    recorded yet), or one not well formed (a checkpoint of an older version has none),
+    starts afresh at ``step + 1``, as a new run would: no error, a later warning.
+
+    Examples:
+      >>> watch = SignalWatch(window=3, first_step=1, last_step=9)
+      >>> watch.restore({"step": 4, "streak": 2, "warned": None, "first_step": 1}, 4)
+      True
+      >>> watch.streak, watch.first_step
+      (2, 1)
+      >>> watch.restore(None, 4), watch.streak, watch.first_step
+      (False, 0, 5)
+    """
+    ok = (isinstance(saved, dict) and set(saved) == {"step", "streak", "warned", "first_step"}
+          and all(type(saved[k]) is int for k in ("step", "streak", "first_step"))
+          and saved["step"] == step and 1 <= saved["first_step"] <= step + 1
+          and 0 <= saved["streak"] <= step - saved["first_step"] + 1
+          and (saved["warned"] is None or isinstance(saved["warned"], str)))
+    self.recorded, self.streak, self.warned, self.first_step = (
+        (step, saved["streak"], saved["warned"], saved["first_step"]) if ok
+        else (step, 0, None, step + 1))
+    return ok
 
 
 __all__ = ["MIN_NO_SIGNAL_STEPS", "NO_SIGNAL_STEPS", "SignalWatch", "groups_with_signal",
