@@ -600,7 +600,6 @@ def test_defaults_restated_outside_the_core_equal_its_signatures():
 # stages, the config's validation by section).
 LONG_FUNCTIONS = {"jaxrl_llm/loop/batch.py:build_batch": 157,
                   "jaxrl_llm/loop/config.py:validate": 90,
-                  "jaxrl_llm/rollout/engine.py:_generate": 369,
                   "jaxrl_llm/rollout/sampler.py:sample": 150}
 MAX_FUNCTION_LINES = 80
 

@@ -118,144 +118,34 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.rollout.draw import draw, row_keys
-from jaxrl_llm.rollout.paged_cache import PagePool
 from jaxrl_llm.rollout.protocol import PagedDecodeFns
+from jaxrl_llm.rollout.scheduler import (
+    POLICIES,
+    Admission,
+    Completion,
+    DecodeBatch,
+    PrefillBatch,
+    Request,
+    Scheduler,
+    ceil_div,
+    pages_needed,
+)
 
-POLICIES = ("longest_first", "fifo")
 ON_NEW_VERSION = ("recompute", "keep")
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-  """One prompt to complete ``n`` times.
-
-  Attributes:
-    prompt: the prompt token ids (non-empty).
-    n: number of samples (>= 1); they share the prompt's prefill and pages.
-    max_new_tokens: the most tokens to generate per sample (>= 1).
-    temperature: :math:`\\tau > 0` to sample, ``0`` for greedy decoding.
-    top_k: keep the k most likely tokens when sampling (``None``: all).
-    top_p: nucleus mass in ``(0, 1]`` when sampling (``None``: 1).
-    eos_ids: ids that end a sample (kept as its last token), or ``None``.
-    tag: any value, copied to the request's completions (``Completion.tag``): a
-      caller's key for completions that finish in a later call of a partial rollout.
-
-  Examples:
-    >>> Request([1, 2, 3], n=4, max_new_tokens=8, temperature=0.7, eos_ids=(2,)).n
-    4
-    >>> Request([], max_new_tokens=8)
-    Traceback (most recent call last):
-    ...
-    ValueError: `prompt` must be a non-empty sequence of token ids, got [].
-  """
-
-  prompt: Sequence[int]
-  _: dataclasses.KW_ONLY
-  n: int = 1
-  max_new_tokens: int
-  temperature: float = 1.0
-  top_k: int | None = None
-  top_p: float | None = None
-  eos_ids: Sequence[int] | None = None
-  tag: Any = None
-
-  def __post_init__(self) -> None:
-    prompt = np.asarray(self.prompt)
-    if prompt.ndim != 1 or prompt.size == 0 or not (
-        np.issubdtype(prompt.dtype, np.integer)):
-      raise ValueError(f"`prompt` must be a non-empty sequence of token ids, got "
-                       f"{self.prompt!r}.")
-    for name in ("n", "max_new_tokens"):
-      value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
-    if not self.temperature >= 0:
-      raise ValueError(f"`temperature` must be >= 0 (0 = greedy), got {self.temperature!r}.")
-    if self.top_k is not None and (not isinstance(self.top_k, (int, np.integer))
-                                   or self.top_k < 1):
-      raise ValueError(f"`top_k` must be None or an int >= 1, got {self.top_k!r}.")
-    if self.top_p is not None and not 0 < self.top_p <= 1:
-      raise ValueError(f"`top_p` must be None or in (0, 1], got {self.top_p!r}.")
-    if self.eos_ids is not None and (np.asarray(self.eos_ids).ndim != 1 or not np.issubdtype(
-        np.asarray(self.eos_ids).dtype, np.integer)):
-      raise ValueError(f"`eos_ids` must be None or a sequence of ints, got "
-                       f"{self.eos_ids!r}.")
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-  """One generated sample.
-
-  Attributes:
-    request: index of its :class:`Request` in the list given to the ``generate`` call
-      that submitted it.
-    sample: its index among the request's ``n`` samples.
-    tokens: ``[L]`` int32 generated ids (the stop id included when it ended on one).
-    logprobs: ``[L]`` float32 log-probs under the temperature-scaled full distribution.
-    filtered_logprobs: ``[L]`` float32 log-probs under the filtered distribution the
-      tokens were drawn from (0 when greedy).
-    finish_reason: ``"eos"`` (ended on one of ``eos_ids``) or ``"length"``.
-    versions: ``[L]`` int32, the ``version`` of the ``generate`` call that sampled each
-      token (a partial rollout continued over calls spans several); None when built by
-      hand.
-    tag: the :attr:`Request.tag` of its request.
-  """
-
-  request: int
-  sample: int
-  tokens: np.ndarray
-  logprobs: np.ndarray
-  filtered_logprobs: np.ndarray
-  finish_reason: str
-  versions: np.ndarray | None = None
-  tag: Any = None
-
-
-@dataclasses.dataclass
-class _Group:
-  """The prefill shared by samples of one request (all ``n``, or one when unshared)."""
-
-  prompt: np.ndarray
-  waiting: int                    # samples not yet admitted
-  pages: list[int] = dataclasses.field(default_factory=list)
-  logits: Any = None              # [V] next-token logits after the prompt (device)
-
-
-@dataclasses.dataclass
-class _Slot:
-  call: int                       # the generate call that submitted the request
-  request: int
-  sample: int
-  group: _Group
-  shared: list[int]               # full prompt pages (read only)
-  own: list[int]                  # pages this slot writes
-  reserved: int                   # own pages still to take
-  position: int                   # next position to write = tokens in the cache
-  tokens: list = dataclasses.field(default_factory=list)
-  logprobs: list = dataclasses.field(default_factory=list)
-  filtered: list = dataclasses.field(default_factory=list)
-  versions: list = dataclasses.field(default_factory=list)
+_Output = tuple[np.ndarray, np.ndarray, np.ndarray]   # tokens, logps, flogps [W, steps]
 
 
 @dataclasses.dataclass
 class _State:
-  """What stays in flight between ``generate`` calls of a partial rollout."""
+  """What stays in flight between ``generate`` calls of a partial rollout: the host
+  side (the scheduler) and the device side (the page pool, logits)."""
 
-  pool: PagePool
+  sched: Scheduler
   pages: Any                      # the device page pool (a pytree)
-  slots: list                     # [S] of _Slot | None
-  queue: collections.deque        # (call, request, sample) not yet admitted
-  groups: dict                    # (call, request, sample or 0) -> _Group
-  requests: dict                  # call -> its list of Request
-  key_data: dict                  # call -> [2] uint32 key data of its seed
   kv_version: int                 # the version the cache was computed under
   logits: Any = None              # [S, V] next-token logits per slot (device)
-  first_request: dict = dataclasses.field(default_factory=dict)  # call -> key index of
-                                  # its request 0 (a shard of a larger batch)
-
-
-def _ceil_div(a: int, b: int) -> int:
-  return -(-a // b)
+  prompt_logits: dict = dataclasses.field(default_factory=dict)  # group key -> [V]
+                                  # next-token logits after its prompt (device)
 
 
 class RolloutEngine:
@@ -346,7 +236,7 @@ class RolloutEngine:
     self.max_slots = max_slots
     self.max_len = max_len
     self.page_size = page_size
-    self.pages_per_slot = _ceil_div(max_len, page_size)
+    self.pages_per_slot = ceil_div(max_len, page_size)
     if num_pages is None:
       num_pages = max_slots * (self.pages_per_slot + 1)
     if not isinstance(num_pages, int) or num_pages < 1:
@@ -403,9 +293,7 @@ class RolloutEngine:
   def pages_needed(self, request: Request) -> int:
     """Pages one sample of ``request`` needs alone: its prompt's pages, the prompt's
     last partial page kept for copies while samples wait, and its own pages."""
-    p, ps = len(request.prompt), self.page_size
-    own = _ceil_div(p + request.max_new_tokens - 1, ps) - p // ps
-    return _ceil_div(p, ps) + own
+    return pages_needed(request, self.page_size)
 
   def vocab_size(self, params: Any) -> int:
     """V, the width of the model's next-token logits for ``params`` (read once from
@@ -447,20 +335,17 @@ class RolloutEngine:
   def in_flight(self) -> int:
     """Samples submitted but not finished (in a slot or waiting for one): a
     ``generate`` call with a ``token_budget`` leaves them for the next call."""
-    st = self._state
-    if st is None:
-      return 0
-    return sum(slot is not None for slot in st.slots) + len(st.queue)
+    return 0 if self._state is None else self._state.sched.in_flight
 
   @property
   def waiting(self) -> int:
     """Samples submitted and not yet in a slot (a part of :attr:`in_flight`)."""
-    return 0 if self._state is None else len(self._state.queue)
+    return 0 if self._state is None else len(self._state.sched.queue)
 
   @property
   def pages_in_use(self) -> int:
     """Pages held by in-flight samples (0 when nothing is in flight)."""
-    return 0 if self._state is None else self._state.pool.in_use
+    return 0 if self._state is None else self._state.sched.pool.in_use
 
   def reset(self) -> int:
     """Drops every in-flight sample (returns their pages, frees the device pool);
@@ -533,375 +418,149 @@ class RolloutEngine:
       self._state = None       # an interrupted call: its buffers may be donated, gone
       raise
 
-  def _generate(self, params, requests: Sequence[Request], seed: int,
+  def _generate(self, params: Any, requests: Sequence[Request], seed: int,
                 token_budget: int | None, version: int,
                 first_request: int = 0) -> list[Completion]:
-    s, ps, k_steps = self.max_slots, self.page_size, self.steps_per_call
+    """One validated ``generate`` call, a step at a time: the scheduler plans the step
+    on the host (:meth:`Scheduler.schedule`: admissions, pages, the decode batch),
+    the plan's device calls run (:meth:`_run_admission`, :meth:`_run_decode`), and
+    :meth:`Scheduler.apply` records the decoded tokens (finished samples out). A call
+    with another ``version`` first prefills the in-flight cache again
+    (:meth:`_recompute`, ``on_new_version="recompute"``)."""
+    started = time.perf_counter()
     stats: collections.Counter[str] = collections.Counter(dict.fromkeys((
         "decode_calls", "decode_steps", "decode_row_steps", "prefill_calls", "prefill_tokens",
         "prefill_rows_padded", "prefill_ahead", "admit_calls"), 0))
     timers = {"prefill_s": 0.0, "decode_s": 0.0}
-    started = time.perf_counter()
-    page_steps = 0
-    call = self._calls
-    self._calls += 1
-    st = self._state
-    if st is None:
-      pool = PagePool(self.num_pages)
-      st = _State(pool=pool, pages=self.fns.init_pages(params, self.num_pages, ps),
-                  slots=[None] * s, queue=collections.deque(), groups={}, requests={},
-                  key_data={}, kv_version=int(version))
-    pool, slots, queue, groups = st.pool, st.slots, st.queue, st.groups
+    call, self._calls = self._calls, self._calls + 1
+    st = self._state if self._state is not None else self._new_state(params, version)
+    sched = st.sched
     page_bytes = sum(x.nbytes for x in jax.tree.leaves(st.pages)) // self.num_pages
     if requests:
-      st.requests[call] = list(requests)
-      st.key_data[call] = np.asarray(jax.random.key_data(jax.random.key(seed)))
-      st.first_request[call] = first_request
-      order = list(range(len(requests)))
-      if self.policy == "longest_first":
-        order.sort(key=lambda i: -requests[i].max_new_tokens)
-      queue.extend((call, i, j) for i in order for j in range(requests[i].n))
-    live_requests = [st.requests[c][i] for c, i, _ in queue] + [
-        st.requests[slot.call][slot.request] for slot in slots if slot is not None]
-    filtered = any(r.temperature > 0 and (r.top_k is not None or (
-        r.top_p is not None and r.top_p < 1)) for r in live_requests)
-    n_eos = max([len(r.eos_ids) for r in live_requests if r.eos_ids is not None] + [1])
-    n_eos = 1 << (n_eos - 1).bit_length()
-    done: list[tuple[int, Completion]] = []
-
-    def request_of(c, i) -> Request:
-      return st.requests[c][i]
-
-    def group_key(c, i, j):
-      key = (c, i, 0) if self.share_prompts else (c, i, j)
-      if key not in groups:
-        groups[key] = _Group(np.asarray(request_of(c, i).prompt, np.int32),
-                             request_of(c, i).n if self.share_prompts else 1)
-      return key
-
-    def prefill_rows(jobs, max_rows=s):
-      """Writes each job's ``(tokens, start, page ids)`` (its keys/values at positions
-      ``start ..`` into those pages), up to ``max_rows`` jobs per forward; returns each
-      job's logits after its last token. A round feeds ``prefill_chunk`` tokens of each
-      unfinished job (up to ``max_rows`` of them) in ``[R, prefill_chunk]``, ``R`` the
-      least of ``max_rows, max_rows / 4, ...`` (down to 1 or 2) that holds them: the
-      rounds that only a few long jobs need cost a few rows, in at most
-      ``log4(max_rows) + 1`` shapes (a compilation each). Used by :func:`recompute`;
-      admissions go through :func:`prefill_packed` (one fixed shape: an admitted
-      prompt's logits never depend on what else is admitted with it, while XLA:CPU
-      rounds a row differently at other batch sizes)."""
-      done_at = [0] * len(jobs)
-      last: list[Any] = [None] * len(jobs)
-      while True:
-        todo = [j for j, (tokens, _, _) in enumerate(jobs)
-                if done_at[j] < len(tokens)][:max_rows]
-        if not todo:
-          return last
-        rows, c = max_rows, self.prefill_chunk
-        while rows > 1 and rows // 4 >= len(todo):
-          rows //= 4
-        chunk_tokens = np.zeros((rows, c), np.int32)
-        positions = np.full((rows, c), -1, np.int32)
-        table = np.zeros((rows, self.pages_per_slot), np.int32)
-        for row, j in enumerate(todo):
-          tokens, start, ids = jobs[j]
-          part = tokens[done_at[j]:done_at[j] + c]
-          chunk_tokens[row, :len(part)] = part
-          positions[row, :len(part)] = np.arange(len(part)) + start + done_at[j]
-          table[row, :len(ids)] = ids
-          done_at[j] += len(part)
-        logits, st.pages = self._forward(params, chunk_tokens, positions, table, st.pages)
-        stats["prefill_calls"] += 1
-        for row, j in enumerate(todo):
-          if done_at[j] == len(jobs[j][0]):
-            last[j] = logits[row]
-
-    def prefill_packed(jobs):
-      """Writes each job's ``(tokens, start, page ids)`` and returns its logits after
-      its last token, in calls of a FIXED shape ``[R, prefill_chunk]`` (``R`` =
-      ``prefill_rows``): a job of ``L`` tokens takes ``ceil(L / prefill_chunk)`` rows
-      (consecutive pieces; a later piece reads the keys an earlier one wrote, in the
-      same call or an earlier one), and the rows of all jobs are packed in order, ``R``
-      per call, the last call padded. A row's arithmetic depends only on its own
-      tokens, positions and pages at that shape, so an admitted prompt's keys, values
-      and logits are bitwise the same whatever is prefilled beside it, in any row."""
-      rows, c = self.prefill_rows, self.prefill_chunk
-      pieces = [(j, start + k, tokens[k:k + c], ids, k + c >= len(tokens))
-                for j, (tokens, start, ids) in enumerate(jobs)
-                for k in range(0, len(tokens), c)]
-      last: list[Any] = [None] * len(jobs)
-      for first in range(0, len(pieces), rows):
-        chunk_tokens = np.zeros((rows, c), np.int32)
-        positions = np.full((rows, c), -1, np.int32)
-        table = np.zeros((rows, self.pages_per_slot), np.int32)
-        batch = pieces[first:first + rows]
-        for row, (_, at, part, ids, _) in enumerate(batch):
-          chunk_tokens[row, :len(part)] = part
-          positions[row, :len(part)] = np.arange(len(part)) + at
-          table[row, :len(ids)] = ids
-        logits, st.pages = self._forward(params, chunk_tokens, positions, table, st.pages)
-        stats["prefill_calls"] += 1
-        stats["prefill_rows_padded"] += rows - len(batch)
-        for row, (j, _, _, _, is_last) in enumerate(batch):
-          if is_last:
-            last[j] = logits[row]
-      return last
-
-    def set_logits(slot_index, row, src=0, dst=0):
-      if st.logits is None:
-        st.logits = jnp.zeros((s, row.shape[-1]), jnp.float32)
-      st.pages, st.logits = self._admit(st.pages, st.logits, slot_index, row, src, dst)
-
-    def prefill_ahead(opened: list[_Group]) -> list[_Group]:
-      """The next waiting groups without a prefill (queue order) that fit in the rows
-      ``opened`` leaves free in its last ``[R, prefill_chunk]`` call, their prompt
-      pages taken: padding rows do their prefill instead of nothing, so the next
-      admissions find it done. A group is taken while the pool keeps
-      ``pages_per_slot + 1`` pages free after its prompt's (so the first waiting
-      sample always fits once the slots are empty: no deadlock); the first that does
-      not fit ends the walk."""
-      c, rows = self.prefill_chunk, self.prefill_rows
-      free = -sum(_ceil_div(len(g.prompt), c) for g in opened) % rows
-      ahead: list[_Group] = []
-      for call, i, j in queue:
-        if not free:
-          break
-        group = groups[group_key(call, i, j)]
-        if group.pages:
-          continue
-        need, pieces = _ceil_div(len(group.prompt), ps), _ceil_div(len(group.prompt), c)
-        if pieces > free or pool.available - need < self.pages_per_slot + 1:
-          break
-        group.pages = pool.allocate(need)
-        ahead.append(group)
-        free -= pieces
-      stats["prefill_ahead"] += len(ahead)
-      return ahead
-
-    def admit_free_slots() -> None:
-      """Admits waiting samples into the free slots, in queue order, while the pool
-      holds their pages. A round takes the pages of every sample it admits first, then
-      prefills the prompts of the groups it opened all together (:func:`prefill_packed`),
-      then hands each admitted sample its group's logits (and its copy of the
-      prompt's partial last page); a group whose last sample got in drops its hold on
-      the prompt's pages after that. When a sample did not fit and that release freed
-      pages, another round tries again."""
-      while True:
-        admitted: list[tuple[int, int, int]] = []      # (slot index, src, dst)
-        opened: list[_Group] = []
-        closed: list[_Group] = []
-        blocked = False
-        for index in range(s):
-          if slots[index] is not None or not queue:
-            continue
-          c, i, j = queue[0]
-          r = request_of(c, i)
-          key = group_key(c, i, j)
-          group = groups[key]
-          p = len(r.prompt)
-          full, partial = p // ps, p % ps != 0
-          own_need = _ceil_div(p + r.max_new_tokens - 1, ps) - full
-          prompt_need = 0 if group.pages else _ceil_div(p, ps)
-          if pool.available < own_need + prompt_need:
-            blocked = True
-            break
-          queue.popleft()
-          if not group.pages:
-            group.pages = pool.allocate(prompt_need)
-            opened.append(group)
-          shared = group.pages[:full]
-          pool.incref(shared)
-          pool.reserve(own_need)
-          own = []
-          src = dst = 0
-          if partial and own_need:
-            own.append(pool.take())
-            src, dst = group.pages[full], own[0]
-          admitted.append((index, src, dst))
-          slots[index] = _Slot(c, i, j, group, shared, own, own_need - len(own), p)
-          group.waiting -= 1
-          if group.waiting == 0:             # the last sample is in: release it below
-            closed.append(group)
-            del groups[key]                  # groups holds those with samples waiting
-        if opened:
-          opened += prefill_ahead(opened)
-          start = time.perf_counter()
-          for group, logits in zip(opened, prefill_packed(
-              [(group.prompt, 0, group.pages) for group in opened])):
-            group.logits = logits
-            stats["prefill_tokens"] += len(group.prompt)
-          jax.block_until_ready([group.logits for group in opened])
-          timers["prefill_s"] += time.perf_counter() - start
-        for index, src, dst in admitted:
-          slot = slots[index]
-          assert slot is not None
-          set_logits(index, slot.group.logits, src, dst)
-          stats["admit_calls"] += 1
-        for group in closed:                 # its samples copied the partial page
-          pool.decref(group.pages)
-          group.logits = None
-        if not (blocked and closed and queue):
-          return
-
-    def finish(slot_index, reason):
-      slot = slots[slot_index]
-      assert slot is not None
-      pool.decref(slot.shared + slot.own)
-      pool.unreserve(slot.reserved)
-      done.append((slot.call, Completion(
-          slot.request, slot.sample, np.asarray(slot.tokens, np.int32),
-          np.asarray(slot.logprobs, np.float32), np.asarray(slot.filtered, np.float32),
-          reason, np.asarray(slot.versions, np.int32), request_of(slot.call,
-                                                                  slot.request).tag)))
-      slots[slot_index] = None
-
-    def recompute():
-      """The in-flight cache under the new ``params``: the prompts of the groups in
-      flight (each once), then the live slots' own parts (prompt tail + generated
-      tokens), both through :func:`prefill_rows`, and their logits."""
-      start = time.perf_counter()
-      by_group: dict[int, tuple[_Group, list[int]]] = {}
-      for index, slot in enumerate(slots):
-        if slot is not None:
-          by_group.setdefault(id(slot.group), (slot.group, []))[1].append(index)
-      for group in groups.values():          # groups with samples still waiting
-        by_group.setdefault(id(group), (group, []))
-      prompts: list[tuple[np.ndarray, int, list[int]]] = []
-      owners: list[_Group | None] = []        # the group that keeps a prompt's logits
-      tails: list[tuple[int, np.ndarray, int]] = []
-      for group, members in by_group.values():
-        full = len(group.prompt) // ps
-        if group.waiting > 0:                # it holds all its prompt pages (if any)
-          if group.pages:
-            prompts.append((group.prompt, 0, group.pages))
-            owners.append(group)
-        elif full and members:
-          prompts.append((group.prompt[:full * ps], 0, slots[members[0]].shared))
-          owners.append(None)
-        for index in members:
-          slot = slots[index]
-          seq = np.concatenate([group.prompt, np.asarray(slot.tokens, np.int32)])
-          first = min(full * ps, slot.position - 1)
-          tails.append((index, seq[first:slot.position], first))
-      for owner, logits in zip(owners, prefill_rows(prompts)):
-        if owner is not None:
-          owner.logits = logits
-      tail_logits = prefill_rows([(tail, first, slots[index].shared + slots[index].own)
-                                  for index, tail, first in tails])
-      for (index, _, _), logits in zip(tails, tail_logits):
-        set_logits(index, logits)
-      stats["recomputed_tokens"] = sum(len(p) for p, _, _ in prompts) + sum(
-          len(t) for _, t, _ in tails)
-      timers["recompute_s"] = time.perf_counter() - start
-
-    if int(version) != st.kv_version and self.on_new_version == "recompute" and (
-        any(slots) or groups):
-      recompute()
-    st.kv_version = int(version)
-
-    generated = 0
-    while (queue or any(slots)) and (token_budget is None or generated < token_budget):
-      admit_free_slots()
-      live = [(index, slot) for index, slot in enumerate(slots) if slot is not None]
-      if not live:
-        raise RuntimeError("no sample could be admitted (internal: pages leaked?).")
-      # The call runs W rows, the least of decode_widths that holds the live slots:
-      # row == slot at W = S, else the live slots first, then free ones (padding).
-      w = min(x for x in self.decode_widths if x >= len(live))
-      if w == s:
-        row_slots = list(range(s))
-      else:
-        row_slots = [index for index, _ in live] + [
-            index for index in range(s) if slots[index] is None][:w - len(live)]
-      row_of = {index: row for row, index in enumerate(row_slots)}
-      # Hand each live slot the pages its next K tokens write (from its reservation).
-      table = np.zeros((w, self.pages_per_slot), np.int32)
-      arrays = {name: np.zeros(w, dtype) for name, dtype in (
-          ("position", np.int32), ("count", np.int32), ("max_new", np.int32),
-          ("request", np.int32), ("sample", np.int32), ("temperature", np.float32),
-          ("top_k", np.int32), ("top_p", np.float32))}
-      arrays["position"][:] = -1
-      key_data = np.zeros((w, 2), np.uint32)
-      eos = np.full((w, n_eos), -1, np.int32)
-      for slot_index, slot in live:
-        index = row_of[slot_index]
-        r = request_of(slot.call, slot.request)
-        last = min(slot.position + k_steps - 1, len(r.prompt) + r.max_new_tokens - 2)
-        while len(slot.shared) + len(slot.own) <= last // ps:
-          slot.own.append(pool.take())
-          slot.reserved -= 1
-        ids = slot.shared + slot.own
-        table[index, :len(ids)] = ids
-        arrays["position"][index] = slot.position
-        arrays["count"][index] = len(slot.tokens)
-        arrays["max_new"][index] = r.max_new_tokens
-        arrays["request"][index] = slot.request + st.first_request.get(slot.call, 0)
-        arrays["sample"][index] = slot.sample
-        arrays["temperature"][index] = r.temperature
-        arrays["top_k"][index] = r.top_k or 0
-        arrays["top_p"][index] = 1.0 if r.top_p is None else r.top_p
-        key_data[index] = st.key_data[slot.call]
-        if r.eos_ids is not None:
-          eos[index, :len(r.eos_ids)] = r.eos_ids
-      limit = k_steps if token_budget is None else min(
-          k_steps, _ceil_div(token_budget - generated, len(live)))
-      start = time.perf_counter()
-      if w == s:
-        st.pages, st.logits, out, steps = self._decode(
-            params, st.pages, st.logits, table, eos, key_data,
-            min(self.refill_after, len(queue)), limit,
-            steps=k_steps, filtered=filtered, **arrays)
-      else:                                  # the rows' logits out and back: copies
-        rows = np.asarray(row_slots, np.int32)
-        st.pages, row_logits, out, steps = self._decode(
-            params, st.pages, _take_rows_jit(st.logits, rows), table, eos, key_data,
-            min(self.refill_after, len(queue)), limit,
-            steps=k_steps, filtered=filtered, **arrays)
-        st.logits = _put_rows_jit(st.logits, rows, row_logits)
-      steps = int(steps)
-      timers["decode_s"] += time.perf_counter() - start
-      tokens, logps, flogps = (np.asarray(x)[:, :steps] for x in out)
+      sched.submit(call, requests, np.asarray(jax.random.key_data(jax.random.key(seed))),
+                   first_request)
+    filtered, n_eos = sched.sampling_mode()     # one decode compilation for the call
+    if (version != st.kv_version and self.on_new_version == "recompute"
+        and sched.has_cache()):
+      self._recompute(params, st, stats, timers)
+    st.kv_version = version
+    generated, page_steps, done = 0, 0, []
+    while sched.has_work() and (token_budget is None or generated < token_budget):
+      plan = sched.schedule(n_eos=n_eos, version=version, budget_left=(
+          None if token_budget is None else token_budget - generated))
+      for admission in plan.admissions:
+        self._run_admission(params, st, admission, stats, timers)
+      output, steps = self._run_decode(params, st, plan.decode, filtered, timers)
       stats["decode_calls"] += 1
       stats["decode_steps"] += steps
-      stats["decode_row_steps"] += w * steps
-      page_steps += pool.in_use * steps
-      stats["peak_pages"] = max(stats["peak_pages"], pool.in_use)
-      for slot_index, slot in live:
-        index = row_of[slot_index]
-        r = request_of(slot.call, slot.request)
-        got = tokens[index] >= 0
-        n_new = int(got.sum())
-        generated += n_new
-        slot.tokens.extend(tokens[index, :n_new].tolist())
-        slot.logprobs.extend(logps[index, :n_new].tolist())
-        slot.filtered.extend(flogps[index, :n_new].tolist())
-        slot.versions.extend([int(version)] * n_new)
-        slot.position += n_new
-        if n_new and r.eos_ids is not None and slot.tokens[-1] in r.eos_ids:
-          finish(slot_index, "eos")
-        elif len(slot.tokens) >= r.max_new_tokens:
-          finish(slot_index, "length")
-
-    # Requests with nothing left in flight are forgotten; an empty engine frees its pool.
-    calls_left = {c for c, _, _ in queue} | {slot.call for slot in slots if slot is not None}
-    for c in [c for c in st.requests if c not in calls_left]:
-      del st.requests[c], st.key_data[c]
-      st.first_request.pop(c, None)
-    self._state = st if calls_left else None
-    useful = sum(len(c.tokens) for _, c in done)
+      stats["decode_row_steps"] += len(plan.decode.table) * steps
+      page_steps += plan.decode.pages_in_use * steps
+      stats["peak_pages"] = max(stats["peak_pages"], plan.decode.pages_in_use)
+      new, finished = sched.apply(plan, output)
+      generated += new
+      done += finished
+    self._state = st if sched.end_call() else None   # an empty engine frees its pool
     steps_total = max(stats["decode_steps"], 1)
+    s = self.max_slots
     self.stats = {
         **stats, **timers, "total_s": time.perf_counter() - started,
-        "useful_tokens": useful, "generated_tokens": generated, "slots": s,
-        "prefill_rows": self.prefill_rows,
+        "useful_tokens": sum(len(c.tokens) for _, c in done), "generated_tokens": generated,
+        "slots": s, "prefill_rows": self.prefill_rows,
         "slot_utilisation": generated / (s * steps_total),
         "row_utilisation": generated / max(stats["decode_row_steps"], 1),
         "mean_pages_in_use": page_steps / steps_total, "page_bytes": page_bytes,
-        "pool_bytes": page_bytes * self.num_pages, "pages_in_use_after": pool.in_use,
-        "pages_reserved_after": pool.reserved, "in_flight_after": self.in_flight,
+        "pool_bytes": page_bytes * self.num_pages, "pages_in_use_after": sched.pool.in_use,
+        "pages_reserved_after": sched.pool.reserved, "in_flight_after": self.in_flight,
     }
     done.sort(key=lambda item: (item[0], item[1].request, item[1].sample))
     return [c for _, c in done]
+
+  # -- the device calls of a plan --------------------------------------------------
+
+  def _new_state(self, params: Any, version: int) -> _State:
+    sched = Scheduler(max_slots=self.max_slots, page_size=self.page_size,
+                      num_pages=self.num_pages, max_len=self.max_len,
+                      steps_per_call=self.steps_per_call, prefill_chunk=self.prefill_chunk,
+                      prefill_rows=self.prefill_rows, decode_widths=self.decode_widths,
+                      policy=self.policy, share_prompts=self.share_prompts,
+                      refill_after=self.refill_after)
+    return _State(sched, self.fns.init_pages(params, self.num_pages, self.page_size),
+                  version)
+
+  def _prefill(self, params: Any, st: _State, batches: Sequence[PrefillBatch],
+               n_jobs: int, stats: collections.Counter[str]) -> list[Any]:
+    """Runs the prefill ``batches`` (writing their keys/values into the pages);
+    returns each job's logits after its last token (None for a job of no tokens)."""
+    last: list[Any] = [None] * n_jobs
+    for batch in batches:
+      logits, st.pages = self._forward(params, batch.tokens, batch.positions, batch.table,
+                                       st.pages)
+      stats["prefill_calls"] += 1
+      for row, job in batch.ends:
+        last[job] = logits[row]
+    return last
+
+  def _set_logits(self, st: _State, slot: int, row: Any, src: int = 0,
+                  dst: int = 0) -> None:
+    """The slot's next-token logits := ``row``, and page ``src`` copied to ``dst``."""
+    if st.logits is None:
+      st.logits = jnp.zeros((self.max_slots, row.shape[-1]), jnp.float32)
+    st.pages, st.logits = self._admit(st.pages, st.logits, slot, row, src, dst)
+
+  def _run_admission(self, params: Any, st: _State, admission: Admission,
+                     stats: collections.Counter[str], timers: dict[str, float]) -> None:
+    """One admission round: the packed prefill of the prompts it opened (and of those
+    prefilled ahead; their logits kept per group), then each admitted slot's logits
+    and copy of its prompt's partial last page; closed groups' logits dropped."""
+    if admission.prefill:
+      start = time.perf_counter()
+      logits = self._prefill(params, st, admission.batches, len(admission.prefill), stats)
+      st.prompt_logits.update(zip(admission.prefill, logits))
+      stats["prefill_ahead"] += admission.ahead
+      stats["prefill_rows_padded"] += sum(batch.padded for batch in admission.batches)
+      stats["prefill_tokens"] += admission.prefill_tokens
+      jax.block_until_ready(logits)
+      timers["prefill_s"] += time.perf_counter() - start
+    for admit in admission.admits:
+      self._set_logits(st, admit.slot, st.prompt_logits[admit.group], admit.src, admit.dst)
+      stats["admit_calls"] += 1
+    for key in admission.closed:
+      del st.prompt_logits[key]
+
+  def _run_decode(self, params: Any, st: _State, batch: DecodeBatch, filtered: bool,
+                  timers: dict[str, float]) -> tuple[_Output, int]:
+    """The decode call of ``batch``; returns ``(tokens, logps, flogps)`` ``[W, steps]``
+    and the steps run. Below ``max_slots`` rows, the rows' logits go out and back
+    (copies)."""
+    start = time.perf_counter()
+    args = (batch.table, batch.eos, batch.key_data, batch.exit_after, batch.limit)
+    kwargs = dict(steps=self.steps_per_call, filtered=filtered, **batch.arrays)
+    if batch.rows is None:
+      st.pages, st.logits, out, steps = self._decode(params, st.pages, st.logits, *args,
+                                                     **kwargs)
+    else:
+      st.pages, row_logits, out, steps = self._decode(
+          params, st.pages, _take_rows_jit(st.logits, batch.rows), *args, **kwargs)
+      st.logits = _put_rows_jit(st.logits, batch.rows, row_logits)
+    steps = int(steps)
+    timers["decode_s"] += time.perf_counter() - start
+    tokens, logps, flogps = (np.asarray(x)[:, :steps] for x in out)
+    return (tokens, logps, flogps), steps
+
+  def _recompute(self, params: Any, st: _State, stats: collections.Counter[str],
+                 timers: dict[str, float]) -> None:
+    """The in-flight cache under the new ``params`` (:meth:`Scheduler.recompute`): the
+    prompts of the groups in flight, then the live slots' own parts and their logits."""
+    start = time.perf_counter()
+    plan = st.sched.recompute()
+    prompts = self._prefill(params, st, plan.prompt_batches, len(plan.owners), stats)
+    st.prompt_logits.update((key, row) for key, row in zip(plan.owners, prompts)
+                            if key is not None)
+    tails = self._prefill(params, st, plan.tail_batches, len(plan.tail_slots), stats)
+    for slot, row in zip(plan.tail_slots, tails):
+      self._set_logits(st, slot, row)
+    stats["recomputed_tokens"] = plan.tokens
+    timers["recompute_s"] = time.perf_counter() - start
 
 
 def _admit(pages, logits_state, slot, row, src, dst):
