@@ -3,10 +3,12 @@ r"""A continuous-batching rollout engine: paged KV cache, shared prompts, keyed 
 :class:`RolloutEngine` generates completions for a list of :class:`Request` s with a
 fixed number of slots (static shapes: nothing recompiles as requests come and go):
 
-* **Continuous batching.** A host-side scheduler (plain Python) admits waiting samples
-  into free slots; a jitted ``lax.while_loop`` runs up to ``steps_per_call`` decode
-  steps for all slots per device call and returns early when a slot finishes while
-  samples are waiting, so the host refills the slot at once. Each request has its own
+* **Continuous batching.** A host-side scheduler (plain Python and NumPy:
+  :class:`jaxrl_llm.rollout.scheduler.Scheduler`, which plans each step's device calls
+  and records their output) admits waiting samples into free slots; a jitted
+  ``lax.while_loop`` runs up to ``steps_per_call`` decode steps for all slots per
+  device call and returns early when a slot finishes while samples are waiting, so
+  the host refills the slot at once. Each request has its own
   ``max_new_tokens``, temperature, filters and stop ids.
 * **Paged KV cache.** Keys/values live in a pool of ``num_pages`` pages of
   ``page_size`` tokens per layer; a slot's page table lists its pages. A decode step
