@@ -30,9 +30,9 @@ verified:
   state), logs one line naming it and falls back to the newest step that verifies.
   Orbax's own errors never escape as tracebacks: a step that cannot be read is a step
   that does not verify.
-* **No links followed**: a step folder that is a symbolic link is refused in one line
-  (:class:`CheckpointError`): restoring it would read, and replacing it delete, files
-  outside the checkpoint folder.
+* **No links followed**: a checkpoint folder, or a step folder in it, that is a
+  symbolic link is refused in one line (:class:`CheckpointError`): restoring it would
+  read, and saving or rotating write or delete, files outside the checkpoint folder.
 * **Rotation that keeps a good state**: ``max_to_keep`` keeps the newest N steps *and*
   the newest step that is trusted (saved with a verification record, finite at save
   time and not found bad since), so a run that starts saving garbage cannot rotate
@@ -322,6 +322,9 @@ class Checkpointer:
       may be a function of no arguments, called at each save (live data: the loop's
       learning-signal watch).
 
+  Raises:
+    CheckpointError: ``directory`` is a symbolic link (one line).
+
   Examples:
     >>> import tempfile, jax.numpy as jnp
     >>> ckpt = Checkpointer(tempfile.mkdtemp(), max_to_keep=2)
@@ -340,6 +343,12 @@ class Checkpointer:
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"`max_to_keep` must be >= 1 or None, got {max_to_keep}.")
     self.directory = os.path.abspath(directory)
+    if os.path.islink(self.directory):
+      raise CheckpointError(
+          f"checkpoint folder {self.directory} is a symbolic link (to "
+          f"{os.readlink(self.directory)}); the checkpointer writes and deletes step "
+          "folders only in a folder of its own: remove the link or pass the folder it "
+          "points to")
     self.max_to_keep = max_to_keep
     self.log = log or _stderr
     self.stamp = dict(stamp or {})

@@ -597,6 +597,23 @@ def test_a_step_folder_that_is_a_symbolic_link_is_refused_in_one_line(tmp_path):
   fresh.close()
 
 
+def test_a_checkpoint_folder_that_is_a_symbolic_link_is_refused_in_one_line(tmp_path):
+  """Reliability issue, item 3: ``RUN/checkpoints -> D`` was followed: saves went into D
+  and rotation deleted D's step folders."""
+  ckpt, _, _ = _saved(tmp_path, n=2)
+  ckpt.close()
+  link = tmp_path / "link"
+  os.symlink(ckpt.directory, link)
+  before = sorted(str(p) for p in pathlib.Path(ckpt.directory).rglob("*"))
+  with pytest.raises(CheckpointError) as info:
+    Checkpointer(str(link), max_to_keep=1)
+  assert str(info.value) == (f"checkpoint folder {link} is a symbolic link (to "
+                             f"{ckpt.directory}); the checkpointer writes and deletes "
+                             "step folders only in a folder of its own: remove the link "
+                             "or pass the folder it points to")
+  assert sorted(str(p) for p in pathlib.Path(ckpt.directory).rglob("*")) == before
+
+
 def test_the_reads_orbax_abandons_on_a_bad_step_print_no_traceback():
   """A flipped data file made three sibling reads, closed unfinished, print
   "Exception ignored in: <coroutine object _read_array_index_and_device_put>" and a

@@ -755,3 +755,32 @@ def test_an_export_replaces_planted_links_and_writes_nothing_through_them(tmp_pa
     raise RuntimeError("failed mid-export")
   assert _tree(run)["hf/model.safetensors"] == b"trained\n"           # the old one stays
   assert sorted(os.listdir(run)) == ["critic", "hf", "value_head.safetensors"]
+
+
+def test_a_linked_checkpoint_folder_is_refused_in_one_line_and_never_followed(capsys,
+                                                                              tmp_path):
+  """Reliability issue, item 3: ``--resume`` on a run whose ``checkpoints`` is a link to
+  a folder D elsewhere restored from D, saved its new steps into D and rotated D's old
+  ones away (exit 0). Now ``train --resume`` and ``eval`` refuse it in one line and
+  nothing in D changes."""
+  import shutil
+  run = tmp_path / "run"
+  small = ["--algo", "grpo", "--prompts-per-step", "4", "--group-size", "2",
+           "--eval-size", "4", "--eval-every", "100", "--save-every", "2", "--no-progress"]
+  assert _main(capsys, "train", "--steps", "3", *small, "--out", str(run)).returncode == 0
+  shutil.rmtree(run / "checkpoints" / "3")           # so that a resume trains and saves
+  outside = tmp_path / "outside"
+  shutil.move(run / "checkpoints", outside)
+  os.symlink(outside, run / "checkpoints")
+  before = _tree(outside)
+  message = (f"{run}/checkpoints is a symbolic link (to {outside}): a run folder's files "
+             "are written by the run alone; remove the link")
+  done = _main(capsys, "train", "--resume", "--out", str(run))
+  errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+  assert done.returncode == 1 and errors == [f"error: {message}"], done.stderr[-3000:]
+  done = _main(capsys, "eval", "--out", str(run))
+  errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
+  assert done.returncode != 0 and len(errors) == 1, done.stderr[-3000:]
+  assert f"checkpoint folder {run}/checkpoints is a symbolic link" in errors[0], errors
+  assert "Traceback" not in done.stderr
+  assert _tree(outside) == before
