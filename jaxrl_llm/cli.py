@@ -359,10 +359,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     return _leave(multi, 2)
   from jaxrl_llm.checkpoint import CheckpointError
   from jaxrl_llm.loop.run import SkippedUpdatesError, format_summary, run_training
+  from jaxrl_llm.models.lora import AdapterError
   from jaxrl_llm.rollout.vllm import VllmLoadError, VllmMissingError, VllmPushError
   try:
     summary = run_training(run)
-  except rf.RunFolderError as e:
+  except (rf.RunFolderError, AdapterError) as e:     # --lora-init's tensors: the model's
     print(f"error: {e}", file=sys.stderr)
     return _leave(multi, 2)
   except (VllmMissingError, VllmLoadError, VllmPushError) as e:    # --rollout vllm
