@@ -543,7 +543,9 @@ def plot_runs(runs: Sequence[str], labels: Sequence[str] | None, output: str) ->
                 markersize=3)
       ax.set_title(title)
       ax.set_xlabel("step")
-  axes.flat[0].legend()
+  labelled = [ax for ax in axes.flat if ax.get_legend_handles_labels()[0]]
+  if labelled:                # a run with no rows to draw yet has no legend
+    labelled[0].legend()
   fig.tight_layout()
   image = io.BytesIO()
   # The format of output's extension (as savefig(output) picks it), else PNG.

@@ -784,3 +784,30 @@ def test_a_linked_checkpoint_folder_is_refused_in_one_line_and_never_followed(ca
   assert f"checkpoint folder {run}/checkpoints is a symbolic link" in errors[0], errors
   assert "Traceback" not in done.stderr
   assert _tree(outside) == before
+
+
+def test_ctrl_c_before_step_1_says_no_checkpoint_and_draws_without_warnings(
+    capsys, tmp_path, monkeypatch):
+  """Reliability issue, item 11: Ctrl-C during step 1 printed ``interrupted: checkpoint
+  saved at step None`` and matplotlib's ``No artists with labels found to put in
+  legend`` warning (curves of the step-0 row alone)."""
+  import warnings
+
+  from jaxrl_llm.loop import run as run_module
+
+  def interrupted(r, step):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(run_module, "_train_step", interrupted)
+  out = tmp_path / "run"
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    done = _main(capsys, "train", "--algo", "grpo", "--steps", "3", "--prompts-per-step",
+                 "4", "--group-size", "2", "--eval-size", "4", "--out", str(out),
+                 "--no-progress")
+  assert done.returncode == 130
+  assert (f"interrupted: no checkpoint in {out} (no step was completed and saved; a new "
+          "run starts from step 0)") in done.stderr.splitlines(), done.stderr
+  assert "None" not in done.stderr and "Traceback" not in done.stderr
+  assert [str(w.message) for w in caught if "matplotlib" in w.filename
+          or "legend" in str(w.message)] == []

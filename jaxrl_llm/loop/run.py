@@ -328,8 +328,8 @@ def _close_checkpointer(run: RunConfig, ckpt: Checkpointer, procs: Processes,
   if (exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and not stopped
       and r is not None and r.looping):
     if procs.multi:     # a collective save needs every process: the last one stands
-      _say(f"\ninterrupted: kept the checkpoint of step {ckpt.latest_step()} in "
-           f"{run.out} (a multi-process run saves only when every process stops)")
+      _say(f"\n{_interrupted(run, ckpt, 'kept the checkpoint of step')} (a "
+           "multi-process run saves only when every process stops)")
       return False
     _save_on_interrupt(run, ckpt, r.state)
     return False
@@ -565,11 +565,21 @@ def _save_on_interrupt(run: RunConfig, ckpt: Checkpointer, state) -> None:
     done = int(state.step)
     if done > 0 and done not in ckpt.all_steps():
       ckpt.save(done, state, extra={"step": done}, force=True)
-    note = f"checkpoint saved at step {ckpt.latest_step()}"
+    note = _interrupted(run, ckpt, "checkpoint saved at step")
   except Exception:  # noqa: BLE001 - deleted buffers raise a runtime error
-    note = f"kept the checkpoint of step {ckpt.latest_step()}"
+    note = _interrupted(run, ckpt, "kept the checkpoint of step")
   ckpt.close()
-  _say(f"interrupted: {note} in {run.out}")
+  _say(note)
+
+
+def _interrupted(run: RunConfig, ckpt: Checkpointer, saved: str) -> str:
+  """The line an interrupted run ends with: its newest checkpoint (``saved`` says how
+  it came to be), or that it has none (stopped before a step completed)."""
+  latest = ckpt.latest_step()
+  if latest is None:
+    return (f"interrupted: no checkpoint in {run.out} (no step was completed and saved; "
+            "a new run starts from step 0)")
+  return f"interrupted: {saved} {latest} in {run.out}"
 
 
 def summarize(history: list[dict], wall_s: float, run: RunConfig) -> dict:
