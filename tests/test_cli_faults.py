@@ -811,3 +811,21 @@ def test_ctrl_c_before_step_1_says_no_checkpoint_and_draws_without_warnings(
   assert "None" not in done.stderr and "Traceback" not in done.stderr
   assert [str(w.message) for w in caught if "matplotlib" in w.filename
           or "legend" in str(w.message)] == []
+
+
+def test_resume_of_a_finished_run_says_it_is_complete_in_one_line(capsys, tmp_path):
+  """Reliability issue, item 11: ``--resume`` on a finished run built the rollouts and
+  announced ``steps 3-2`` (a 69 s no-op on SmolLM2); now one line says it is complete,
+  nothing is trained or written."""
+  out = tmp_path / "run"
+  assert _main(capsys, "train", "--algo", "grpo", "--steps", "2", "--prompts-per-step",
+               "4", "--group-size", "2", "--eval-size", "4", "--out", str(out)).returncode == 0
+  before = _tree(out)
+  done = _main(capsys, "train", "--resume", "--out", str(out))
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert (f"{out} is already complete: its checkpoint is step 2 of --steps 2; nothing to "
+          "train (pass a larger --steps to go on)") in done.stderr.splitlines(), done.stderr
+  assert "steps 3-2" not in done.stderr
+  kept = lambda tree: {k: v for k, v in tree.items()
+                       if k == "metrics.jsonl" or k.startswith("checkpoints/")}
+  assert kept(_tree(out)) == kept(before)

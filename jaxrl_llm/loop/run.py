@@ -176,19 +176,33 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
     compiles = CompileLog().start()       # every compile of the run, by function
     stack.callback(compiles.stop)
     r = _build(run, policy, t_entry, compiles, stack)
-    if r.start == 0:
-      _evaluate_start(r)
-    _announce(r)
-    r.rollouts = _make_rollouts(r)
-    stack.callback(r.rollouts.close)
     t0 = time.time()
-    stop = stack.enter_context(rf.GracefulStop(announce=True))
-    r.looping = True
-    for step in range(r.start + 1, run.steps + 1):
-      row = _train_step(r, step)
-      _keep_step(r, step, row, stop, on_step)
+    if r.start >= run.steps:      # a finished run resumed: nothing to build or train
+      if r.procs.primary:
+        _say(f"{run.out} is already complete: its checkpoint is step {r.start} of "
+             f"--steps {run.steps}; nothing to train (pass a larger --steps to go on)")
+    else:
+      t0 = _run_steps(r, stack, on_step)
     kept = r.ckpt.all_steps()
   return _finish(r, kept, time.time() - t0)
+
+
+def _run_steps(r: _Run, stack: contextlib.ExitStack,
+               on_step: Callable[[dict], None] | None) -> float:
+  """The evaluation of step 0 (a new run), the rollouts, and every step after
+  ``r.start``; when the steps started (``time.time()``)."""
+  if r.start == 0:
+    _evaluate_start(r)
+  _announce(r)
+  r.rollouts = _make_rollouts(r)
+  stack.callback(r.rollouts.close)
+  t0 = time.time()
+  stop = stack.enter_context(rf.GracefulStop(announce=True))
+  r.looping = True
+  for step in range(r.start + 1, r.run.steps + 1):
+    row = _train_step(r, step)
+    _keep_step(r, step, row, stop, on_step)
+  return t0
 
 
 @dataclasses.dataclass
