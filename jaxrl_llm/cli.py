@@ -339,6 +339,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
     from jaxrl_llm.loop.resolve import resolve
     resolved = resolve(run)  # the run's own checks and the recipe's (before the task)
+    _check_warmup(run, resolved.critic_warmup_steps)
     if run.dataset is not None:    # FILE:LINE errors, prompt lengths, answers: before JAX
       from jaxrl_llm.loop.datacheck import check_dataset
       for warning in check_dataset(run):
@@ -655,6 +656,21 @@ def build_parser() -> argparse.ArgumentParser:
   _add_run_option(p_export, "compile_cache")
   p_export.set_defaults(func=cmd_export)
   return parser
+
+
+def _check_warmup(run: Any, warmup: int) -> None:
+  """A critic warm-up as long as the run trains no policy: an error when
+  ``--critic-warmup-steps`` says so, a warning when it is the recipe's (vapo: 10)."""
+  if not warmup or warmup < run.steps:
+    return
+  if run.critic_warmup_steps is not None:
+    raise ValueError(f"--critic-warmup-steps {warmup} >= --steps {run.steps}: every step "
+                     "would train only the value function and the policy would never "
+                     "change; choose --critic-warmup-steps below --steps")
+  print(f"warning: --algo {run.algo} warms its critic up for {warmup} steps "
+        f"(--critic-warmup-steps), all of --steps {run.steps}: the policy will not "
+        "change; pass a larger --steps or a smaller --critic-warmup-steps",
+        file=sys.stderr)
 
 
 def _early_note(run: Any) -> None:

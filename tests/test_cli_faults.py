@@ -179,6 +179,10 @@ def _main(capsys, *argv):
     (["--algo", "dapo", "--value-lr", "0.01"],
      ["--value-lr 0.01 needs a recipe with a value model (--algo dapo has none"]),
     (["--critic-warmup-steps", "2"], ["--critic-warmup-steps 2 needs a recipe with a value"]),
+    # issue 41 item 11: a warm-up as long as the run trained no policy, without a word
+    (["--algo", "ppo", "--critic-warmup-steps", "5", "--steps", "5"],
+     ["--critic-warmup-steps 5 >= --steps 5: every step would train only the value "
+      "function", "choose --critic-warmup-steps below --steps"]),
     (["--algo", "rloo", "--hybrid-n", "3"],
      ["--hybrid-n 3 sets the in-step advantage estimator, but --algo rloo computes"]),
     (["--advantage-estimator", "gae"], ["--advantage-estimator gae sets the in-step"]),
@@ -829,3 +833,18 @@ def test_resume_of_a_finished_run_says_it_is_complete_in_one_line(capsys, tmp_pa
   kept = lambda tree: {k: v for k, v in tree.items()
                        if k == "metrics.jsonl" or k.startswith("checkpoints/")}
   assert kept(_tree(out)) == kept(before)
+
+
+def test_a_recipe_warmup_as_long_as_the_run_is_a_warning_naming_both_flags(capsys):
+  """Reliability issue, item 11: --algo vapo (10 warm-up steps) with --steps 3 trained
+  no policy without a word; the recipe's own warm-up is a warning (the run may want
+  only its critic), the flag's an error (above)."""
+  from jaxrl_llm.cli import _check_warmup
+  from jaxrl_llm.loop.config import RunConfig
+  _check_warmup(RunConfig(algo="vapo", steps=3), 10)
+  assert capsys.readouterr().err == (
+      "warning: --algo vapo warms its critic up for 10 steps (--critic-warmup-steps), all "
+      "of --steps 3: the policy will not change; pass a larger --steps or a smaller "
+      "--critic-warmup-steps\n")
+  _check_warmup(RunConfig(algo="vapo", steps=11), 10)
+  assert capsys.readouterr().err == ""
