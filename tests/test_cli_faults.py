@@ -738,6 +738,7 @@ def test_an_export_replaces_planted_links_and_writes_nothing_through_them(tmp_pa
   run.mkdir()
   os.symlink(outside, run / "hf")
   os.symlink(outside / "model.safetensors", run / "value_head.safetensors")
+  os.link(outside / "model.safetensors", run / "policy.gguf")     # a hard link, too
   (run / "critic").mkdir()
   os.symlink(outside / "model.safetensors", run / "critic" / "model.safetensors")
   with _staged(str(run)) as stage:
@@ -747,10 +748,12 @@ def test_an_export_replaces_planted_links_and_writes_nothing_through_them(tmp_pa
         f.write("trained\n")
     with open(os.path.join(stage, "value_head.safetensors"), "w") as f:
       f.write("head\n")
-  assert sorted(os.listdir(run)) == ["critic", "hf", "value_head.safetensors"]
+    with open(os.path.join(stage, "policy.gguf"), "w") as f:
+      f.write("gguf\n")
+  assert sorted(os.listdir(run)) == ["critic", "hf", "policy.gguf", "value_head.safetensors"]
   assert _tree(run) == {"hf/model.safetensors": b"trained\n",
                         "critic/model.safetensors": b"trained\n",
-                        "value_head.safetensors": b"head\n"}
+                        "value_head.safetensors": b"head\n", "policy.gguf": b"gguf\n"}
   assert not any(os.path.islink(os.path.join(d, n)) for d, dirs, names in os.walk(run)
                  for n in dirs + names)
   assert _tree(outside) == before
@@ -758,7 +761,7 @@ def test_an_export_replaces_planted_links_and_writes_nothing_through_them(tmp_pa
     os.makedirs(os.path.join(stage, "hf"))
     raise RuntimeError("failed mid-export")
   assert _tree(run)["hf/model.safetensors"] == b"trained\n"           # the old one stays
-  assert sorted(os.listdir(run)) == ["critic", "hf", "value_head.safetensors"]
+  assert sorted(os.listdir(run)) == ["critic", "hf", "policy.gguf", "value_head.safetensors"]
 
 
 def test_a_linked_checkpoint_folder_is_refused_in_one_line_and_never_followed(capsys,
