@@ -30,9 +30,11 @@ verified:
   state), logs one line naming it and falls back to the newest step that verifies.
   Orbax's own errors never escape as tracebacks: a step that cannot be read is a step
   that does not verify.
-* **No links followed**: a step folder that is a symbolic link is refused in one line
-  (:class:`CheckpointError`): restoring it would read, and replacing it delete, files
-  outside the checkpoint folder.
+* **No links followed**: a checkpoint folder, or a step folder in it, that is a
+  symbolic link is refused in one line (:class:`CheckpointError`): restoring it would
+  read, and saving or rotating write or delete, files outside the checkpoint folder.
+* **Never a non-finite checkpoint**: a state holding a NaN or an inf is not saved (one
+  line says so), so the newest checkpoint is always one a run can go on from.
 * **Rotation that keeps a good state**: ``max_to_keep`` keeps the newest N steps *and*
   the newest step that is trusted (saved with a verification record, finite at save
   time and not found bad since), so a run that starts saving garbage cannot rotate
@@ -322,6 +324,9 @@ class Checkpointer:
       may be a function of no arguments, called at each save (live data: the loop's
       learning-signal watch).
 
+  Raises:
+    CheckpointError: ``directory`` is a symbolic link (one line).
+
   Examples:
     >>> import tempfile, jax.numpy as jnp
     >>> ckpt = Checkpointer(tempfile.mkdtemp(), max_to_keep=2)
@@ -340,6 +345,12 @@ class Checkpointer:
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"`max_to_keep` must be >= 1 or None, got {max_to_keep}.")
     self.directory = os.path.abspath(directory)
+    if os.path.islink(self.directory):
+      raise CheckpointError(
+          f"checkpoint folder {self.directory} is a symbolic link (to "
+          f"{os.readlink(self.directory)}); the checkpointer writes and deletes step "
+          "folders only in a folder of its own: remove the link or pass the folder it "
+          "points to")
     self.max_to_keep = max_to_keep
     self.log = log or _stderr
     self.stamp = dict(stamp or {})
@@ -364,8 +375,10 @@ class Checkpointer:
            force: bool = False) -> bool:
     """Saves ``state`` (and JSON ``extra``) as ``step``; returns whether it saved.
 
-    A step that exists already is kept (returns ``False``), as orbax does not save a
-    step older than its newest one; steps from ``step`` on that failed verification
+    A state holding a NaN or an inf is never written (one line logged, returns
+    ``False``): a checkpoint to resume from is a finite one. A step that exists
+    already is kept (returns ``False``), as orbax does not save a step older than its
+    newest one; steps from ``step`` on that failed verification
     in :meth:`restore` are deleted first (logged), so a run that fell back to an
     older checkpoint saves its new steps in their place.
 
@@ -405,7 +418,8 @@ class Checkpointer:
     self._steps_since_restore += 1
     self._learned_since_restore = self._learned_since_restore or not skipped
 
-  def _save(self, step: int, state: Any, extra: dict | None, force: bool) -> bool:
+  def _save(self, step: int, state: Any, extra: dict | None, force: bool, *,
+            nonfinite_ok: bool = False) -> bool:
     self._refuse_linked_steps()
     for s in self.all_steps():
       if s >= step and s in self.bad_steps:      # replaced by the run that went on
@@ -421,6 +435,9 @@ class Checkpointer:
     except (TypeError, ValueError) as e:
       raise ValueError(f"`extra` must be JSON data: {e}") from None
     record = {**fingerprint(state), "step": step, "extra": saved_extra}
+    if not record["finite"] and not nonfinite_ok:
+      self._refuse_nonfinite(step, record["nonfinite"])
+      return False
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               extra=ocp.args.JsonSave(extra),
                               **{VERIFY_ITEM: ocp.args.JsonSave(record)})
@@ -435,11 +452,17 @@ class Checkpointer:
     if saved:
       self._records[step] = record
       self.bad_steps.pop(step, None)
-      if not record["finite"]:
-        self.log(f"checkpoint {self._step_dir(step)} holds non-finite values "
-                 f"({record['nonfinite'][0]}); it will not count as a good state")
       self._rotate()
     return bool(saved)
+
+  def _refuse_nonfinite(self, step: int, leaves: list[str]) -> None:
+    """Logs, in one line, that ``step`` is not saved: its state holds NaN or inf."""
+    more = f" and {len(leaves) - 1} other leaves" if len(leaves) > 1 else ""
+    good = [s for s in self.all_steps() if s < step and self.trusted(s)]
+    keep = (f"{self._step_dir(good[-1])} stays the newest good checkpoint" if good
+            else "no checkpoint is written")
+    self.log(f"not saving step {step}: its state holds non-finite values (NaN or inf) "
+             f"in {leaves[0]}{more}; {keep}")
 
   def _discard_partial(self, step: int) -> None:
     """Removes what a failed save of ``step`` left: its temporary folder (the space a

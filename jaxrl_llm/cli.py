@@ -339,6 +339,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
     from jaxrl_llm.loop.resolve import resolve
     resolved = resolve(run)  # the run's own checks and the recipe's (before the task)
+    _check_warmup(run, resolved.critic_warmup_steps)
     if run.dataset is not None:    # FILE:LINE errors, prompt lengths, answers: before JAX
       from jaxrl_llm.loop.datacheck import check_dataset
       for warning in check_dataset(run):
@@ -359,10 +360,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     return _leave(multi, 2)
   from jaxrl_llm.checkpoint import CheckpointError
   from jaxrl_llm.loop.run import SkippedUpdatesError, format_summary, run_training
+  from jaxrl_llm.models.lora import AdapterError
   from jaxrl_llm.rollout.vllm import VllmLoadError, VllmMissingError, VllmPushError
   try:
     summary = run_training(run)
-  except rf.RunFolderError as e:
+  except (rf.RunFolderError, AdapterError) as e:     # --lora-init's tensors: the model's
     print(f"error: {e}", file=sys.stderr)
     return _leave(multi, 2)
   except (VllmMissingError, VllmLoadError, VllmPushError) as e:    # --rollout vllm
@@ -542,7 +544,9 @@ def plot_runs(runs: Sequence[str], labels: Sequence[str] | None, output: str) ->
                 markersize=3)
       ax.set_title(title)
       ax.set_xlabel("step")
-  axes.flat[0].legend()
+  labelled = [ax for ax in axes.flat if ax.get_legend_handles_labels()[0]]
+  if labelled:                # a run with no rows to draw yet has no legend
+    labelled[0].legend()
   fig.tight_layout()
   image = io.BytesIO()
   # The format of output's extension (as savefig(output) picks it), else PNG.
@@ -652,6 +656,21 @@ def build_parser() -> argparse.ArgumentParser:
   _add_run_option(p_export, "compile_cache")
   p_export.set_defaults(func=cmd_export)
   return parser
+
+
+def _check_warmup(run: Any, warmup: int) -> None:
+  """A critic warm-up as long as the run trains no policy: an error when
+  ``--critic-warmup-steps`` says so, a warning when it is the recipe's (vapo: 10)."""
+  if not warmup or warmup < run.steps:
+    return
+  if run.critic_warmup_steps is not None:
+    raise ValueError(f"--critic-warmup-steps {warmup} >= --steps {run.steps}: every step "
+                     "would train only the value function and the policy would never "
+                     "change; choose --critic-warmup-steps below --steps")
+  print(f"warning: --algo {run.algo} warms its critic up for {warmup} steps "
+        f"(--critic-warmup-steps), all of --steps {run.steps}: the policy will not "
+        "change; pass a larger --steps or a smaller --critic-warmup-steps",
+        file=sys.stderr)
 
 
 def _early_note(run: Any) -> None:

@@ -636,7 +636,8 @@ def probe_run_folder(path: str, *, min_free_bytes: int = 64 << 20) -> None:
   must have at least ``min_free_bytes`` free. When ``path/checkpoints`` exists already
   (a resumed run, or a folder made ready beforehand) it must be a folder that passes
   the same write test, so an unwritable one stops the run before any compute rather
-  than at its first save.
+  than at its first save, and neither it nor a step folder in it may be a symbolic
+  link (:func:`refuse_linked_checkpoints`).
 
   Raises:
     RunFolderIOError: one line naming ``path`` and the cause.
@@ -656,12 +657,44 @@ def probe_run_folder(path: str, *, min_free_bytes: int = 64 << 20) -> None:
       raise RunFolderIOError(f"checkpoint folder {checkpoints} is not a folder; remove it "
                              "or choose another --out", path=checkpoints, err=errno.ENOTDIR)
     _probe_write(checkpoints, f"checkpoint folder {checkpoints}", checkpoints)
+    refuse_linked_checkpoints(checkpoints)
   free = shutil.disk_usage(where).free
   if free < min_free_bytes:
     raise RunFolderIOError(
         f"run folder {path}: only {free / 2**20:.1f} MiB free on its disk, need at "
         f"least {min_free_bytes / 2**20:.1f} MiB; free some space or choose another "
         "--out", path=path, err=errno.ENOSPC)
+
+
+def refuse_linked_checkpoints(checkpoints: str) -> None:
+  """Raises :class:`RunFolderIOError` when the folder ``checkpoints`` or one of its step
+  folders (``checkpoints/N``) is a symbolic link: the checkpointer writes and deletes
+  step folders there, which through a link would be files outside the run folder.
+
+  Examples:
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> os.makedirs(os.path.join(d, "elsewhere", "2"))
+    >>> os.symlink(os.path.join(d, "elsewhere"), os.path.join(d, "checkpoints"))
+    >>> try:
+    ...   refuse_linked_checkpoints(os.path.join(d, "checkpoints"))
+    ... except RunFolderIOError as e:
+    ...   print(str(e).replace(d, "RUN"))
+    RUN/checkpoints is a symbolic link (to RUN/elsewhere): a run folder's files are
+    written by the run alone; remove the link
+  """
+  refuse_link(checkpoints)
+  try:
+    names = sorted(os.listdir(checkpoints))
+  except OSError:
+    return                                  # missing, or reported by the write test
+  for name in names:
+    step = os.path.join(checkpoints, name)
+    if name.isdigit() and os.path.islink(step):      # the checkpointer's own words
+      raise RunFolderIOError(f"checkpoint step folder {step} is a symbolic link (to "
+                             f"{os.readlink(step)}); a checkpoint is a folder the "
+                             "checkpointer wrote: remove the link", path=step,
+                             err=errno.ELOOP)
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -737,6 +770,7 @@ class GracefulStop:
 __all__ = ["METRICS_FILE", "CONFIG_FILE", "EXTRA_FILE", "RunFolderError",
            "RunFolderIOError", "io_error", "os_reason", "to_jsonable", "dumps",
            "atomic_write_bytes", "atomic_write_text", "replacing", "refuse_link",
+           "refuse_linked_checkpoints",
            "write_json", "checkpoint_extras", "read_json",
            "read_metrics", "rewrite_jsonl", "prepare_metrics", "MetricsWriter",
            "probe_run_folder", "RunInterrupted", "GracefulStop"]

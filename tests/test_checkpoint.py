@@ -180,9 +180,13 @@ def test_non_finite_state_is_refused_and_rotation_spares_the_last_good_step(tmp_
   poisoned = dict(states[1], opt=jax.tree_util.tree_map(
       lambda x: x * jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else x,
       states[1]["opt"]))
-  for step in (3, 4, 5):
-    ckpt.save(step, poisoned, extra={"step": step})
-  assert "holds non-finite values" in messages[0]
+  assert not ckpt.save(3, poisoned, extra={"step": 3})      # never written (issue 41, 5)
+  assert ckpt.all_steps() == [1, 2]
+  assert messages == [f"not saving step 3: its state holds non-finite values (NaN or inf) "
+                      f"in ['opt'][0].mu['b'] and 4 other leaves; {ckpt.directory}/2 stays the "
+                      "newest good checkpoint"]
+  for step in (3, 4, 5):       # as an older version wrote them: restores must refuse them
+    ckpt._save(step, poisoned, {"step": step}, False, nonfinite_ok=True)
   assert ckpt.all_steps() == [2, 4, 5]            # newest 2, plus the last good one
   state, extra = ckpt.restore(states[0])
   assert ckpt.restored_step == 2 and extra == {"step": 2}
@@ -595,6 +599,35 @@ def test_a_step_folder_that_is_a_symbolic_link_is_refused_in_one_line(tmp_path):
                                "wrote: remove the link")
   assert sorted(str(p) for p in elsewhere.rglob("*")) == before
   fresh.close()
+
+
+def test_a_checkpoint_folder_that_is_a_symbolic_link_is_refused_in_one_line(tmp_path):
+  """Reliability issue, item 3: ``RUN/checkpoints -> D`` was followed: saves went into D
+  and rotation deleted D's step folders."""
+  ckpt, _, _ = _saved(tmp_path, n=2)
+  ckpt.close()
+  link = tmp_path / "link"
+  os.symlink(ckpt.directory, link)
+  before = sorted(str(p) for p in pathlib.Path(ckpt.directory).rglob("*"))
+  with pytest.raises(CheckpointError) as info:
+    Checkpointer(str(link), max_to_keep=1)
+  assert str(info.value) == (f"checkpoint folder {link} is a symbolic link (to "
+                             f"{ckpt.directory}); the checkpointer writes and deletes "
+                             "step folders only in a folder of its own: remove the link "
+                             "or pass the folder it points to")
+  assert sorted(str(p) for p in pathlib.Path(ckpt.directory).rglob("*")) == before
+
+
+def test_a_non_finite_state_is_never_written(tmp_path):
+  """Reliability issue, item 5: a run whose adapters were NaN from the start skipped
+  every step and wrote a non-finite checkpoint; now nothing is written, in one line."""
+  messages = []
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), log=messages.append)
+  assert not ckpt.save(1, {"w": jnp.array([1.0, jnp.nan]), "n": jnp.array(1)})
+  assert messages == ["not saving step 1: its state holds non-finite values (NaN or inf) "
+                      "in ['w']; no checkpoint is written"]
+  assert ckpt.all_steps() == [] and os.listdir(ckpt.directory) == []
+  ckpt.close()
 
 
 def test_the_reads_orbax_abandons_on_a_bad_step_print_no_traceback():

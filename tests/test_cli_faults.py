@@ -179,6 +179,10 @@ def _main(capsys, *argv):
     (["--algo", "dapo", "--value-lr", "0.01"],
      ["--value-lr 0.01 needs a recipe with a value model (--algo dapo has none"]),
     (["--critic-warmup-steps", "2"], ["--critic-warmup-steps 2 needs a recipe with a value"]),
+    # issue 41 item 11: a warm-up as long as the run trained no policy, without a word
+    (["--algo", "ppo", "--critic-warmup-steps", "5", "--steps", "5"],
+     ["--critic-warmup-steps 5 >= --steps 5: every step would train only the value "
+      "function", "choose --critic-warmup-steps below --steps"]),
     (["--algo", "rloo", "--hybrid-n", "3"],
      ["--hybrid-n 3 sets the in-step advantage estimator, but --algo rloo computes"]),
     (["--advantage-estimator", "gae"], ["--advantage-estimator gae sets the in-step"]),
@@ -734,6 +738,7 @@ def test_an_export_replaces_planted_links_and_writes_nothing_through_them(tmp_pa
   run.mkdir()
   os.symlink(outside, run / "hf")
   os.symlink(outside / "model.safetensors", run / "value_head.safetensors")
+  os.link(outside / "model.safetensors", run / "policy.gguf")     # a hard link, too
   (run / "critic").mkdir()
   os.symlink(outside / "model.safetensors", run / "critic" / "model.safetensors")
   with _staged(str(run)) as stage:
@@ -743,10 +748,12 @@ def test_an_export_replaces_planted_links_and_writes_nothing_through_them(tmp_pa
         f.write("trained\n")
     with open(os.path.join(stage, "value_head.safetensors"), "w") as f:
       f.write("head\n")
-  assert sorted(os.listdir(run)) == ["critic", "hf", "value_head.safetensors"]
+    with open(os.path.join(stage, "policy.gguf"), "w") as f:
+      f.write("gguf\n")
+  assert sorted(os.listdir(run)) == ["critic", "hf", "policy.gguf", "value_head.safetensors"]
   assert _tree(run) == {"hf/model.safetensors": b"trained\n",
                         "critic/model.safetensors": b"trained\n",
-                        "value_head.safetensors": b"head\n"}
+                        "value_head.safetensors": b"head\n", "policy.gguf": b"gguf\n"}
   assert not any(os.path.islink(os.path.join(d, n)) for d, dirs, names in os.walk(run)
                  for n in dirs + names)
   assert _tree(outside) == before
@@ -754,4 +761,93 @@ def test_an_export_replaces_planted_links_and_writes_nothing_through_them(tmp_pa
     os.makedirs(os.path.join(stage, "hf"))
     raise RuntimeError("failed mid-export")
   assert _tree(run)["hf/model.safetensors"] == b"trained\n"           # the old one stays
-  assert sorted(os.listdir(run)) == ["critic", "hf", "value_head.safetensors"]
+  assert sorted(os.listdir(run)) == ["critic", "hf", "policy.gguf", "value_head.safetensors"]
+
+
+def test_a_linked_checkpoint_folder_is_refused_in_one_line_and_never_followed(capsys,
+                                                                              tmp_path):
+  """Reliability issue, item 3: ``--resume`` on a run whose ``checkpoints`` is a link to
+  a folder D elsewhere restored from D, saved its new steps into D and rotated D's old
+  ones away (exit 0). Now ``train --resume`` and ``eval`` refuse it in one line and
+  nothing in D changes."""
+  import shutil
+  run = tmp_path / "run"
+  small = ["--algo", "grpo", "--prompts-per-step", "4", "--group-size", "2",
+           "--eval-size", "4", "--eval-every", "100", "--save-every", "2", "--no-progress"]
+  assert _main(capsys, "train", "--steps", "3", *small, "--out", str(run)).returncode == 0
+  shutil.rmtree(run / "checkpoints" / "3")           # so that a resume trains and saves
+  outside = tmp_path / "outside"
+  shutil.move(run / "checkpoints", outside)
+  os.symlink(outside, run / "checkpoints")
+  before = _tree(outside)
+  message = (f"{run}/checkpoints is a symbolic link (to {outside}): a run folder's files "
+             "are written by the run alone; remove the link")
+  done = _main(capsys, "train", "--resume", "--out", str(run))
+  errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+  assert done.returncode == 1 and errors == [f"error: {message}"], done.stderr[-3000:]
+  done = _main(capsys, "eval", "--out", str(run))
+  errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
+  assert done.returncode != 0 and len(errors) == 1, done.stderr[-3000:]
+  assert f"checkpoint folder {run}/checkpoints is a symbolic link" in errors[0], errors
+  assert "Traceback" not in done.stderr
+  assert _tree(outside) == before
+
+
+def test_ctrl_c_before_step_1_says_no_checkpoint_and_draws_without_warnings(
+    capsys, tmp_path, monkeypatch):
+  """Reliability issue, item 11: Ctrl-C during step 1 printed ``interrupted: checkpoint
+  saved at step None`` and matplotlib's ``No artists with labels found to put in
+  legend`` warning (curves of the step-0 row alone)."""
+  import warnings
+
+  from jaxrl_llm.loop import run as run_module
+
+  def interrupted(r, step):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(run_module, "_train_step", interrupted)
+  out = tmp_path / "run"
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    done = _main(capsys, "train", "--algo", "grpo", "--steps", "3", "--prompts-per-step",
+                 "4", "--group-size", "2", "--eval-size", "4", "--out", str(out),
+                 "--no-progress")
+  assert done.returncode == 130
+  assert (f"interrupted: no checkpoint in {out} (no step was completed and saved; a new "
+          "run starts from step 0)") in done.stderr.splitlines(), done.stderr
+  assert "None" not in done.stderr and "Traceback" not in done.stderr
+  assert [str(w.message) for w in caught if "matplotlib" in w.filename
+          or "legend" in str(w.message)] == []
+
+
+def test_resume_of_a_finished_run_says_it_is_complete_in_one_line(capsys, tmp_path):
+  """Reliability issue, item 11: ``--resume`` on a finished run built the rollouts and
+  announced ``steps 3-2`` (a 69 s no-op on SmolLM2); now one line says it is complete,
+  nothing is trained or written."""
+  out = tmp_path / "run"
+  assert _main(capsys, "train", "--algo", "grpo", "--steps", "2", "--prompts-per-step",
+               "4", "--group-size", "2", "--eval-size", "4", "--out", str(out)).returncode == 0
+  before = _tree(out)
+  done = _main(capsys, "train", "--resume", "--out", str(out))
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert (f"{out} is already complete: its checkpoint is step 2 of --steps 2; nothing to "
+          "train (pass a larger --steps to go on)") in done.stderr.splitlines(), done.stderr
+  assert "steps 3-2" not in done.stderr
+  kept = lambda tree: {k: v for k, v in tree.items()
+                       if k == "metrics.jsonl" or k.startswith("checkpoints/")}
+  assert kept(_tree(out)) == kept(before)
+
+
+def test_a_recipe_warmup_as_long_as_the_run_is_a_warning_naming_both_flags(capsys):
+  """Reliability issue, item 11: --algo vapo (10 warm-up steps) with --steps 3 trained
+  no policy without a word; the recipe's own warm-up is a warning (the run may want
+  only its critic), the flag's an error (above)."""
+  from jaxrl_llm.cli import _check_warmup
+  from jaxrl_llm.loop.config import RunConfig
+  _check_warmup(RunConfig(algo="vapo", steps=3), 10)
+  assert capsys.readouterr().err == (
+      "warning: --algo vapo warms its critic up for 10 steps (--critic-warmup-steps), all "
+      "of --steps 3: the policy will not change; pass a larger --steps or a smaller "
+      "--critic-warmup-steps\n")
+  _check_warmup(RunConfig(algo="vapo", steps=11), 10)
+  assert capsys.readouterr().err == ""

@@ -45,6 +45,22 @@ def test_custom_keys(tmp_path):
   assert recs[0].prompt == "q?" and recs[0].answer == "#### 3"
 
 
+def test_a_line_that_is_not_utf8_names_the_file_and_line(tmp_path, capsys):
+  """Reliability issue, item 9: the error was ``'utf-8' codec can't decode byte 0xe9 in
+  position 48`` (no file, no line; the position counted from the file's start)."""
+  from jaxrl_llm.cli import main
+  path = tmp_path / "data.jsonl"
+  path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+  message = f"{path}:2: not UTF-8 text (byte 0xe9 at byte 16 of the line); save the file as UTF-8."
+  with pytest.raises(ValueError) as info:
+    load_jsonl(str(path))
+  assert str(info.value) == message
+  assert main(["train", "--dataset", str(path), "--reward", "math",
+               "--out", str(tmp_path / "run")]) == 2
+  assert capsys.readouterr().err.splitlines() == [f"error: {message}"]
+  assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("line, message", [
     ("{not json", r"data.jsonl:2: invalid JSON"),
     ("[1, 2]", r"data.jsonl:2: expected a JSON object, got list"),

@@ -234,6 +234,9 @@ def test_a_model_with_other_adapters_is_refused(adapter, wrap, match):
      "layers.1.self_attn.v_proj.lora_A.weight' is missing"),
     (lambda t: {**t, "base_model.model.lm_head.lora_A.weight": np.zeros((2, 64), np.float32)},
      "lm_head.lora_A.weight' is not an adapter of targets q,v"),
+    (lambda t: {k: np.where(np.arange(v.size).reshape(v.shape) == 3, np.inf, v).astype(v.dtype)
+                if "layers.1.self_attn.q_proj.lora_B" in k else v for k, v in t.items()},
+     r"layers.1.self_attn.q_proj.lora_B.weight' has 1 non-finite values \(NaN or inf\)"),
 ])
 def test_bad_tensors_are_refused(adapter, tmp_path, edit, match):
   folder = _spoiled(adapter, tmp_path, tensors=edit)
@@ -343,3 +346,62 @@ def test_the_run_policy_starts_from_the_adapter(tmp_path, critic):
       key = name[len(f"['{POLICY}']"):] if critic else name
       ref = want[key]                         # adapters from the folder, base as before
     assert x.tobytes() == ref.tobytes(), name
+
+
+def _truncated(tensors_file):
+  with open(tensors_file, "rb") as f:
+    data = f.read()
+  with open(tensors_file, "wb") as f:
+    f.write(data[:len(data) - 100])
+
+
+_FLAGS = ["--algo", "grpo", "--lora-rank", "2", "--lora-alpha", "4", "--lora-targets", "q,v",
+          "--steps", "1", "--prompts-per-step", "4", "--group-size", "2", "--eval-size",
+          "4", "--no-progress"]
+_Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: {**t, _Q_A: np.zeros((3, 3), np.float32)},
+     f"tensor {_Q_A!r} has shape [3, 3], expected [2, 64]"),
+    (lambda t: {k: v for k, v in t.items() if k != _Q_A}, f"tensor {_Q_A!r} is missing"),
+    (lambda t: {**t, "base_model.model.model.layers.5.mlp.up_proj.lora_A.weight":
+                np.zeros((2, 2), np.float32)},
+     "tensor 'base_model.model.model.layers.5.mlp.up_proj.lora_A.weight' is not an "
+     "adapter of targets q,v on this 2-layer model"),
+    (lambda t: {**t, _Q_A: np.full_like(t[_Q_A], np.nan)},
+     f"tensor {_Q_A!r} has 128 non-finite values (NaN or inf) of 128"),
+    (_truncated, f"{ADAPTER_WEIGHTS_FILE} cannot be read (Error while deserializing header"),
+], ids=["shape", "missing", "extra", "nan", "truncated"])
+def test_cli_refuses_bad_adapter_tensors_in_one_line(tmp_path, capsys, edit, message):
+  """Reliability issue, item 5: wrong shapes, missing or extra tensors and a truncated
+  file ended ``train --lora-init`` in a 27-39-line traceback; a NaN adapter trained
+  (every step skipped) and wrote a non-finite checkpoint. Now: one line naming
+  --lora-init and the tensor, exit 2, no run folder."""
+  from jaxrl_llm.cli import main
+  from jaxrl_llm.loop.config import RunConfig
+  from jaxrl_llm.loop.resolve import resolve
+  from jaxrl_llm.loop.setup import make_policy, make_task
+  from jaxrl_llm.models import get_config
+  from jaxrl_llm.models.lora import lora_spec
+  run = RunConfig(algo="grpo", lora_rank=2, lora_alpha=4.0, lora_targets="q,v",
+                  rollout="simple")
+  task = make_task(run)
+  params = make_policy(resolve(run, task), task).init_params
+  config = get_config("tiny", task.tokenizer.vocab_size, value_head=False,
+                      max_seq_len=max(task.max_prompt_len + task.max_new_tokens, 8))
+  folder = str(tmp_path / "adapter")
+  save_lora_adapters(params, lora_spec(2, 4.0, "q,v"), config, folder)
+  file = os.path.join(folder, ADAPTER_WEIGHTS_FILE)
+  if edit is _truncated:
+    edit(file)
+  else:
+    save_file(edit(load_file(file)), file)
+  capsys.readouterr()
+  out = str(tmp_path / "run")
+  assert main(["train", *_FLAGS, "--lora-init", folder, "--out", out]) == 2
+  err = capsys.readouterr().err
+  assert err.splitlines() == [f"error: --lora-init {folder!r}: {ADAPTER_WEIGHTS_FILE}"
+                              + err.split(ADAPTER_WEIGHTS_FILE, 1)[1].rstrip("\n")], err
+  assert message in err and "Traceback" not in err
+  assert not os.path.exists(out)

@@ -360,3 +360,45 @@ def test_metrics_are_never_appended_through_a_link(tmp_path):
   with pytest.raises(RF.RunFolderIOError, match=r"has other names \(hard links\)"):
     RF.MetricsWriter(path)
   assert target.read_bytes() == before
+
+
+def test_a_linked_checkpoint_folder_is_refused_before_anything_is_written(tmp_path):
+  """Reliability issue, item 3: ``RUN/checkpoints -> D`` was followed (a resumed run
+  saved its new steps into D and rotation deleted D's old ones); a step folder
+  ``checkpoints/N -> D`` of a fresh run was found only at the first save."""
+  out = tmp_path / "run"
+  out.mkdir()
+  elsewhere = tmp_path / "elsewhere"
+  (elsewhere / "2").mkdir(parents=True)
+  (elsewhere / "2" / "f").write_text("not the run's\n")
+  os.symlink(elsewhere, out / "checkpoints")
+  with pytest.raises(RF.RunFolderIOError) as info:
+    RF.probe_run_folder(str(out), min_free_bytes=1)
+  assert str(info.value) == (f"{out}/checkpoints is a symbolic link (to {elsewhere}): a "
+                             "run folder's files are written by the run alone; remove "
+                             "the link")
+  os.unlink(out / "checkpoints")
+  (out / "checkpoints").mkdir()
+  os.symlink(elsewhere / "2", out / "checkpoints" / "4")
+  with pytest.raises(RF.RunFolderIOError,
+                     match=r"^checkpoint step folder \S+/checkpoints/4 is a symbolic link"):
+    RF.probe_run_folder(str(out), min_free_bytes=1)
+  assert sorted(os.listdir(elsewhere / "2")) == ["f"]
+  assert (elsewhere / "2" / "f").read_text() == "not the run's\n"
+
+
+def test_a_rewrite_never_changes_a_hard_linked_outside_file(tmp_path):
+  """Item 3, hard links: ``config.json`` or ``curves.png`` planted as a second name of a
+  file elsewhere; a write makes a fresh file and renames it over the name, so the
+  other file keeps its bytes (held before the issue too: kept as a regression test)."""
+  run = tmp_path / "run"
+  run.mkdir()
+  target, before = _outside(tmp_path)
+  for name in ("config.json", "curves.png", "metrics.jsonl"):
+    os.link(target, run / name)
+  RF.write_json(str(run / "config.json"), {"steps": 3})
+  RF.atomic_write_bytes(str(run / "curves.png"), b"\x89PNG")
+  RF.rewrite_jsonl(str(run / "metrics.jsonl"), [{"step": 0}])
+  assert RF.read_json(str(run / "config.json")) == {"steps": 3}
+  assert (run / "curves.png").read_bytes() == b"\x89PNG"
+  assert os.stat(target).st_nlink == 1 and target.read_bytes() == before

@@ -460,9 +460,15 @@ class RunConfig:
       raise ValueError("--partial-rollouts is not supported with --lora-rank yet (its "
                        "engine would run the base weights)")
     if self.lora_init is not None:
-      from jaxrl_llm.models.lora import lora_spec, lora_spec_mismatch, read_lora_config
+      from jaxrl_llm.models.lora import (
+        lora_spec,
+        lora_spec_mismatch,
+        read_lora_config,
+        read_lora_tensors,
+      )
       adapter = read_lora_config(self.lora_init, base_dtype=self.lora_base_dtype,
                                  flag="--lora-init")
+      read_lora_tensors(self.lora_init, flag="--lora-init")   # readable, finite: early
       ours = lora_spec(self.lora_rank, self.lora_alpha, self.lora_targets,
                        self.lora_base_dtype)
       differ = lora_spec_mismatch(ours, adapter)

@@ -176,19 +176,33 @@ def run_training(run: RunConfig, *, policy: Policy | None = None,
     compiles = CompileLog().start()       # every compile of the run, by function
     stack.callback(compiles.stop)
     r = _build(run, policy, t_entry, compiles, stack)
-    if r.start == 0:
-      _evaluate_start(r)
-    _announce(r)
-    r.rollouts = _make_rollouts(r)
-    stack.callback(r.rollouts.close)
     t0 = time.time()
-    stop = stack.enter_context(rf.GracefulStop(announce=True))
-    r.looping = True
-    for step in range(r.start + 1, run.steps + 1):
-      row = _train_step(r, step)
-      _keep_step(r, step, row, stop, on_step)
+    if r.start >= run.steps:      # a finished run resumed: nothing to build or train
+      if r.procs.primary:
+        _say(f"{run.out} is already complete: its checkpoint is step {r.start} of "
+             f"--steps {run.steps}; nothing to train (pass a larger --steps to go on)")
+    else:
+      t0 = _run_steps(r, stack, on_step)
     kept = r.ckpt.all_steps()
   return _finish(r, kept, time.time() - t0)
+
+
+def _run_steps(r: _Run, stack: contextlib.ExitStack,
+               on_step: Callable[[dict], None] | None) -> float:
+  """The evaluation of step 0 (a new run), the rollouts, and every step after
+  ``r.start``; when the steps started (``time.time()``)."""
+  if r.start == 0:
+    _evaluate_start(r)
+  _announce(r)
+  r.rollouts = _make_rollouts(r)
+  stack.callback(r.rollouts.close)
+  t0 = time.time()
+  stop = stack.enter_context(rf.GracefulStop(announce=True))
+  r.looping = True
+  for step in range(r.start + 1, r.run.steps + 1):
+    row = _train_step(r, step)
+    _keep_step(r, step, row, stop, on_step)
+  return t0
 
 
 @dataclasses.dataclass
@@ -328,8 +342,8 @@ def _close_checkpointer(run: RunConfig, ckpt: Checkpointer, procs: Processes,
   if (exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and not stopped
       and r is not None and r.looping):
     if procs.multi:     # a collective save needs every process: the last one stands
-      _say(f"\ninterrupted: kept the checkpoint of step {ckpt.latest_step()} in "
-           f"{run.out} (a multi-process run saves only when every process stops)")
+      _say(f"\n{_interrupted(run, ckpt, 'kept the checkpoint of step')} (a "
+           "multi-process run saves only when every process stops)")
       return False
     _save_on_interrupt(run, ckpt, r.state)
     return False
@@ -565,11 +579,21 @@ def _save_on_interrupt(run: RunConfig, ckpt: Checkpointer, state) -> None:
     done = int(state.step)
     if done > 0 and done not in ckpt.all_steps():
       ckpt.save(done, state, extra={"step": done}, force=True)
-    note = f"checkpoint saved at step {ckpt.latest_step()}"
+    note = _interrupted(run, ckpt, "checkpoint saved at step")
   except Exception:  # noqa: BLE001 - deleted buffers raise a runtime error
-    note = f"kept the checkpoint of step {ckpt.latest_step()}"
+    note = _interrupted(run, ckpt, "kept the checkpoint of step")
   ckpt.close()
-  _say(f"interrupted: {note} in {run.out}")
+  _say(note)
+
+
+def _interrupted(run: RunConfig, ckpt: Checkpointer, saved: str) -> str:
+  """The line an interrupted run ends with: its newest checkpoint (``saved`` says how
+  it came to be), or that it has none (stopped before a step completed)."""
+  latest = ckpt.latest_step()
+  if latest is None:
+    return (f"interrupted: no checkpoint in {run.out} (no step was completed and saved; "
+            "a new run starts from step 0)")
+  return f"interrupted: {saved} {latest} in {run.out}"
 
 
 def summarize(history: list[dict], wall_s: float, run: RunConfig) -> dict:

@@ -88,6 +88,13 @@ _NF4_BLOCK = 64
 _MODULES = r".*(attn|mlp)"     # the qwix rule's module paths (Block.attn, Block.mlp)
 
 
+class AdapterError(ValueError):
+  """An adapter folder's tensors cannot be loaded onto the model: the safetensors file
+  is unreadable or truncated, a tensor is missing, extra, of the wrong shape or not
+  finite. One line naming the file, the tensor and the argument (``--lora-init``);
+  a ``ValueError``, so callers that catch those keep working."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraSpec:
   """What :func:`apply_lora` did (kept on the model as ``model.lora_spec``).
@@ -659,8 +666,8 @@ def load_lora_state_dict(params: Any, tensors: dict[str, Any], spec: LoraSpec,
     flag: how errors name ``tensors``.
 
   Raises:
-    ValueError: a tensor missing, of the wrong shape, or not an adapter of ``spec``
-      on this model (one line naming the first).
+    AdapterError: a tensor missing, of the wrong shape, not finite, or not an adapter
+      of ``spec`` on this model (one line naming the first).
   """
   return _load_state_dict(params, tensors, spec, config, _arg(flag))
 
@@ -675,13 +682,13 @@ def _load_state_dict(params: Any, tensors: dict[str, Any], spec: LoraSpec,
     wanted[("blocks", str(i), module, f"{weight}_lora_b")] = f"{stem}.lora_B.weight"
   extra = sorted(set(tensors) - set(wanted.values()))
   if extra:
-    raise ValueError(f"{where}: tensor {extra[0]!r} is not an adapter of targets "
-                     f"{','.join(spec.targets)} on this {config.n_layers}-layer model "
-                     f"({len(extra)} such tensors).")
+    raise AdapterError(f"{where}: tensor {extra[0]!r} is not an adapter of targets "
+                       f"{','.join(spec.targets)} on this {config.n_layers}-layer model "
+                       f"({len(extra)} such tensors).")
   missing = sorted(set(wanted.values()) - set(tensors))
   if missing:
-    raise ValueError(f"{where}: tensor {missing[0]!r} is missing ({len(missing)} adapter "
-                     f"tensors of targets {','.join(spec.targets)} missing).")
+    raise AdapterError(f"{where}: tensor {missing[0]!r} is missing ({len(missing)} "
+                       f"adapter tensors of targets {','.join(spec.targets)} missing).")
   found = set()
 
   def put(path, leaf):
@@ -697,9 +704,11 @@ def _load_state_dict(params: Any, tensors: dict[str, Any], spec: LoraSpec,
     else:
       expected = (math.prod(value.shape[1:]), r)
     if tuple(x.shape) != expected:
-      raise ValueError(f"{where}: tensor {name!r} has shape {list(x.shape)}, expected "
-                       f"{list(expected)} (rank {r} on this model's weight).")
-    new = x.astype(np.float32).T.reshape(value.shape).astype(value.dtype)
+      raise AdapterError(f"{where}: tensor {name!r} has shape {list(x.shape)}, expected "
+                         f"{list(expected)} (rank {r} on this model's weight).")
+    new = x.astype(np.float32)
+    _refuse_nonfinite(new, name, where)
+    new = new.T.reshape(value.shape).astype(value.dtype)
     found.add(key)
     return leaf.replace(value=jax.device_put(new, value.sharding))
 
@@ -709,6 +718,54 @@ def _load_state_dict(params: Any, tensors: dict[str, Any], spec: LoraSpec,
     raise ValueError(f"`params` has no adapter {'.'.join(lost)}: it is not the LoRA model "
                      f"of `spec` {spec}.")
   return out
+
+
+def _refuse_nonfinite(x: Any, name: str, where: str) -> None:
+  """Raises :class:`AdapterError` when the float32 array ``x`` holds a NaN or an inf: a
+  non-finite adapter makes every loss non-finite, so every update would be skipped."""
+  import numpy as np
+  bad = ~np.isfinite(x)
+  if bad.any():
+    raise AdapterError(f"{where}: tensor {name!r} has {int(bad.sum())} non-finite values "
+                       f"(NaN or inf) of {x.size}: an adapter to start from must be finite.")
+
+
+def read_lora_tensors(path: str | os.PathLike, *, flag: str = "path") -> dict[str, Any]:
+  """The tensors of the adapter folder ``path`` (``{PEFT name: numpy array}``), each
+  checked to be finite.
+
+  Raises:
+    AdapterError: the weights file cannot be read (missing, truncated, not
+      safetensors) or a tensor holds NaN or inf; one line naming ``path`` (or
+      ``flag``) and the tensor.
+
+  Examples:
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> from safetensors.numpy import save_file
+    >>> folder = tempfile.mkdtemp()
+    >>> save_file({"a": np.array([1.0, np.inf], np.float32)},
+    ...           os.path.join(folder, ADAPTER_WEIGHTS_FILE))
+    >>> try:
+    ...   read_lora_tensors(folder, flag="--lora-init")
+    ... except AdapterError as e:
+    ...   print(str(e).replace(folder, "ADAPTER"))
+    --lora-init 'ADAPTER': adapter_model.safetensors: tensor 'a' has 1 non-finite values
+    (NaN or inf) of 2: an adapter to start from must be finite.
+  """
+  import numpy as np
+  from safetensors.numpy import load_file
+  where = f"{_arg(flag)} {os.fspath(path)!r}"
+  try:
+    tensors = load_file(os.path.join(os.fspath(path), ADAPTER_WEIGHTS_FILE))
+  except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+    reason = " ".join(str(e).split())
+    raise AdapterError(f"{where}: {ADAPTER_WEIGHTS_FILE} cannot be read ({reason}).") from None
+  for name in sorted(tensors):
+    x = tensors[name]
+    if np.issubdtype(x.dtype, np.floating):
+      _refuse_nonfinite(np.asarray(x, np.float32), name, f"{where}: {ADAPTER_WEIGHTS_FILE}")
+  return tensors
 
 
 def load_lora_adapters(model: Transformer, path: str | os.PathLike, *,
@@ -735,7 +792,8 @@ def load_lora_adapters(model: Transformer, path: str | os.PathLike, *,
   Raises:
     ValueError: one line naming ``path`` (or ``flag``) or ``model``: what
       :func:`read_lora_config` refuses, a rank / alpha / targets that differ from the
-      model's adapters, a missing, extra or wrongly shaped tensor.
+      model's adapters; an :class:`AdapterError` for an unreadable (truncated) weights
+      file or a missing, extra, wrongly shaped or non-finite tensor.
 
   Examples:
     >>> import tempfile
@@ -768,11 +826,7 @@ def load_lora_adapters(model: Transformer, path: str | os.PathLike, *,
   else:
     model = apply_lora(model, rank=adapter.rank, alpha=adapter.alpha,
                        targets=adapter.targets, base_dtype=base_dtype, seed=seed)
-  from safetensors.numpy import load_file
-  try:
-    tensors = load_file(os.path.join(os.fspath(path), ADAPTER_WEIGHTS_FILE))
-  except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-    raise ValueError(f"{where}: {ADAPTER_WEIGHTS_FILE} cannot be read ({e}).") from None
+  tensors = read_lora_tensors(path, flag=flag)
   graphdef, params = split_model(model)
   params = _load_state_dict(params, tensors, spec, model.config,
                             f"{where}: {ADAPTER_WEIGHTS_FILE}")
@@ -796,9 +850,9 @@ def num_lora_params(config: TransformerConfig, spec: LoraSpec) -> int:
   return c.n_layers * spec.rank * sum(sizes[t] for t in spec.targets)
 
 
-__all__ = ["LORA_TARGETS", "LORA_BASE_DTYPES", "LoraSpec", "lora_spec", "parse_targets",
-           "apply_lora", "lora_trainable", "lora_reference_apply", "lora_delta",
+__all__ = ["AdapterError", "LORA_TARGETS", "LORA_BASE_DTYPES", "LoraSpec", "lora_spec",
+           "parse_targets", "apply_lora", "lora_trainable", "lora_reference_apply", "lora_delta",
            "merge_lora", "base_graphdef", "lora_state_dict", "save_lora_adapters",
            "ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "read_lora_config",
-           "lora_spec_mismatch", "load_lora_state_dict", "load_lora_adapters",
-           "num_lora_params"]
+           "lora_spec_mismatch", "load_lora_state_dict", "read_lora_tensors",
+           "load_lora_adapters", "num_lora_params"]

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -72,15 +73,155 @@ def _token_str(value) -> str | None:
   return None
 
 
+# The longest string (or list) a chat template may build, as jinja's sandbox bounds
+# ``range`` (MAX_RANGE): 16 Mi characters, far beyond any prompt, far below a memory
+# exhaustion. ``**`` results are bounded in bits.
+MAX_TEMPLATE_SIZE = 1 << 24
+_MAX_POW_BITS = 1 << 16
+
+
+def _too_big(what: str) -> Exception:
+  from jinja2.exceptions import SecurityError
+  return SecurityError(f"the chat template {what}: more than the sandbox's "
+                       f"{MAX_TEMPLATE_SIZE} characters (MAX_TEMPLATE_SIZE)")
+
+
+def _sized(x: Any) -> bool:
+  return isinstance(x, (str, list, tuple))
+
+
+def _check_ints(args: Sequence[Any]) -> None:
+  """Refuses an int argument beyond the size bound (a width: ``center(10**8)``)."""
+  for a in args:
+    if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_TEMPLATE_SIZE:
+      raise _too_big(f"passes {a} as an argument (a width or count)")
+
+
+# A ``%`` conversion's width and precision; a ``str.format`` field's spec (after ':').
+_PERCENT_SPEC = re.compile(r"%[-#0 +]*(\d*)(?:\.(\d*))?")
+_FORMAT_SPEC = re.compile(r"\{[^{}:]*:([^{}]*)\}")
+
+
+def _check_format(fmt: Any) -> None:
+  """Refuses a ``%`` or ``str.format`` field width or precision beyond the size bound."""
+  if isinstance(fmt, str):
+    numbers = [n for m in _PERCENT_SPEC.finditer(fmt) for n in m.groups() if n]
+    numbers += [n for m in _FORMAT_SPEC.finditer(fmt) for n in re.findall(r"\d+", m[1])]
+    _check_ints([int(n) for n in numbers])
+
+
+def _check_replace(text: Any, args: Sequence[Any]) -> None:
+  """Refuses ``text.replace(old, new)`` whose result would exceed the bound."""
+  if isinstance(text, str) and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
+    old, new = args[0], args[1]
+    hits = text.count(old) if old else len(text) + 1
+    if len(text) + hits * len(new) > MAX_TEMPLATE_SIZE:
+      raise _too_big("replaces into a string too long")
+
+
+def _check_result(result: Any, what: str) -> Any:
+  if _sized(result) and len(result) > MAX_TEMPLATE_SIZE:
+    raise _too_big(f"builds a {type(result).__name__} of {len(result)} items with {what}")
+  return result
+
+
+def _check_binop(op: str, left: Any, right: Any) -> None:
+  """Refuses, before it runs, an operator whose result would exceed the bound."""
+  if op == "*":
+    sized, count = (left, right) if _sized(left) else (right, left)
+    if _sized(sized) and isinstance(count, int) and len(sized) * count > MAX_TEMPLATE_SIZE:
+      raise _too_big(f"repeats a {type(sized).__name__} of {len(sized)} items {count} times")
+  elif op == "+" and _sized(left) and _sized(right):
+    if len(left) + len(right) > MAX_TEMPLATE_SIZE:
+      raise _too_big("concatenates a string too long")
+  elif op == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+    if abs(left) > 1 and left.bit_length() * right > _MAX_POW_BITS:
+      raise _too_big(f"raises {left} to the power {right}")
+  elif op == "%":
+    _check_format(left)
+    _check_ints(right if isinstance(right, tuple) else [right])
+
+
+def _bounded_filter(f: Any) -> Any:
+  """``f`` (a jinja filter) with its int arguments and its result bounded."""
+  @functools.wraps(f)
+  def bounded(*args: Any, **kwargs: Any) -> Any:
+    values = [*args, *kwargs.values()]
+    _check_ints(values)
+    strs = [a for a in values if isinstance(a, str)]
+    if f.__name__ == "do_format" and strs:
+      _check_format(strs[0])
+    elif f.__name__ == "do_replace" and strs:
+      _check_replace(strs[0], strs[1:])
+    return _check_result(f(*args, **kwargs), f"the filter {f.__name__}")
+  return bounded
+
+
+@functools.cache
+def _bounded_sandbox() -> type:
+  """jinja's immutable sandbox with every string (and list) it builds bounded by
+  :data:`MAX_TEMPLATE_SIZE`: the operators ``*``, ``+``, ``~``, ``**`` and ``%``, calls
+  (``'x'.ljust(n)``, ``.replace``, ``.format``) and filters (``center``, ``indent``,
+  ...) refuse, before allocating where the size is known in advance, a result beyond
+  it (``jinja2.exceptions.SecurityError``)."""
+  from jinja2.compiler import CodeGenerator
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+  class Generator(CodeGenerator):
+    def visit_Concat(self, node: Any, frame: Any) -> None:     # ``a ~ b``
+      self.write("environment.bounded_concat((")
+      for arg in node.nodes:
+        self.visit(arg, frame)
+        self.write(", ")
+      self.write("))")
+
+  class Sandbox(ImmutableSandboxedEnvironment):
+    code_generator_class = Generator
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+      _check_binop(operator, left, right)
+      return _check_result(super().call_binop(context, operator, left, right),
+                           f"the operator {operator}")
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+      _check_ints([*args, *kwargs.values()])
+      method = getattr(__obj, "__wrapped__", __obj)     # the sandbox wraps str.format
+      owner, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
+      if name in ("format", "format_map"):
+        _check_format(owner)
+      elif name == "replace":
+        _check_replace(owner, args)
+      return _check_result(super().call(__context, __obj, *args, **kwargs), f"{name}()")
+
+    def bounded_concat(self, parts: Sequence[Any]) -> str:
+      texts = [str(p) for p in parts]
+      if sum(map(len, texts)) > MAX_TEMPLATE_SIZE:
+        raise _too_big("concatenates (~) a string too long")
+      return "".join(texts)
+
+  return Sandbox
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
-  """A ``jinja2`` template compiled the way ``transformers`` compiles chat templates.
+  """A ``jinja2`` template compiled the way ``transformers`` compiles chat templates,
+  in a sandbox that also bounds the size of the strings it builds
+  (:data:`MAX_TEMPLATE_SIZE`, as jinja bounds ``range``).
 
   Raises:
     ImportError: without ``jinja2``.
+
+  Examples:
+    >>> t = compile_chat_template("{{ ('x' * 10**8)|length }}")
+    >>> try:
+    ...   t.render()
+    ... except Exception as e:
+    ...   print(type(e).__name__, str(e))
+    SecurityError the chat template repeats a str of 1 items 100000000 times: more than
+    the sandbox's 16777216 characters (MAX_TEMPLATE_SIZE)
   """
   jinja2 = _require("jinja2")
   from jinja2 import ext as jinja_ext
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
 
   def raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
@@ -92,9 +233,10 @@ def compile_chat_template(source: str) -> jinja2.Template:
   def strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[jinja_ext.loopcontrols])
+  env = _bounded_sandbox()(trim_blocks=True, lstrip_blocks=True,
+                           extensions=[jinja_ext.loopcontrols])
   env.filters["tojson"] = tojson
+  env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = strftime_now
   return env.from_string(source)
@@ -345,4 +487,4 @@ def _read_json(path: str) -> dict:
       raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno}).") from None
 
 
-__all__ = ["HFTokenizer", "compile_chat_template"]
+__all__ = ["HFTokenizer", "compile_chat_template", "MAX_TEMPLATE_SIZE"]

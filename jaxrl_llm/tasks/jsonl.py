@@ -129,16 +129,21 @@ def load_jsonl(path: str | os.PathLike, *, prompt_key: str = "prompt",
     The records in file order.
 
   Raises:
-    ValueError: ``"<path>:<line>: ..."`` for invalid JSON or a malformed record, or if
-      the file holds no record.
+    ValueError: ``"<path>:<line>: ..."`` for a line that is not UTF-8, invalid JSON or
+      a malformed record, or if the file holds no record.
   """
   path = os.fspath(path)
   records = []
-  with open(path, encoding="utf-8") as f:
-    for n, text in enumerate(f, start=1):
+  with open(path, "rb") as f:
+    for n, raw in enumerate(f, start=1):
+      where = f"{path}:{n}"
+      try:
+        text = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte "
+                         f"{e.start + 1} of the line); save the file as UTF-8.") from None
       if not text.strip():
         continue
-      where = f"{path}:{n}"
       try:
         obj = json.loads(text)
       except json.JSONDecodeError as e:
