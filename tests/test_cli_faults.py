@@ -558,9 +558,11 @@ def test_a_step_record_that_disagrees_falls_back_or_refuses_in_one_line(capsys, 
   assert _main(capsys, "train", "--steps", "2", *small, "--out", str(base)).returncode == 0
   from jaxrl_llm import run_folder as rf
   from jaxrl_llm.loop.config import read_run_config
-  extras = rf.checkpoint_extras(str(base))                # each step records its run
+  extras = rf.checkpoint_extras(str(base))      # each step records its run and its watch
+  watch = {s: extras[s].pop("signal_watch") for s in extras}
   assert extras == {s: {"step": s, "run": read_run_config(str(base / "config.json"))
                         .identity()} for s in (1, 2)}
+  assert [(w["step"], w["first_step"]) for w in watch.values()] == [(1, 1), (2, 1)]
   for name, value, reason in (
       ("edited", 99999, "its extra record's 'step' is 99999, saved as 2 with this step"),
       ("both", (1,), "its extra record says step 1, its folder 2")):   # record too
