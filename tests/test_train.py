@@ -679,3 +679,111 @@ def test_old_logp_from_step_equals_a_batch_carrying_the_current_log_probs():
 def test_old_logp_from_step_refuses_what_reads_old_logp_before_the_update(kwargs, name):
   with pytest.raises(ValueError, match=f"`old_logp_from_step`.*{name}"):
     TrainConfig(**{**GRPO_DEFAULTS, **kwargs, "old_logp_from_step": True})
+
+
+# -------------------------------------------- log-probs from a static start (issue 42)
+
+START = 6   # the setup batch's first response column: its loss_mask is 0 before it
+
+
+def _forward(apply, params, batch, start, chunk_size=None):
+  return jax.jit(lambda p, b: policy_forward(apply, p, b, chunk_size=chunk_size,
+                                             logprob_start=start))(params, batch)
+
+
+def _logits_apply(apply):
+  def apply_logits(p, tokens, positions, attn):
+    hidden, values, lm_head = apply(p, tokens, positions, attn)
+    return hidden @ lm_head, values
+  return apply_logits
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_logprob_start_gives_the_full_log_probs_from_its_column_and_zeros_before(
+    setup, chunk_size):
+  apply, params, batch = setup
+  for fn in (apply, _logits_apply(apply)):        # hidden + LM head, and logits
+    full, sliced = (_forward(fn, params, batch, s, chunk_size) for s in (None, START))
+    for f, s in zip(full[:2], sliced[:2]):        # log-probs, entropies
+      assert s.shape == f.shape == (B, L)
+      assert_close(s[:, START:], f[:, START:], atol=1e-6, rtol=1e-6)
+      assert np.all(np.asarray(s)[:, :START] == 0.0)
+    np.testing.assert_array_equal(sliced[2], full[2])    # values: every position
+    # Pinned (the tiny model of the fixture, seed 0): sums over the response columns.
+    assert_close(np.array([jnp.sum(sliced[0]), jnp.sum(sliced[1])]),
+                 [-189.0479, 130.7741], atol=2e-3, rtol=0)
+
+
+def test_logprob_start_gradients_equal_the_full_computation(setup):
+  apply, params, batch = setup
+  mask = batch["loss_mask"]
+
+  def grads(start):
+    def f(p):
+      logp, ent, values = policy_forward(apply, p, batch, chunk_size=4,
+                                         logprob_start=start)
+      return jnp.sum((logp + 0.1 * ent) * mask) + jnp.sum(values)
+    return jax.jit(jax.grad(f))(params)
+
+  full, sliced = grads(None), grads(START)
+  assert_close(sliced, full, atol=1e-6, rtol=1e-5)
+  embed = next(x for x in jax.tree_util.tree_leaves(sliced) if np.ndim(x) == 2
+               and np.shape(x)[0] == V)
+  assert float(jnp.abs(embed).sum()) > 0     # the tied LM head gets a gradient
+
+
+@pytest.mark.parametrize("family", ["ppo", "grpo"])
+def test_logprob_start_train_step_equals_the_full_one(setup, family):
+  """Loss, metrics and the update (SGD at lr 1: the negated gradient) of a step that
+  computes log-probs from the first response column equal the full step's."""
+  apply, params, batch = setup
+  kw = dict(entropy_coef=0.01, kl_mode="loss", kl_coef=0.1, num_microbatches=2)
+  if family == "grpo":
+    kw.update(GRPO_DEFAULTS, old_logp_from_step=True)
+    batch = {k: x for k, x in batch.items() if k not in ("old_logp", "old_values")}
+    batch["advantages"] = np.linspace(-1.0, 1.0, B).astype(np.float32)
+  results = []
+  for start in (None, START):
+    state, hist, step = _run(apply, params, batch, TrainConfig(logprob_start=start, **kw),
+                             opt=optax.sgd(1.0))
+    update = jax.tree_util.tree_map(lambda a, b: np.asarray(a) - np.asarray(b),
+                                    state.params, params)
+    results.append((hist[0], update))
+    assert step._cache_size() == 1
+  (full, full_update), (sliced, sliced_update) = results
+  assert full.keys() == sliced.keys()
+  for key in full:
+    assert_close(sliced[key], full[key], atol=1e-6, rtol=1e-5, err_msg=key)
+  assert_close(sliced_update, full_update, atol=1e-6, rtol=1e-5)
+  assert full["skipped"] == 0 and full["grad_norm"] > 0
+  pinned = {"ppo": 0.318797, "grpo": -0.038462}[family]      # the fixture's loss
+  assert_close(sliced["loss"], pinned, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("start", [0, -1, L, L + 3, True, 2.0])
+def test_logprob_start_out_of_range_raises_naming_it(setup, start):
+  apply, params, batch = setup
+  with pytest.raises(ValueError, match=r"`logprob_start` must be None or an int with "
+                                       rf"1 <= logprob_start < L = {L}"):
+    policy_forward(apply, params, batch, logprob_start=start)
+
+
+def test_logprob_start_config_is_checked_and_the_step_refuses_a_too_wide_one(setup):
+  apply, params, batch = setup
+  with pytest.raises(ValueError, match="`logprob_start` must be None or an int >= 1"):
+    TrainConfig(logprob_start=0)
+  config = TrainConfig(logprob_start=L)
+  opt = optax.sgd(0.1)
+  with pytest.raises(ValueError, match=r"`logprob_start`.* < L = 12"):
+    make_train_step(apply, opt, config)(init_train_state(params, opt, config), batch)
+
+
+def test_logprob_start_is_ignored_for_packed_rows(setup):
+  apply, params, batch = setup
+  seg = np.ones((B, L), np.int32)
+  seg[:, 8:] = 2          # a second sequence from column 8: its log-probs from there
+  packed = dict(batch, segment_ids=seg)
+  full, sliced = (_forward(apply, params, packed, s) for s in (None, START))
+  for f, s in zip(full, sliced):
+    np.testing.assert_array_equal(s, f)
+  assert np.all(np.asarray(sliced[0])[2:, 1:START] != 0)    # rows 0, 1: left padding

@@ -151,6 +151,13 @@ class TrainConfig:
   clip_max: float = setting(0.3, "upper bound of the adaptive clip epsilon.")
   logprob_chunk_size: int | None = setting(
       None, "vocabulary-projection chunk for log-probs from hidden states.")
+  logprob_start: int | None = setting(
+      None, "the first column whose log-probs the loss reads (a static column: the loop "
+      "sets it to the prompt width, its prompts being left-padded to it): the LM head "
+      "runs on the outputs that predict columns ``>= logprob_start`` only, forward and "
+      "backward (see :func:`jaxrl_llm.train.policy_forward`); ``loss_mask`` must be 0 "
+      "before it. Ignored for packed batches. None: every column.", min_int=1,
+      flag=False)
   old_logp_from_step: bool = setting(
       False, "take the old log-probs from the update's own forward, detached (the ratio "
       "is then exactly 1), so the batch needs no ``old_logp`` and the loop runs no "

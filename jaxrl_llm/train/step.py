@@ -253,20 +253,49 @@ def as_model_output(out: Any) -> ModelOutput:
   return result
 
 
+def check_logprob_start(logprob_start: int | None, width: int) -> None:
+  """Raises ``ValueError`` unless ``logprob_start`` is None or an int in ``[1, width)``.
+
+  Examples:
+    >>> check_logprob_start(3, 8)
+    >>> check_logprob_start(8, 8)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: `logprob_start` must be None or an int with 1 <= logprob_start < L = 8 ...
+  """
+  if logprob_start is None:
+    return
+  if (isinstance(logprob_start, bool) or not isinstance(logprob_start, int)
+      or not 1 <= logprob_start < width):
+    raise ValueError(f"`logprob_start` must be None or an int with 1 <= logprob_start < "
+                     f"L = {width} (the width of batch['tokens']), got {logprob_start!r}.")
+
+
 def policy_forward(apply_fn: Callable, params: Any, batch: dict, *,
                    chunk_size: int | None = None,
-                   temperature: Any = TrainConfig.temperature
+                   temperature: Any = TrainConfig.temperature,
+                   logprob_start: int | None = TrainConfig.logprob_start
                    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """Token log-probs, entropies and values of ``batch['tokens']`` under ``params``.
 
   Returns ``(logp, entropy, values)``, each ``[B, L]`` aligned with the tokens (entry t
   is about generating token t; column 0 is 0); ``values`` is None without a value head.
   Use it for old / reference log-probs as well as inside the loss.
+
+  ``logprob_start``: a static column ``s`` (``1 <= s < L``, else ``ValueError``) from
+  which on the log-probs and entropies are wanted, e.g. the first response column of
+  prompts left-padded to a fixed width. The LM head then runs on the hidden states
+  ``s - 1 .. L - 2`` only (forward and backward), and ``logp`` / ``entropy`` are 0 in
+  columns ``< s``; columns ``>= s`` equal the full computation's (float rounding).
+  Whatever reads the outputs must read nothing before ``s`` (in the train step:
+  ``loss_mask`` is 0 there). ``values`` are computed at every position as without it.
+  Ignored for packed rows (``segment_ids``), whose sequences start anywhere. None: all.
   """
   missing = [k for k in ("tokens", "attention_mask") if k not in batch]
   if missing:
     raise ValueError(f"`batch` is missing key(s) {missing} (has {sorted(batch)}).")
   tokens, attn = batch["tokens"], batch["attention_mask"]
+  check_logprob_start(logprob_start, v.shape_of(tokens)[-1])
   positions = batch.get("positions")
   seg = batch.get("segment_ids")
   if positions is None:
@@ -275,19 +304,21 @@ def policy_forward(apply_fn: Callable, params: Any, batch: dict, *,
     out = as_model_output(apply_fn(params, tokens, positions, attn))
   else:
     out = as_model_output(apply_fn(params, tokens, positions, attn, segment_ids=seg))
-  targets = tokens[:, 1:]
-  target_mask = attn[:, 1:]
+  # Outputs at positions start - 1 .. L - 2 predict tokens start .. L - 1.
+  start = 1 if logprob_start is None or seg is not None else logprob_start
+  targets = tokens[:, start:]
+  target_mask = attn[:, start:]
   if seg is not None:   # a segment's last output never predicts the next segment
     target_mask = jnp.where(_same_segment_as_previous(seg), target_mask, 0)
   values = out.values
   if out.hidden is not None:
     logp, ent = token_logprobs_from_hidden(
-        out.hidden[:, :-1], out.lm_head, targets, mask=target_mask, chunk_size=chunk_size,
-        return_entropy=True, temperature=temperature)
+        out.hidden[:, start - 1:-1], out.lm_head, targets, mask=target_mask,
+        chunk_size=chunk_size, return_entropy=True, temperature=temperature)
   else:
-    logp, ent = token_logprobs(out.logits[:, :-1] / temperature, targets, target_mask,
-                               return_entropy=True)
-  pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)
+    logp, ent = token_logprobs(out.logits[:, start - 1:-1] / temperature, targets,
+                               target_mask, return_entropy=True)
+  pad = lambda x: jnp.pad(x, ((0, 0), (start, 0)))
   values = None if values is None else _shift_right(v.as_f32(values))
   if values is not None and seg is not None:
     values = jnp.where(segment_starts(seg), 0.0, values)
@@ -487,7 +518,8 @@ def _loss_fn(params, mb, denoms, state, config, apply_fn, eps_low, eps_high):
   mask = v.as_f32(mb["loss_mask"])
   logp, ent, values = policy_forward(apply_fn, params, mb,
                                      chunk_size=config.logprob_chunk_size,
-                                     temperature=hp["temperature"])
+                                     temperature=hp["temperature"],
+                                     logprob_start=config.logprob_start)
   seg = mb.get("segment_ids")
   agg = lambda x: L.aggregate_parts(x, mask, config.loss_agg_mode,
                                     norm_length=config.norm_length,
