@@ -57,3 +57,49 @@ def test_use_engine_needs_the_paged_protocol():
   bare = Policy(simple.apply, simple.decode_fns, simple.init_params, pad_id=PAD)
   with pytest.raises(ValueError, match="paged_decode_fns"):
     bare.use_engine(max_slots=2, max_len=8)
+
+
+# ------------------------------------------- log-probs from the prompt width (issue 42)
+
+
+def test_resolve_sets_the_prompt_width_as_logprob_start_where_the_layout_is_static():
+  from jaxrl_llm.loop.config import RunConfig
+  from jaxrl_llm.loop.resolve import resolve
+  from jaxrl_llm.loop.setup import make_task
+  run = RunConfig(task="reverse")
+  task = make_task(run)
+  assert resolve(run, task).train.logprob_start == task.max_prompt_len
+  assert resolve(run).train.logprob_start is None                  # no task: unknown
+  packed = RunConfig(task="reverse", pack=True)                    # rows start anywhere
+  assert resolve(packed, make_task(packed)).train.logprob_start is None
+  given = RunConfig(task="reverse", train={"logprob_start": 2})
+  assert resolve(given, make_task(given)).train.logprob_start == 2
+
+
+def test_build_batch_log_probs_from_the_prompt_width_equal_the_full_ones():
+  """The loop's forwards (old and reference log-probs) skip the prompt: the same
+  values where the loss reads them, 0 on the prompt columns."""
+  import dataclasses
+
+  from jaxrl_llm.loop.batch import build_batch
+  from jaxrl_llm.loop.config import RunConfig
+  from jaxrl_llm.loop.resolve import resolve
+  from jaxrl_llm.loop.setup import make_policy, make_task
+  run = RunConfig(task="reverse", model="tiny", algo="grpo", prompts_per_step=2,
+                  group_size=2)
+  task = make_task(run)
+  resolved = resolve(run, task)
+  start = task.max_prompt_len
+  policy = make_policy(resolved, task)
+  full = make_policy(dataclasses.replace(
+      resolved, train=dataclasses.replace(resolved.train, logprob_start=None)), task)
+  assert (policy.logprob_start, full.logprob_start) == (start, None)
+  params = policy.init_params
+  batch, _ = build_batch(resolved, task, policy, params, policy.ref_params(params),
+                         np.random.default_rng(0), jax.random.PRNGKey(0))
+  mask = batch["loss_mask"] > 0
+  assert mask.sum() > 0 and not mask[:, :start].any()
+  for key, fn in (("old_logp", full.forward), ("ref_logp", full.ref_forward)):
+    expected = np.asarray(fn(params, batch)[0])
+    np.testing.assert_allclose(batch[key][mask], expected[mask], atol=1e-6, rtol=1e-6)
+    assert np.all(batch[key][:, :start] == 0) and np.any(expected[:, 1:start] != 0)

@@ -34,6 +34,7 @@ from jaxrl_llm.train import TrainConfig, policy_forward
 
 # The defaults of the run's settings (declared once, in the configs).
 _TEMPERATURE: float = TrainConfig.temperature
+_LOGPROB_START: int | None = TrainConfig.logprob_start
 _SEED: int = RunConfig.seed
 # The engine's longest prefill chunk (tokens per prefill call).
 _MAX_PREFILL_CHUNK = 128
@@ -61,6 +62,10 @@ class Policy:
     ref_shares_params: the reference is a function of the *live* parameters (a LoRA
       policy's frozen base with the adapters off): the loop passes
       ``ref_params(state.params)`` each step instead of a frozen copy.
+    logprob_start: the static first response column of the batches ``forward`` and
+      ``ref_forward`` score (``TrainConfig.logprob_start``): log-probs and entropies
+      are 0 before it and the LM head skips the prompt (see
+      :func:`~jaxrl_llm.train.policy_forward`). None: every column.
   """
 
   def __init__(self, apply_fn: Callable[..., Any], decode_fns: DecodeFns,
@@ -70,7 +75,8 @@ class Policy:
                paged_decode_fns: PagedDecodeFns | None = None,
                rollout_params: Callable[[Any], Any] | None = None,
                trainable: Callable[[Any], Any] | None = None,
-               ref_shares_params: bool = False) -> None:
+               ref_shares_params: bool = False,
+               logprob_start: int | None = _LOGPROB_START) -> None:
     self.apply = apply_fn
     self.trainable = trainable
     self.ref_shares_params = ref_shares_params
@@ -83,27 +89,32 @@ class Policy:
     self.pad_id = pad_id
     self.temperature = temperature
     self._ref_part = ref_part
+    self.logprob_start = logprob_start
     self.forward = jax.jit(lambda params, batch: policy_forward(
-        apply_fn, params, batch, temperature=temperature))
+        apply_fn, params, batch, temperature=temperature, logprob_start=logprob_start))
     self.ref_forward = self.forward if ref_apply_fn is None else jax.jit(
         lambda params, batch: policy_forward(ref_apply_fn, params, batch,
-                                             temperature=temperature))
+                                             temperature=temperature,
+                                             logprob_start=logprob_start))
     self._sample = jax.jit(sample, static_argnums=0,
                            static_argnames=("max_new_tokens", "greedy", "top_k"))
 
   @classmethod
   def reference(cls, model: str, vocab_size: int, max_len: int, pad_id: int, *,
-                value_head: bool, seed: int = _SEED, temperature: float = _TEMPERATURE) -> Policy:
+                value_head: bool, seed: int = _SEED, temperature: float = _TEMPERATURE,
+                logprob_start: int | None = _LOGPROB_START) -> Policy:
     """The reference transformer preset ``model`` (``tiny`` / ``small``)."""
     from jaxrl_llm.models.transformer import Transformer, get_config, split_model
     cfg = get_config(model, vocab_size, value_head=value_head,
                      max_seq_len=max(max_len, 8))
     graphdef, params = split_model(Transformer(cfg, rngs=nnx.Rngs(seed)))
-    return cls.of_transformer(graphdef, params, pad_id=pad_id, temperature=temperature)
+    return cls.of_transformer(graphdef, params, pad_id=pad_id, temperature=temperature,
+                              logprob_start=logprob_start)
 
   @classmethod
   def of_transformer(cls, graphdef: Any, params: Any, *, pad_id: int,
-                     temperature: float = _TEMPERATURE) -> Policy:
+                     temperature: float = _TEMPERATURE,
+                     logprob_start: int | None = _LOGPROB_START) -> Policy:
     """A :class:`~jaxrl_llm.models.Transformer` (``split_model`` output) as a policy;
     its KL reference is the same model without the value head."""
     from jaxrl_llm.models.critic import drop_value_head
@@ -112,10 +123,11 @@ class Policy:
     paged = make_paged_decode_fns(graphdef)
     if ref_graphdef is graphdef:        # no value head: the reference is the model
       return cls(make_apply_fn(graphdef), make_decode_fns(graphdef), params,
-                 pad_id=pad_id, temperature=temperature, paged_decode_fns=paged)
+                 pad_id=pad_id, temperature=temperature, paged_decode_fns=paged,
+                 logprob_start=logprob_start)
     return cls(make_apply_fn(graphdef), make_decode_fns(graphdef), params,
                pad_id=pad_id, temperature=temperature, paged_decode_fns=paged,
-               ref_apply_fn=make_apply_fn(ref_graphdef),
+               logprob_start=logprob_start, ref_apply_fn=make_apply_fn(ref_graphdef),
                ref_part=lambda p: drop_value_head(graphdef, p)[1])
 
   def ref_params(self, params: Any) -> Any:

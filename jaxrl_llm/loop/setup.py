@@ -163,11 +163,13 @@ def _policy(resolved: Resolved, task: Task) -> Policy:
     return Policy.reference(run.model, tok.vocab_size,
                             task.max_prompt_len + task.max_new_tokens, tok.pad_id,
                             value_head=config.use_value, seed=run.seed,
-                            temperature=config.temperature)
+                            temperature=config.temperature,
+                            logprob_start=config.logprob_start)
   graphdef, params, critic_graphdef = load_models(resolved, task)
   if critic_graphdef is None:
     return Policy.of_transformer(graphdef, params, pad_id=tok.pad_id,
-                                 temperature=config.temperature)
+                                 temperature=config.temperature,
+                                 logprob_start=config.logprob_start)
   from jaxrl_llm.models.critic import POLICY, actor_critic_apply
   fns, paged = make_decode_fns(graphdef), make_paged_decode_fns(graphdef)
   decode = DecodeFns(
@@ -182,7 +184,8 @@ def _policy(resolved: Resolved, task: Task) -> Policy:
   return Policy(actor_critic_apply(graphdef, critic_graphdef), decode,
                 params, pad_id=tok.pad_id,
                 temperature=config.temperature, ref_apply_fn=make_apply_fn(graphdef),
-                ref_part=lambda p: p[POLICY], paged_decode_fns=paged_decode)
+                ref_part=lambda p: p[POLICY], paged_decode_fns=paged_decode,
+                logprob_start=config.logprob_start)
 
 
 def lora_model(run: RunConfig, graphdef: Any, params: Any) -> tuple[Any, Any]:
@@ -237,7 +240,8 @@ def _lora_policy(resolved: Resolved, task: Task) -> Policy:
                 ref_apply_fn=lora_reference_apply(make_apply_fn(graphdef)), ref_part=part,
                 paged_decode_fns=make_paged_decode_fns(base),
                 rollout_params=lambda p: merge_lora(graphdef, part(p)),
-                trainable=lora_trainable, ref_shares_params=True)
+                trainable=lora_trainable, ref_shares_params=True,
+                logprob_start=config.logprob_start)
 
 
 def restore_latest(run_dir: str, *, params_only: bool = False
