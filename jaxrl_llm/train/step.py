@@ -318,7 +318,7 @@ def policy_forward(apply_fn: Callable, params: Any, batch: dict, *,
   else:
     logp, ent = token_logprobs(out.logits[:, start - 1:-1] / temperature, targets,
                                target_mask, return_entropy=True)
-  pad = lambda x: jnp.pad(x, ((0, 0), (start, 0)))
+  pad = lambda x: jnp.concatenate([jnp.zeros((x.shape[0], start), x.dtype), x], axis=1)
   values = None if values is None else _shift_right(v.as_f32(values))
   if values is not None and seg is not None:
     values = jnp.where(segment_starts(seg), 0.0, values)
