@@ -63,17 +63,21 @@ def test_use_engine_needs_the_paged_protocol():
 
 
 def test_resolve_sets_the_prompt_width_as_logprob_start_where_the_layout_is_static():
+  import dataclasses
+
   from jaxrl_llm.loop.config import RunConfig
   from jaxrl_llm.loop.resolve import resolve
   from jaxrl_llm.loop.setup import make_task
-  run = RunConfig(task="reverse")
-  task = make_task(run)
-  assert resolve(run, task).train.logprob_start == task.max_prompt_len
+  task = make_task(RunConfig(task="reverse"))
+  run = RunConfig(task="rg:chain_sum", model="smollm2-135m-instruct")   # a checkpoint
+  assert resolve(run, task).train.logprob_start == task.max_prompt_len == 4
   assert resolve(run).train.logprob_start is None                  # no task: unknown
-  packed = RunConfig(task="reverse", pack=True)                    # rows start anywhere
-  assert resolve(packed, make_task(packed)).train.logprob_start is None
+  packed = dataclasses.replace(run, pack=True)                     # rows start anywhere
+  assert resolve(packed, task).train.logprob_start is None
+  builtin = RunConfig(task="reverse")              # the built-in model: bit-identical
+  assert resolve(builtin, task).train.logprob_start is None
   given = RunConfig(task="reverse", train={"logprob_start": 2})
-  assert resolve(given, make_task(given)).train.logprob_start == 2
+  assert resolve(given, task).train.logprob_start == 2
 
 
 def test_build_batch_log_probs_from_the_prompt_width_equal_the_full_ones():
@@ -88,8 +92,9 @@ def test_build_batch_log_probs_from_the_prompt_width_equal_the_full_ones():
   run = RunConfig(task="reverse", model="tiny", algo="grpo", prompts_per_step=2,
                   group_size=2)
   task = make_task(run)
-  resolved = resolve(run, task)
-  start = task.max_prompt_len
+  start = task.max_prompt_len          # what resolve sets for a checkpoint, set by hand
+  resolved = resolve(RunConfig(**{**dataclasses.asdict(run), "train": {
+      "logprob_start": start}}), task)
   policy = make_policy(resolved, task)
   full = make_policy(dataclasses.replace(
       resolved, train=dataclasses.replace(resolved.train, logprob_start=None)), task)

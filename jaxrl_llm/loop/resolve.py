@@ -231,9 +231,13 @@ def resolve(run: RunConfig, task: Task | None = None) -> Resolved:
     raise ValueError("--dynamic-sampling drops groups whose rewards are all equal and "
                      f"needs --group-size >= 2 (got {run.group_size})")
   config = _train_config(run, recipe, budget)
-  if task is not None and not run.pack and "logprob_start" not in run.train:
+  if (task is not None and is_pretrained(run) and not run.pack
+      and "logprob_start" not in run.train):
     # Every rollout path lays a batch out as prompts left-padded to the task's
-    # max_prompt_len, then the responses: the loss reads no column before it.
+    # max_prompt_len, then the responses: the loss reads no column before it. A
+    # checkpoint's step then skips the LM head on the prompt (0.8x the update on
+    # SmolLM2); the built-in models keep the full program, so their runs stay
+    # bit-identical (the smaller gradient program sums in another order: 1 ulp).
     config = dataclasses.replace(config, logprob_start=task.max_prompt_len)
   _check_step_settings(run, recipe, config, warmup)
   batch = run.prompts_per_step * run.group_size

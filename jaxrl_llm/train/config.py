@@ -153,7 +153,8 @@ class TrainConfig:
       None, "vocabulary-projection chunk for log-probs from hidden states.")
   logprob_start: int | None = setting(
       None, "the first column whose log-probs the loss reads (a static column: the loop "
-      "sets it to the prompt width, its prompts being left-padded to it): the LM head "
+      "sets it to the prompt width for a checkpoint's run, its prompts being "
+      "left-padded to it): the LM head "
       "runs on the outputs that predict columns ``>= logprob_start`` only, forward and "
       "backward (see :func:`jaxrl_llm.train.policy_forward`); ``loss_mask`` must be 0 "
       "before it. Ignored for packed batches. None: every column.", min_int=1,
