@@ -627,17 +627,11 @@ class Checkpointer:
     return (state, extra), reason
 
   def _refuse_linked_steps(self) -> None:
-    """Raises :class:`CheckpointError` when a step folder is a symbolic link."""
-    try:
-      entries = list(os.scandir(self.directory))
-    except OSError:
-      return                                     # orbax reports a missing folder
-    for entry in sorted(entries, key=lambda e: e.name):
-      if entry.name.isdigit() and entry.is_symlink():
-        raise CheckpointError(
-            f"checkpoint step folder {entry.path} is a symbolic link (to "
-            f"{os.readlink(entry.path)}); a checkpoint is a folder the checkpointer "
-            "wrote: remove the link")
+    """Raises :class:`CheckpointError` when a step folder is a symbolic link (a missing
+    folder is orbax's to report)."""
+    step = rf.linked_step_folder(self.directory)
+    if step is not None:
+      raise CheckpointError(rf.linked_step_message(step))
 
   def close(self) -> None:
     self._manager.close()

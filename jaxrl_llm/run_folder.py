@@ -684,17 +684,29 @@ def refuse_linked_checkpoints(checkpoints: str) -> None:
     written by the run alone; remove the link
   """
   refuse_link(checkpoints)
+  step = linked_step_folder(checkpoints)
+  if step is not None:
+    raise RunFolderIOError(linked_step_message(step), path=step, err=errno.ELOOP)
+
+
+def linked_step_folder(checkpoints: str) -> str | None:
+  """The first step folder ``checkpoints/N`` (by name) that is a symbolic link; None
+  when there is none or ``checkpoints`` cannot be listed (missing: the caller's to
+  report). The run folder's probe and :class:`~jaxrl_llm.checkpoint.Checkpointer` both
+  refuse it, with :func:`linked_step_message`."""
   try:
     names = sorted(os.listdir(checkpoints))
   except OSError:
-    return                                  # missing, or reported by the write test
-  for name in names:
-    step = os.path.join(checkpoints, name)
-    if name.isdigit() and os.path.islink(step):      # the checkpointer's own words
-      raise RunFolderIOError(f"checkpoint step folder {step} is a symbolic link (to "
-                             f"{os.readlink(step)}); a checkpoint is a folder the "
-                             "checkpointer wrote: remove the link", path=step,
-                             err=errno.ELOOP)
+    return None
+  return next((os.path.join(checkpoints, name) for name in names
+               if name.isdigit() and os.path.islink(os.path.join(checkpoints, name))),
+              None)
+
+
+def linked_step_message(step: str) -> str:
+  """The one line refusing the linked step folder ``step``."""
+  return (f"checkpoint step folder {step} is a symbolic link (to {os.readlink(step)}); "
+          "a checkpoint is a folder the checkpointer wrote: remove the link")
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -770,7 +782,7 @@ class GracefulStop:
 __all__ = ["METRICS_FILE", "CONFIG_FILE", "EXTRA_FILE", "RunFolderError",
            "RunFolderIOError", "io_error", "os_reason", "to_jsonable", "dumps",
            "atomic_write_bytes", "atomic_write_text", "replacing", "refuse_link",
-           "refuse_linked_checkpoints",
+           "refuse_linked_checkpoints", "linked_step_folder", "linked_step_message",
            "write_json", "checkpoint_extras", "read_json",
            "read_metrics", "rewrite_jsonl", "prepare_metrics", "MetricsWriter",
            "probe_run_folder", "RunInterrupted", "GracefulStop"]
