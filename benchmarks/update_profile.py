@@ -46,7 +46,7 @@ import time
 
 import numpy as np
 
-from benchmarks._common import machine, peak_rss_mb
+from benchmarks._common import machine, peak_rss_mb, timeit, write_json
 
 ARMS = ("full", "sliced")
 
@@ -84,15 +84,6 @@ def matmul_flops(cfg, rows: int, width: int, head_positions: int) -> dict:
   scores = 2 * 2 * rows * layers * cfg.n_heads * width * width * hd
   head = 2 * rows * head_positions * d * cfg.vocab_size
   return {"attn_proj": attn_proj, "mlp": mlp, "attn_scores": scores, "lm_head": head}
-
-
-def _median(fn, reps: int) -> float:
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
 
 
 def _build(args):
@@ -237,9 +228,7 @@ def main(argv=None) -> dict:
                                                   / out["forward_s_full"], 3)
   out["peak_rss_mb"] = round(peak_rss_mb())
   print(json.dumps(out, indent=1))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(out, f, indent=1)
+  write_json(args.json, out)
   return out
 
 
@@ -255,8 +244,7 @@ def _optimizer_time(jax, optimizer, params, reps) -> float:
     return optax.apply_updates(params, updates), opt_state
 
   fn = jax.jit(apply).lower(params, opt_state).compile()
-  jax.block_until_ready(fn(params, opt_state))
-  return _median(lambda: jax.block_until_ready(fn(params, opt_state)), reps)
+  return timeit(fn, params, opt_state, repeats=reps)
 
 
 def _lm_head_times(jax, token_logprobs_from_hidden, params, rows, width, start, mcfg,
@@ -278,9 +266,7 @@ def _lm_head_times(jax, token_logprobs_from_hidden, params, rows, width, start, 
       return jnp.sum(logp) + 0.01 * jnp.sum(ent)
 
     g = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h, head).compile()
-    jax.block_until_ready(g(h, head))
-    out[f"lm_head_fwd_bwd_s_{label}"] = round(
-        _median(lambda g=g, h=h: jax.block_until_ready(g(h, head)), reps), 3)
+    out[f"lm_head_fwd_bwd_s_{label}"] = round(timeit(g, h, head, repeats=reps), 3)
   return out
 
 

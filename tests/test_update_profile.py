@@ -29,3 +29,20 @@ def test_matmul_flops_by_hand():
   assert f["mlp"] == 2 * 3 * 2 * 3 * 4 * 8
   assert f["attn_scores"] == 2 * 2 * 1 * 2 * 2 * 3 * 3 * 2
   assert f["lm_head"] == 2 * 2 * 4 * 10
+
+
+def test_the_timed_parts_run_at_tiny_sizes():
+  """The LM-head and optimizer timings (``_common.timeit``) run end to end on a
+  64-token vocabulary: one figure each, in seconds."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import benchmarks.update_profile as bench
+  from jaxrl_llm.logprobs import token_logprobs_from_hidden
+  params = {"emb": jnp.ones((64, 16))}
+  cfg = types.SimpleNamespace(vocab_size=64, d_model=16)
+  head = bench._lm_head_times(jax, token_logprobs_from_hidden, params, 2, 8, 4, cfg, 2)
+  assert sorted(head) == ["lm_head_fwd_bwd_s_all", "lm_head_fwd_bwd_s_response"]
+  assert all(t >= 0.0 for t in head.values())
+  assert bench._optimizer_time(jax, optax.adam(1e-3), params, 2) >= 0.0
