@@ -1,5 +1,6 @@
-"""Rollout: the rectangular KV-cache sampler (``sample``) and the continuous-batching
-engine (``RolloutEngine``: paged KV cache, shared prompts, batch-invariant draws)."""
+"""Rollout: the rectangular KV-cache sampler (``sample``), the continuous-batching
+engine (``RolloutEngine``: paged KV cache, shared prompts, batch-invariant draws) and
+multi-turn episodes over environments, token in and token out (``run_episodes``)."""
 
 from jaxrl_llm.rollout.dapo import (
     DynamicSamplingStats,
@@ -8,6 +9,12 @@ from jaxrl_llm.rollout.dapo import (
     zero_variance_groups,
 )
 from jaxrl_llm.rollout.engine import Completion, Request, RolloutEngine
+from jaxrl_llm.rollout.multiturn import (
+    Episode,
+    engine_generate,
+    episodes_to_batch,
+    run_episodes,
+)
 from jaxrl_llm.rollout.protocol import DecodeFns, PagedDecodeFns
 from jaxrl_llm.rollout.replicated import ReplicatedEngine
 from jaxrl_llm.rollout.sampler import SampleOutput, filter_logits, sample
@@ -16,4 +23,5 @@ __all__ = ["Completion", "DecodeFns", "PagedDecodeFns", "ReplicatedEngine", "Req
            "RolloutEngine",
            "SampleOutput", "filter_logits", "sample",
            "DynamicSamplingStats", "dynamic_sampling", "overlong_penalty",
-           "zero_variance_groups"]
+           "zero_variance_groups",
+           "Episode", "engine_generate", "episodes_to_batch", "run_episodes"]

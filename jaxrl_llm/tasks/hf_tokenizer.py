@@ -450,6 +450,7 @@ class HFTokenizer:
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                           add_generation_prompt: bool = True, tokenize: bool = False,
+                          tools: Sequence[Mapping[str, Any]] | None = None,
                           **kwargs: Any) -> str | list[int]:
     """Renders ``messages`` with the chat template (as ``transformers`` does).
 
@@ -458,6 +459,9 @@ class HFTokenizer:
       add_generation_prompt: end with the assistant-turn header (note: ``transformers``
         defaults to False; a prompt for sampling wants True).
       tokenize: return ids (``encode`` of the text, no extra special tokens).
+      tools: the tools' JSON schemas (``{"type": "function", "function": {...}}``,
+        :attr:`jaxrl_llm.envs.Tool.schema`), the template's ``tools`` variable, as in
+        ``transformers``; None: no tools.
       **kwargs: more template variables (e.g. ``enable_thinking=False`` for Qwen3);
         they override the special tokens.
 
@@ -471,7 +475,8 @@ class HFTokenizer:
       self._compiled = compile_chat_template(self.chat_template)
     template: Any = self._compiled
     variables = {**self.special_tokens, **kwargs}
-    text = template.render(messages=[dict(m) for m in messages], tools=None,
+    text = template.render(messages=[dict(m) for m in messages],
+                           tools=None if tools is None else [dict(t) for t in tools],
                            documents=None, add_generation_prompt=add_generation_prompt,
                            **variables)
     return self.encode(text) if tokenize else text
