@@ -297,7 +297,8 @@ def _classify(output: str, rc: int, elapsed: float, *, timed_out: bool, flooded:
     return result("memory", f"out of memory (the limit is {memory_mb} MiB)")
   if last.startswith("PermissionError: sandbox:"):
     return result("refused", last.split(": ", 1)[1])
-  if "Traceback (most recent call last):" in output:
+  if "Traceback (most recent call last):" in output or re.match(
+      r"[A-Za-z_][\w.]*(Error|Exception|Warning)\b", last):
     name = re.match(r"[\w.]+", last)
     return result("exception", f"the code raised {name.group(0) if name else 'an exception'}")
   return result("exit", f"the code exited with status {rc}")
