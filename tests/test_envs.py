@@ -165,6 +165,28 @@ def test_a_tool_schema_comes_from_the_signature_and_docstring():
     Tool.from_function(_tool_fn, name="two words")
 
 
+def test_tool_schemas_match_transformers_get_json_schema():
+  """The schema a chat template reads is the one transformers derives from the same
+  function (it adds a "return" entry, which templates do not read)."""
+  utils = pytest.importorskip("transformers.utils")
+
+  def add(a: int, b: float = 0.5, names: list[str] = (), mode: str = "x") -> float:
+    """Adds numbers.
+
+    Args:
+      a: the first term.
+      b: the second
+        term.
+      names: some names.
+      mode: a mode.
+    """
+
+  for fn in (add, calculator):
+    theirs = utils.get_json_schema(fn)
+    theirs["function"].pop("return", None)
+    assert Tool.from_function(fn).schema == theirs
+
+
 def test_calling_a_tool_never_raises():
   t = Tool.from_function(_tool_fn)
   assert t({"expression": "1+1", "digits": 3}) == "1+1|3|exact|None|None|False"
@@ -313,6 +335,12 @@ def test_sandbox_refuses_writes_outside_its_scratch_directory(tmp_path):
     assert "(outside the scratch directory) is not allowed" in r.message
   assert not outside.exists() and kept.read_text() == "mine"
   assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]
+
+
+def test_sandbox_cpu_time_limit():
+  r = run_python("while True: pass", timeout_s=5.0, cpu_s=1)
+  assert r.error == "cpu" and r.elapsed_s < 4.0
+  assert r.message == "CPU time limit of 1 s exceeded (the code was stopped)"
 
 
 def test_sandbox_reports_an_exception_with_its_traceback():

@@ -375,6 +375,24 @@ def test_template_episodes_are_the_sampled_ids_and_the_templates_turns(family):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3.1"])
+def test_tools_render_as_transformers_renders_them(family):
+  transformers = pytest.importorskip("transformers")
+  tok = _tokenizer(family)
+  ref = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tokenizer,
+                                             chat_template=tok.chat_template,
+                                             **tok.special_tokens)
+  env = CalculatorEnv()
+  opening, tools = env.reset(0), [t.schema for t in env.tools]
+  tool_turn = [{"role": "assistant", "content": "ok"},
+               {"role": "tool", "name": "calculator", "content": "42"}]
+  for messages in (opening, opening + tool_turn):
+    want = ref.apply_chat_template(messages, tools=tools, tokenize=False,
+                                   add_generation_prompt=True)
+    assert TemplateChat(tok).render(messages, add_generation_prompt=True,
+                                    tools=tools) == want
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3.1"])
 def test_a_turn_without_its_stop_id_gets_the_templates_close(family):
   tok = _tokenizer(family)
   chat = TemplateChat(tok)
