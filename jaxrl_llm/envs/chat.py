@@ -44,13 +44,14 @@ character tokenizer): each message is ``tag + content`` then ``eos``
 Examples:
   >>> from jaxrl_llm.tasks.tokenizer import CharTokenizer
   >>> chat = PlainChat(CharTokenizer(CHAT_CHARS))
-  >>> ids = chat.prompt_ids([{"role": "user", "content": "2+2?"}])
-  >>> chat.tokenizer.decode_batch([ids])[0], ids[-2:] == chat.tokenizer.encode("a:")
-  ('u:2+2?', True)
-  >>> sampled = chat.tokenizer.encode("4") + [chat.tokenizer.eos_id]
-  >>> more = chat.continuation_ids([{"role": "user", "content": "sure?"}], sampled)
-  >>> "".join(chat.tokenizer.id_to_token(i) for i in more)
+  >>> text = lambda ids: "".join(chat.tokenizer.id_to_token(i) for i in ids)
+  >>> text(chat.prompt_ids([{"role": "user", "content": "2+2?"}]))
+  'u:2+2?<eos>a:'
+  >>> sampled = chat.tokenizer.encode("4") + [chat.tokenizer.eos_id]   # ends at its stop
+  >>> text(chat.continuation_ids([{"role": "user", "content": "sure?"}], sampled))
   'u:sure?<eos>a:'
+  >>> text(chat.continuation_ids([{"role": "user", "content": "sure?"}], sampled[:-1]))
+  '<eos>u:sure?<eos>a:'
 """
 
 from __future__ import annotations
