@@ -1,7 +1,9 @@
-"""Rollout: the rectangular KV-cache sampler (``sample``), the continuous-batching
-engine (``RolloutEngine``: paged KV cache, shared prompts, batch-invariant draws) and
-multi-turn episodes over environments, token in and token out (``run_episodes``)."""
+"""Rollout: the rectangular KV-cache sampler (``sample``) and the continuous-batching
+engine (``RolloutEngine``: paged KV cache, shared prompts, batch-invariant draws), each
+a ``RolloutBackend`` (the one protocol the RL loop generates through: ``backend.py``),
+and multi-turn episodes over environments, token in and token out (``run_episodes``)."""
 
+from jaxrl_llm.rollout.backend import RolloutBackend, SamplerBackend
 from jaxrl_llm.rollout.dapo import (
     DynamicSamplingStats,
     dynamic_sampling,
@@ -20,7 +22,7 @@ from jaxrl_llm.rollout.replicated import ReplicatedEngine
 from jaxrl_llm.rollout.sampler import SampleOutput, filter_logits, sample
 
 __all__ = ["Completion", "DecodeFns", "PagedDecodeFns", "ReplicatedEngine", "Request",
-           "RolloutEngine",
+           "RolloutBackend", "RolloutEngine", "SamplerBackend",
            "SampleOutput", "filter_logits", "sample",
            "DynamicSamplingStats", "dynamic_sampling", "overlong_penalty",
            "zero_variance_groups",

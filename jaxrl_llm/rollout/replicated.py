@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 
+from jaxrl_llm.rollout.backend import draw_seed
 from jaxrl_llm.rollout.engine import Completion, Request, RolloutEngine
 
 
@@ -54,7 +55,8 @@ def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
 
 class ReplicatedEngine:
   """Replicas of ``engine`` (its settings: :meth:`RolloutEngine.replica`), one per
-  device of ``devices``, generating contiguous parts of each request list in parallel.
+  device of ``devices``, generating contiguous parts of each request list in parallel;
+  a :class:`~jaxrl_llm.rollout.backend.RolloutBackend` as the engine is.
 
   Args:
     engine: the engine whose settings every replica takes (it is not used itself).
@@ -89,13 +91,30 @@ class ReplicatedEngine:
     self.replicas = [engine.replica() for _ in devices]
     self.max_slots, self.max_len = engine.max_slots, engine.max_len
     self.page_size = engine.page_size
-    self.stats: dict[str, Any] = {}
+    self.call_stats: dict[str, Any] = {}     # the last generate call's, merged
+
+  # -- the rollout-backend protocol ------------------------------------------------
+
+  takes_policy_part = False
+
+  def stats(self) -> dict[str, float]:
+    """``{}``: no step metrics (the last call's merged counters: :attr:`call_stats`)."""
+    return {}
+
+  def seed_from_key(self, key: jax.Array) -> int:
+    """:func:`~jaxrl_llm.rollout.backend.draw_seed`, as one engine's."""
+    return draw_seed(key)
+
+  def replica(self) -> ReplicatedEngine:
+    """New replicas of the same settings on the same devices (none of this one's
+    state)."""
+    return ReplicatedEngine(self.replicas[0], self.devices)
 
   def generate(self, params: Any, requests: Sequence[Request], seed: int = 0, *,
                version: int = 0, first_request: int = 0) -> list[Completion]:
     """The completions of ``requests`` (``n`` each) ordered by ``(request, sample)``,
     as :meth:`RolloutEngine.generate` on one engine returns them (``first_request``
-    as there: this call's share of a larger batch). ``self.stats`` holds
+    as there: this call's share of a larger batch). ``self.call_stats`` holds
     the replicas' counters summed, ``slot_utilisation`` their mean, ``total_s`` the
     slowest replica's and ``replicas`` their number."""
     requests = list(requests)
@@ -124,8 +143,8 @@ class ReplicatedEngine:
     if errors:
       raise errors[0]
     out = [c for part in results if part is not None for c in part]
-    self.stats = self._merged_stats([r.stats for r, (a, b) in zip(self.replicas, parts)
-                                     if b > a])
+    self.call_stats = self._merged_stats([r.call_stats for r, (a, b)
+                                          in zip(self.replicas, parts) if b > a])
     return sorted(out, key=lambda c: (c.request, c.sample))
 
   def _merged_stats(self, stats: list[dict[str, Any]]) -> dict[str, Any]:

