@@ -120,7 +120,7 @@ def rollout_phase(args) -> list[dict]:
   for step in range(1, args.phase_steps + 1):
     for mode in modes:          # interleaved: a change of the machine's load hits all
       partial = partials.get(mode)
-      engine = policy.engine if partial is None else partial.engine
+      engine = policy.backend if partial is None else partial.engine
       rng, key = np.random.default_rng([0, step]), jax.random.PRNGKey(step)
       stats_calls: list[dict] = []
       generate = engine.generate

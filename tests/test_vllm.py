@@ -86,9 +86,17 @@ def test_policy_hands_vllm_the_policy_part_and_reports_push_stats():
   from jaxrl_llm.loop.policy import Policy
   from jaxrl_llm.rollout import Completion
 
-  class FakeEngine:
+  class FakeEngine:        # the rollout-backend protocol, as VllmEngine's
+    takes_policy_part = True
+
     def __init__(self):
       self.seen = None
+
+    def replica(self):
+      return self
+
+    def seed_from_key(self, key):
+      return 0
 
     def generate(self, params, requests, seed=0, first_request=0):
       self.seen = params
@@ -97,12 +105,12 @@ def test_policy_hands_vllm_the_policy_part_and_reports_push_stats():
                          finish_reason="length")
               for i, r in enumerate(requests) for j in range(r.n)]
 
-    def take_stats(self):
+    def stats(self):
       return {"vllm_push_s": 0.5, "vllm_pushes": 1.0}
 
   policy = Policy.reference("tiny", 11, 16, 0, value_head=True)
   engine = FakeEngine()
-  policy.use_vllm(engine)
+  policy = policy.use_vllm(engine)
   out = policy.generate(policy.init_params, np.array([[0, 5, 6]]), np.array([[0, 1, 1]]),
                         None, max_new_tokens=3, eos_id=2, greedy=True, n=2)
   assert out.completion.tolist() == [[3, 4, 0], [3, 4, 0]]

@@ -45,7 +45,6 @@ bit (``K = 0`` does).
 
 from __future__ import annotations
 
-import copy
 import functools
 import threading
 import time
@@ -59,7 +58,7 @@ import numpy as np
 from jaxrl_llm.loop.batch import _rollout
 from jaxrl_llm.loop.policy import Policy
 from jaxrl_llm.loop.resolve import Resolved
-from jaxrl_llm.rollout import ReplicatedEngine
+from jaxrl_llm.rollout import ReplicatedEngine, RolloutBackend, RolloutEngine
 from jaxrl_llm.tasks.base import Task
 
 
@@ -69,13 +68,16 @@ class AsyncRollouts:
   Args:
     resolved: the resolved run (sampling settings, train config).
     task: the task.
-    policy: the trainer's policy; the worker uses a copy with its own engine.
+    policy: the trainer's policy; the worker generates through a copy with a backend
+      of its own (:meth:`~jaxrl_llm.rollout.RolloutBackend.replica`: backends are not
+      shared between threads).
     max_staleness: K >= 0, the most versions a trained batch may lag.
     first_step: the first step the worker generates for (``start + 1``).
     last_step: the last step.
     seed: the run's seed (prompts and keys of step ``s`` from ``(seed, s)``).
     devices: the rollout device set: the worker generates on them through a
-      :class:`~jaxrl_llm.rollout.ReplicatedEngine` (one replica each); None: on the
+      :class:`~jaxrl_llm.rollout.ReplicatedEngine` (one replica each: the policy's
+      backend must be a :class:`~jaxrl_llm.rollout.RolloutEngine`); None: on the
       trainer's devices.
   """
 
@@ -85,13 +87,7 @@ class AsyncRollouts:
     if not isinstance(max_staleness, int) or max_staleness < 0:
       raise ValueError(f"`max_staleness` must be an int >= 0, got {max_staleness!r}.")
     self.resolved, self.task, self.k = resolved, task, max_staleness
-    self.policy = copy.copy(policy)
-    if policy.engine is not None:           # engines are not shared between threads
-      self.policy.engine = policy.engine.replica()
-    if devices is not None:
-      if policy.engine is None:
-        raise ValueError("rollout `devices` need the rollout engine (--rollout engine).")
-      self.policy.engine = ReplicatedEngine(policy.engine, devices)
+    self.policy = policy.with_backend(_worker_backend(policy.backend, devices))
     self.first_step, self.last_step, self.seed = first_step, last_step, seed
     self._cond = threading.Condition()
     self._params: Any = None
@@ -165,6 +161,18 @@ class AsyncRollouts:
       with self._cond:
         self._error = e
         self._cond.notify_all()
+
+
+def _worker_backend(backend: RolloutBackend,
+                    devices: Sequence[jax.Device] | None) -> RolloutBackend:
+  """The rollout worker's own backend: ``backend``'s replica, or engine replicas on
+  ``devices`` (:class:`~jaxrl_llm.rollout.ReplicatedEngine`)."""
+  if devices is None:
+    return backend.replica()
+  if not isinstance(backend, RolloutEngine):
+    raise ValueError("rollout `devices` need the rollout engine (--rollout engine), got "
+                     f"the backend {type(backend).__name__}.")
+  return ReplicatedEngine(backend, devices)
 
 
 __all__ = ["AsyncRollouts"]

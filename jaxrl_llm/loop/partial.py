@@ -63,7 +63,7 @@ from jaxrl_llm.loop.batch import completion_rows
 from jaxrl_llm.loop.evaluation import stop_ids
 from jaxrl_llm.loop.policy import Policy, completions_to_sample_output
 from jaxrl_llm.loop.resolve import SamplingSettings
-from jaxrl_llm.rollout import Completion, Request
+from jaxrl_llm.rollout import Completion, Request, RolloutEngine
 from jaxrl_llm.tasks.base import Task
 from jaxrl_llm.train import TrainConfig
 
@@ -72,7 +72,9 @@ class PartialRollouts:
   """The loop's buffer of groups in flight across steps (module docstring).
 
   Args:
-    policy: the run's policy (its engine's slots and sizes are reused).
+    policy: the run's policy; its backend must be a
+      :class:`~jaxrl_llm.rollout.RolloutEngine` (partial rollouts keep samples in
+      flight in the engine's slots), whose slots and sizes are reused.
     task: the task (prompts, tokenizer, scoring).
     sampling: the run's sampling settings (prompts per step, group size).
     config: the train config (temperature; ``rollout_correction`` adds
@@ -84,9 +86,10 @@ class PartialRollouts:
   def __init__(self, policy: Policy, task: Task, sampling: SamplingSettings,
                config: TrainConfig, token_budget: int | None = None,
                kv: str = "recompute") -> None:
-    if policy.engine is None or policy.paged_decode_fns is None:
-      raise ValueError("--partial-rollouts needs the rollout engine (--rollout engine).")
-    base = policy.engine
+    base = policy.backend
+    if not isinstance(base, RolloutEngine):
+      raise ValueError("--partial-rollouts needs the rollout engine (--rollout engine), "
+                       f"got the backend {type(base).__name__}.")
     # Samples always wait here, so a device call would return at every finished slot:
     # it returns once an eighth of the slots finished (engine's ``refill_after``).
     self.engine = base.replica(on_new_version=kv, refill_after=max(1, base.max_slots // 8))
@@ -131,7 +134,7 @@ class PartialRollouts:
     """
     task, tok = self.task, self.task.tokenizer
     p, g = self.sampling.prompts_per_step, self.sampling.group_size
-    seed = int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
+    seed = self.engine.seed_from_key(key)
     start, calls, recompute_s, recomputed, sent = time.perf_counter(), 0, 0.0, 0, 0
 
     def complete() -> list[int]:

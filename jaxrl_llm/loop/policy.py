@@ -8,10 +8,17 @@ Any model that follows the two protocols can be trained by
 (:class:`~jaxrl_llm.rollout.PagedDecodeFns`) can generate through the
 continuous-batching :class:`~jaxrl_llm.rollout.RolloutEngine`
 (:meth:`Policy.use_engine`). :meth:`Policy.reference` builds the reference transformer.
+
+A policy generates through one :class:`~jaxrl_llm.rollout.RolloutBackend` (the
+rectangular sampler by default), given to the constructor or to
+:meth:`Policy.with_backend`, which returns a new policy sharing the jitted functions:
+a policy's backend never changes.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,9 +33,10 @@ from jaxrl_llm.rollout import (
   DecodeFns,
   PagedDecodeFns,
   Request,
+  RolloutBackend,
   RolloutEngine,
   SampleOutput,
-  sample,
+  SamplerBackend,
 )
 from jaxrl_llm.train import TrainConfig, policy_forward
 
@@ -41,8 +49,9 @@ _MAX_PREFILL_CHUNK = 128
 
 
 class Policy:
-  """A model as jitted ``forward`` (log-probs, entropies, values) and ``generate``;
-  ``ref_forward`` over :meth:`ref_params` gives the frozen KL reference's log-probs.
+  """A model as jitted ``forward`` (log-probs, entropies, values) and ``generate``
+  (through its :attr:`backend`); ``ref_forward`` over :meth:`ref_params` gives the
+  frozen KL reference's log-probs.
 
   Args:
     apply_fn: the pure forward of the model protocol.
@@ -66,6 +75,10 @@ class Policy:
       ``ref_forward`` score (``TrainConfig.logprob_start``): log-probs and entropies
       are 0 before it and the LM head skips the prompt (see
       :func:`~jaxrl_llm.train.policy_forward`). None: every column.
+    backend: the :class:`~jaxrl_llm.rollout.RolloutBackend` :meth:`generate` uses
+      (None: the rectangular sampler over ``decode_fns``,
+      :class:`~jaxrl_llm.rollout.SamplerBackend`, padding each call to its longest
+      prompt).
   """
 
   def __init__(self, apply_fn: Callable[..., Any], decode_fns: DecodeFns,
@@ -76,15 +89,16 @@ class Policy:
                rollout_params: Callable[[Any], Any] | None = None,
                trainable: Callable[[Any], Any] | None = None,
                ref_shares_params: bool = False,
-               logprob_start: int | None = _LOGPROB_START) -> None:
+               logprob_start: int | None = _LOGPROB_START,
+               backend: RolloutBackend | None = None) -> None:
     self.apply = apply_fn
     self.trainable = trainable
     self.ref_shares_params = ref_shares_params
     self._rollout_params = None if rollout_params is None else jax.jit(rollout_params)
     self.decode_fns = decode_fns
     self.paged_decode_fns = paged_decode_fns
-    self.engine: Any = None      # a RolloutEngine, ReplicatedEngine or VllmEngine
-    self._engine_takes_policy_part = False
+    self._backend = SamplerBackend(decode_fns, pad_id=pad_id) if backend is None else (
+        _checked(backend))
     self.init_params = init_params
     self.pad_id = pad_id
     self.temperature = temperature
@@ -96,8 +110,6 @@ class Policy:
         lambda params, batch: policy_forward(ref_apply_fn, params, batch,
                                              temperature=temperature,
                                              logprob_start=logprob_start))
-    self._sample = jax.jit(sample, static_argnums=0,
-                           static_argnames=("max_new_tokens", "greedy", "top_k"))
 
   @classmethod
   def reference(cls, model: str, vocab_size: int, max_len: int, pad_id: int, *,
@@ -136,14 +148,49 @@ class Policy:
     with ``params`` (copy them before a train step donates ``params``)."""
     return params if self._ref_part is None else self._ref_part(params)
 
+  # -- the rollout backend -----------------------------------------------------------
+
+  @property
+  def backend(self) -> RolloutBackend:
+    """The :class:`~jaxrl_llm.rollout.RolloutBackend` :meth:`generate` uses (fixed:
+    :meth:`with_backend` makes a new policy with another)."""
+    return self._backend
+
+  @property
+  def engine(self) -> RolloutBackend:
+    """:attr:`backend` (deprecated name, read-only: use :attr:`backend`)."""
+    warnings.warn("Policy.engine is deprecated: use Policy.backend (a RolloutBackend).",
+                  DeprecationWarning, stacklevel=2)
+    return self._backend
+
+  def with_backend(self, backend: RolloutBackend) -> Policy:
+    """A policy that generates through ``backend``, sharing this one's model, jitted
+    functions and initial parameters (this one keeps its backend).
+
+    Raises:
+      ValueError: ``backend`` does not implement
+        :class:`~jaxrl_llm.rollout.RolloutBackend`.
+    """
+    new = copy.copy(self)
+    new._backend = _checked(backend)
+    return new
+
+  def use_sampler(self, *, prompt_len: int | None = None) -> Policy:
+    """:meth:`with_backend` of the rectangular sampler over this policy's
+    ``decode_fns`` (:class:`~jaxrl_llm.rollout.SamplerBackend`), its prompts padded to
+    ``prompt_len`` columns (None: each call's longest prompt)."""
+    return self.with_backend(SamplerBackend(self.decode_fns, pad_id=self.pad_id,
+                                            prompt_len=prompt_len))
+
   def use_engine(self, *, max_slots: int, max_len: int, page_size: int = 16,
-                 max_prompt_len: int | None = None, prefill_rows: int = 1) -> None:
-    """Generates through a :class:`~jaxrl_llm.rollout.RolloutEngine` of ``max_slots``
-    slots from now on (continuous batching, paged KV cache, a group's prompt prefilled
-    once); ``max_len`` bounds prompt + completion. ``max_prompt_len`` (when known)
-    sizes the prefill chunk: the smallest power of two that holds it, at most 128, so
-    short prompts are not prefilled in 128-token chunks. ``prefill_rows``: the engine's
-    prompts per prefill call (1: each alone, the earlier numbers).
+                 max_prompt_len: int | None = None, prefill_rows: int = 1) -> Policy:
+    """:meth:`with_backend` of a :class:`~jaxrl_llm.rollout.RolloutEngine` of
+    ``max_slots`` slots (continuous batching, paged KV cache, a group's prompt
+    prefilled once): a new policy (this one is unchanged). ``max_len`` bounds prompt +
+    completion. ``max_prompt_len`` (when known) sizes the prefill chunk: the smallest
+    power of two that holds it, at most 128, so short prompts are not prefilled in
+    128-token chunks. ``prefill_rows``: the engine's prompts per prefill call (1: each
+    alone, the earlier numbers).
 
     Raises:
       ValueError: the model provides no paged protocol (``paged_decode_fns``).
@@ -154,25 +201,25 @@ class Policy:
     chunk = _MAX_PREFILL_CHUNK
     if max_prompt_len is not None:
       chunk = min(chunk, 1 << max(max_prompt_len - 1, 0).bit_length())
-    self.engine = RolloutEngine(self.paged_decode_fns, max_slots=max_slots,
-                                max_len=max_len, page_size=page_size, prefill_chunk=chunk,
-                                prefill_rows=prefill_rows)
+    return self.with_backend(RolloutEngine(
+        self.paged_decode_fns, max_slots=max_slots, max_len=max_len, page_size=page_size,
+        prefill_chunk=chunk, prefill_rows=prefill_rows))
 
-  def use_vllm(self, engine: Any) -> None:
-    """Generates through ``engine`` (a :class:`~jaxrl_llm.rollout.vllm.VllmEngine`)
-    from now on. It gets the policy's weights alone (:meth:`ref_params`: no value head,
-    no critic), pushed whenever :meth:`generate` is called with params other than the
-    ones pushed last (so after every train step); a failed push raises
+  def use_vllm(self, engine: RolloutBackend) -> Policy:
+    """:meth:`with_backend` of ``engine`` (a :class:`~jaxrl_llm.rollout.vllm.VllmEngine`):
+    a new policy (this one is unchanged). vLLM takes the policy's weights alone
+    (its ``takes_policy_part``: :meth:`ref_params`, no value head, no critic), pushed
+    whenever :meth:`generate` is called with params other than the ones pushed last
+    (so after every train step); a failed push raises
     :class:`~jaxrl_llm.rollout.vllm.VllmPushError`, which stops the run before a step
     trains on rollouts of stale weights."""
-    self.engine = engine
-    self._engine_takes_policy_part = True
+    return self.with_backend(engine)
 
   def rollout_stats(self) -> dict[str, float]:
-    """The rollout backend's metrics since the last call (vLLM: ``vllm_push_s``, the
-    seconds spent pushing weights, and ``vllm_pushes``); empty for the JAX engines."""
-    take = getattr(self.engine, "take_stats", None)
-    return {} if take is None else take()
+    """The backend's metrics since the last call (:meth:`RolloutBackend.stats`; vLLM:
+    ``vllm_push_s``, the seconds spent pushing weights, and ``vllm_pushes``); empty
+    for the JAX backends."""
+    return self._backend.stats()
 
   def generate(self, params: Any, tokens: Any, mask: Any, rng: jax.Array | None, *,
                max_new_tokens: int, eos_id: int | Sequence[int] | None,
@@ -182,50 +229,42 @@ class Policy:
     ``mask`` 1 = real token), as one rectangular :class:`~jaxrl_llm.rollout.SampleOutput`
     of ``B * n`` rows: row ``i``'s samples are rows ``i * n .. i * n + n - 1``.
 
-    Through the engine (:meth:`use_engine`) when one is set: each prompt is one
-    :class:`~jaxrl_llm.rollout.Request` with ``n`` samples, keyed by an int seed drawn
-    from ``rng`` (0 when greedy); else through :func:`jaxrl_llm.rollout.sample` over
-    the ``n``-times repeated rows with ``rng``. The two draw different samples from the
-    same distribution; greedy tokens are the same.
+    Each prompt is one :class:`~jaxrl_llm.rollout.Request` with ``n`` samples (greedy:
+    temperature 0, log-probs under temperature 1) for the :attr:`backend`, seeded by
+    its ``seed_from_key(rng)`` (0 when greedy or ``rng`` is None): the engine keys each
+    request's draws by an int seed drawn from ``rng``, the rectangular sampler draws
+    over the ``n``-times repeated rows with ``rng`` itself. The two draw different
+    samples from the same distribution; greedy tokens are the same.
 
-    ``first_request`` (engine only): the index of row 0 in the engine's draw keys, so
-    that a process generating rows ``[a, b)`` of a batch with ``first_request=a`` draws
-    what one call over the whole batch draws for them (multi-host rollouts).
+    ``first_request`` (a backend with per-request keys, as the engine): the index of row
+    0 in the draws' keys, so that a process generating rows ``[a, b)`` of a batch with
+    ``first_request=a`` draws what one call over the whole batch draws for them
+    (multi-host rollouts).
     """
     if self._rollout_params is not None:
       params = self._rollout_params(params)
-    if self.engine is not None:
-      return self._generate_with_engine(params, tokens, mask, rng, n=n,
-                                        max_new_tokens=max_new_tokens, eos_id=eos_id,
-                                        temperature=temperature, greedy=greedy,
-                                        first_request=first_request)
-    if first_request:
-      raise ValueError("`first_request` needs the rollout engine (use_engine): the "
-                       "rectangular sampler draws with one key over all rows.")
-    tokens, mask = np.repeat(tokens, n, axis=0), np.repeat(mask, n, axis=0)
-    return self._sample(self.decode_fns, params, jnp.asarray(tokens), jnp.asarray(mask),
-                        rng, max_new_tokens=max_new_tokens, temperature=temperature,
-                        greedy=greedy, eos_id=eos_id, pad_id=self.pad_id)
-
-  def _generate_with_engine(self, params: Any, tokens: Any, mask: Any,
-                            rng: jax.Array | None, *, n: int, max_new_tokens: int,
-                            eos_id: int | Sequence[int] | None, temperature: float,
-                            greedy: bool, first_request: int = 0) -> SampleOutput:
-    assert self.engine is not None
+    if self._backend.takes_policy_part:
+      params = self.ref_params(params)
     tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, np.float32)
     eos_ids = None if eos_id is None else tuple(np.atleast_1d(eos_id).tolist())
     requests = [Request(row[keep > 0].tolist(), n=n, max_new_tokens=max_new_tokens,
                         temperature=0.0 if greedy else float(temperature),
                         eos_ids=eos_ids) for row, keep in zip(tokens, mask)]
-    seed = 0 if greedy or rng is None else int(
-        jax.random.randint(rng, (), 0, np.iinfo(np.int32).max))
-    if self._engine_takes_policy_part:
-      params = self.ref_params(params)
-    completions = self.engine.generate(params, requests, seed=seed,
-                                       first_request=first_request)
+    seed = 0 if greedy or rng is None else self._backend.seed_from_key(rng)
+    completions = self._backend.generate(params, requests, seed=seed,
+                                         first_request=first_request)
     return completions_to_sample_output(completions, np.repeat(tokens, n, axis=0),
                                         np.repeat(mask, n, axis=0),
                                         max_new_tokens=max_new_tokens, pad_id=self.pad_id)
+
+
+def _checked(backend: RolloutBackend) -> RolloutBackend:
+  """``backend``, or ``ValueError`` when it does not implement the protocol."""
+  if not isinstance(backend, RolloutBackend):
+    raise ValueError(f"`backend` must implement jaxrl_llm.rollout.RolloutBackend "
+                     f"(generate, stats, seed_from_key, replica, takes_policy_part), "
+                     f"got {type(backend).__name__}.")
+  return backend
 
 
 def completions_to_sample_output(completions: Sequence[Completion], prompt_tokens: Any,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from jaxrl_llm.loop.config import (
@@ -98,7 +99,8 @@ def load_models(resolved: Resolved, task: Task) -> tuple[Any, Any, Any]:
 
 
 def make_policy(resolved: Resolved, task: Task) -> Policy:
-  """The run's policy: ``run.model`` loaded from its folder, or the preset.
+  """The run's policy: ``run.model`` loaded from its folder, or the preset, with the
+  rollout backend ``run.rollout`` names (:data:`ROLLOUT_BUILDERS`).
 
   With ``run.critic`` (and a recipe with a value model) the parameters are
   ``{"policy": ..., "critic": ...}`` (:mod:`jaxrl_llm.models.critic`): the critic is
@@ -109,22 +111,44 @@ def make_policy(resolved: Resolved, task: Task) -> Policy:
   :class:`~jaxrl_llm.rollout.RolloutEngine` of ``run.rollout_slots`` slots; with
   ``"vllm"`` through a :class:`~jaxrl_llm.rollout.vllm.VllmEngine` on the folder
   ``run.model`` (its dtype; more ``vllm.LLM`` arguments from the JSON object in the
-  environment variable ``JAXRL_LLM_VLLM_ARGS``, e.g. ``{"gpu_memory_utilization": 0.3}``).
+  environment variable ``JAXRL_LLM_VLLM_ARGS``, e.g. ``{"gpu_memory_utilization": 0.3}``);
+  with ``"simple"`` through the rectangular sampler, its prompts padded to the task's
+  ``max_prompt_len``.
   """
-  policy = _policy(resolved, task)
+  return ROLLOUT_BUILDERS[resolved.run.rollout](_policy(resolved, task), resolved, task)
+
+
+def _with_engine(policy: Policy, resolved: Resolved, task: Task) -> Policy:
+  """``policy`` generating through a :class:`~jaxrl_llm.rollout.RolloutEngine` of
+  ``run.rollout_slots`` slots (default: a process's rows of a step, at most
+  :data:`_MAX_DEFAULT_SLOTS`)."""
+  import jax
   run = resolved.run
-  if run.rollout == "engine":
-    import jax
-    # Each process of a multi-process run generates its share of the rows.
-    rows = (resolved.sampling.prompts_per_step * resolved.sampling.group_size
-            // jax.process_count())
-    policy.use_engine(max_slots=run.rollout_slots or min(rows, _MAX_DEFAULT_SLOTS),
-                      max_len=task.max_prompt_len + task.max_new_tokens,
-                      max_prompt_len=task.max_prompt_len,
-                      prefill_rows=run.rollout_prefill_rows)
-  elif run.rollout == "vllm":
-    policy.use_vllm(make_vllm_engine(run.model, task.max_prompt_len + task.max_new_tokens))
-  return policy
+  # Each process of a multi-process run generates its share of the rows.
+  rows = (resolved.sampling.prompts_per_step * resolved.sampling.group_size
+          // jax.process_count())
+  return policy.use_engine(max_slots=run.rollout_slots or min(rows, _MAX_DEFAULT_SLOTS),
+                           max_len=task.max_prompt_len + task.max_new_tokens,
+                           max_prompt_len=task.max_prompt_len,
+                           prefill_rows=run.rollout_prefill_rows)
+
+
+def _with_vllm(policy: Policy, resolved: Resolved, task: Task) -> Policy:
+  """``policy`` generating through a :class:`~jaxrl_llm.rollout.vllm.VllmEngine` on
+  ``run.model`` (:func:`make_vllm_engine`)."""
+  return policy.use_vllm(make_vllm_engine(resolved.run.model,
+                                          task.max_prompt_len + task.max_new_tokens))
+
+
+def _with_sampler(policy: Policy, resolved: Resolved, task: Task) -> Policy:
+  """``policy`` generating through the rectangular sampler, every call's prompts padded
+  to the task's ``max_prompt_len`` (one compilation; the tokenizer's width)."""
+  return policy.use_sampler(prompt_len=task.max_prompt_len)
+
+
+# ``run.rollout`` (one of ``_names.ROLLOUT_BACKENDS``) -> the policy with that backend.
+ROLLOUT_BUILDERS: dict[str, Callable[[Policy, Resolved, Task], Policy]] = {
+    "engine": _with_engine, "vllm": _with_vllm, "simple": _with_sampler}
 
 
 def make_vllm_engine(model_dir: str, max_model_len: int) -> VllmEngine:
@@ -385,7 +409,8 @@ def warm_start_value_params(run: RunConfig, params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(take, params)
 
 
-__all__ = ["is_checkpoint", "load_models", "make_policy", "make_task", "make_vllm_engine",
+__all__ = ["ROLLOUT_BUILDERS", "is_checkpoint", "load_models", "make_policy", "make_task",
+           "make_vllm_engine",
            "model_file", "read_run",
            "restore_latest", "restore_params", "restore_state", "step_problem",
            "warm_start_value_params"]
