@@ -127,7 +127,7 @@ def rollout_phase(args) -> list[dict]:
 
       def counted(*a, _generate=generate, _calls=stats_calls, _engine=engine, **k):
         result = _generate(*a, **k)
-        _calls.append(dict(_engine.call_stats))
+        _calls.append(dict(_engine.stats))
         return result
 
       engine.generate = counted

@@ -158,7 +158,7 @@ def run_engine(engine, params, requests, warmup, repeats=1):
   seconds = float(np.median(times))
   assert [len(c.tokens) for c in out] == [r.max_new_tokens for r in requests
                                           for _ in range(r.n)]
-  return seconds, dict(engine.call_stats)
+  return seconds, dict(engine.stats)
 
 
 def hf_model(model, folder):

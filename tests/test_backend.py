@@ -25,7 +25,7 @@ V, PAD, EOS = 24, 0, 2
 PROMPTS = np.array([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7], [0, 0, 0, 9, 8]], np.int32)
 MASK = (np.arange(5)[None] >= np.array([[2], [0], [3]])).astype(np.float32)
 SIMPLE = Policy.reference("tiny", V, 16, PAD, value_head=True, seed=3, temperature=0.7)
-ENGINE = SIMPLE.use_engine(max_slots=4, max_len=16, page_size=4)
+ENGINE = SIMPLE.with_backend(SIMPLE.engine_backend(max_slots=4, max_len=16, page_size=4))
 KW = dict(max_new_tokens=6, eos_id=EOS)
 
 # Policy.generate on main before the protocol (commit cabf401): n=2, temperature 0.7,
@@ -141,14 +141,14 @@ def test_stats_are_empty_for_the_jax_backends_and_vllms_are_its_pushes():
     if name == "vllm":
       continue
     backend.generate(SIMPLE.init_params, requests, seed=1)
-    assert backend.stats() == {}, name
-  assert ENGINE.backend.call_stats["pages_in_use_after"] == 0     # counters kept apart
+    assert backend.take_stats() == {}, name
+  assert ENGINE.backend.stats["pages_in_use_after"] == 0     # counters kept apart
   assert SIMPLE.rollout_stats() == ENGINE.rollout_stats() == {}
   vllm = _vllm_without_vllm()
-  assert vllm.stats() == {"vllm_push_s": 0.0, "vllm_pushes": 0.0}
+  assert vllm.take_stats() == {"vllm_push_s": 0.0, "vllm_pushes": 0.0}
   vllm.push_stats.add(0.5)
   vllm.push_stats.add(0.25)
-  assert SIMPLE.use_vllm(vllm).rollout_stats() == {"vllm_push_s": 0.75, "vllm_pushes": 2.0}
+  assert SIMPLE.with_backend(vllm).rollout_stats() == {"vllm_push_s": 0.75, "vllm_pushes": 2.0}
   assert vllm.take_stats() == {"vllm_push_s": 0.0, "vllm_pushes": 0.0}
   with pytest.raises(ValueError, match="no replica"):
     vllm.replica()
@@ -164,11 +164,21 @@ def test_with_backend_returns_a_new_policy_sharing_the_jitted_functions():
   given = Policy(SIMPLE.apply, SIMPLE.decode_fns, SIMPLE.init_params, pad_id=PAD,
                  backend=ENGINE.backend)
   assert given.backend is ENGINE.backend
-  wide = SIMPLE.use_sampler(prompt_len=8)
+  wide = SIMPLE.with_backend(SIMPLE.sampler_backend(prompt_len=8))
   assert isinstance(wide.backend, SamplerBackend) and wide.backend.prompt_len == 8
   assert SIMPLE.backend.prompt_len is None
   with pytest.raises(AttributeError):
     SIMPLE.engine = ENGINE.backend  # type: ignore[misc]
+
+
+def test_use_engine_and_use_vllm_still_set_the_policys_own_backend():
+  """The names from before backends: in place, as they always were (returning the
+  policy now), so code that ignores the result still generates through the engine."""
+  policy = Policy.reference("tiny", V, 16, PAD, value_head=True, seed=3, temperature=0.7)
+  assert policy.use_engine(max_slots=4, max_len=16, page_size=4) is policy
+  assert isinstance(policy.backend, RolloutEngine)
+  vllm = _vllm_without_vllm()
+  assert policy.use_vllm(vllm) is policy and policy.backend is vllm
 
 
 def test_replicas_keep_the_settings_and_none_of_the_state():

@@ -187,8 +187,8 @@ def test_greedy_tokens_equal_sample_for_every_request():
     np.testing.assert_allclose(c.logprobs, ref_logps[c.request, :m], rtol=1e-4,
                                atol=1e-4)
     assert c.finish_reason == "length" and np.all(c.filtered_logprobs == 0)
-  assert ENGINE.call_stats["pages_in_use_after"] == 0
-  assert ENGINE.call_stats["pages_reserved_after"] == 0
+  assert ENGINE.stats["pages_in_use_after"] == 0
+  assert ENGINE.stats["pages_reserved_after"] == 0
 
 
 def test_eos_stops_a_sample_and_frees_its_pages():
@@ -202,7 +202,7 @@ def test_eos_stops_a_sample_and_frees_its_pages():
   np.testing.assert_array_equal(out[0].tokens, ref[0, :first + 1])
   assert out[0].finish_reason == "eos" and out[1].finish_reason == "length"
   np.testing.assert_array_equal(out[1].tokens, ref[1])
-  assert ENGINE.call_stats["pages_in_use_after"] == 0
+  assert ENGINE.stats["pages_in_use_after"] == 0
 
 
 def _teacher_forced(prompt, tokens, temperature, top_k=None, top_p=None):
@@ -257,7 +257,7 @@ def test_a_request_is_bitwise_the_same_alone_and_among_32_others():
                     top_p=float(rng.choice([0.5, 1.0]))) for _ in range(32)]
   alone = ENGINE.generate(PARAMS, MIXED[:1], seed=11)
   crowd = ENGINE.generate(PARAMS, MIXED[:1] + others, seed=11)
-  assert ENGINE.call_stats["decode_calls"] > 10 and ENGINE.call_stats["pages_in_use_after"] == 0
+  assert ENGINE.stats["decode_calls"] > 10 and ENGINE.stats["pages_in_use_after"] == 0
   assert all(_same(a, b) for a, b in zip(alone, crowd[:3]))
   # Other slot counts are other shapes, so XLA may pick other matmul kernels: on CPU
   # (XLA:CPU, jax 0.10) 16 slots gave bitwise the same results as 8, while 1, 2, 4 and
@@ -271,7 +271,7 @@ def test_a_request_is_bitwise_the_same_alone_and_among_32_others():
       np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
       np.testing.assert_allclose(a.filtered_logprobs, b.filtered_logprobs, rtol=0,
                                  atol=1e-5)
-    assert other.call_stats["pages_in_use_after"] == 0
+    assert other.stats["pages_in_use_after"] == 0
 
 
 def test_batched_prefill_is_bitwise_the_same_alone_and_among_others_in_any_row():
@@ -286,7 +286,7 @@ def test_batched_prefill_is_bitwise_the_same_alone_and_among_others_in_any_row()
                     max_new_tokens=int(rng.integers(1, 12)), temperature=1.0)
             for _ in range(12)]
   alone = engine.generate(PARAMS, MIXED[:1], seed=11)
-  assert engine.call_stats["prefill_calls"] == 1 and engine.call_stats["prefill_rows_padded"] == 1
+  assert engine.stats["prefill_calls"] == 1 and engine.stats["prefill_rows_padded"] == 1
   for order in range(3):
     crowd = [others[k] for k in np.random.default_rng(order).permutation(12)]
     fifo = engine.replica(policy="fifo")       # MIXED[0] is admitted with the first
@@ -294,14 +294,14 @@ def test_batched_prefill_is_bitwise_the_same_alone_and_among_others_in_any_row()
                           (fifo, MIXED[:1] + crowd)):
       out = eng.generate(PARAMS, requests, seed=11)
       assert all(_same(a, b) for a, b in zip(alone, out[:3]))
-      assert eng.call_stats["pages_in_use_after"] == 0
+      assert eng.stats["pages_in_use_after"] == 0
   # Another row count is another matmul shape: same tokens, log-probs within rounding.
   one = RolloutEngine(PAGED, max_slots=8, prefill_rows=1,
                       **{**_ENGINE_KW, "prefill_chunk": 4})
   for a, b in zip(alone, one.generate(PARAMS, MIXED[:1], seed=11)):
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
-  assert one.call_stats["prefill_calls"] == 2            # one row per call, 2 chunks
+  assert one.stats["prefill_calls"] == 2            # one row per call, 2 chunks
 
 
 def test_prefill_calls_are_ceil_rows_over_prefill_rows():
@@ -310,17 +310,17 @@ def test_prefill_calls_are_ceil_rows_over_prefill_rows():
     engine = RolloutEngine(PAGED, max_slots=8, prefill_rows=rows, **_ENGINE_KW)
     prompts = _prompts(n, [int(k) for k in np.random.default_rng(n).integers(1, 9, n)])
     engine.generate(PARAMS, [Request(p, max_new_tokens=3) for p in prompts], seed=0)
-    assert engine.call_stats["prefill_calls"] == -(-n // rows), (n, rows)
-    assert engine.call_stats["prefill_rows_padded"] == -n % rows
-    assert engine.call_stats["prefill_tokens"] == sum(map(len, prompts))
-    assert engine.call_stats["admit_calls"] == n and engine.call_stats["prefill_rows"] == rows
+    assert engine.stats["prefill_calls"] == -(-n // rows), (n, rows)
+    assert engine.stats["prefill_rows_padded"] == -n % rows
+    assert engine.stats["prefill_tokens"] == sum(map(len, prompts))
+    assert engine.stats["admit_calls"] == n and engine.stats["prefill_rows"] == rows
   # Longer prompts take ceil(p / c) rows each (c = 8): 13 + 17 + 8 + 3 -> 2 + 3 + 1 + 1
   # rows = 7 rows, 2 calls of 4; a shared prompt is prefilled once for its n samples.
   engine = RolloutEngine(PAGED, max_slots=8, prefill_rows=4, **_ENGINE_KW)
   prompts = _prompts(4, [13, 17, 8, 3])
   engine.generate(PARAMS, [Request(p, n=2, max_new_tokens=3) for p in prompts], seed=0)
-  assert engine.call_stats["prefill_calls"] == 2 and engine.call_stats["prefill_rows_padded"] == 1
-  assert engine.call_stats["prefill_tokens"] == 13 + 17 + 8 + 3
+  assert engine.stats["prefill_calls"] == 2 and engine.stats["prefill_rows_padded"] == 1
+  assert engine.stats["prefill_tokens"] == 13 + 17 + 8 + 3
   # The default: each prompt alone (the earlier prefill); a replica keeps the setting.
   assert ENGINE.prefill_rows == 1 and ENGINE.replica(prefill_rows=2).prefill_rows == 2
   with pytest.raises(ValueError, match="`prefill_rows`"):
@@ -337,18 +337,18 @@ def test_free_prefill_rows_prefill_waiting_prompts_ahead_of_admission():
               for p, m in zip(prompts, [4, 9, 2, 6, 3, 5])]
   engine = RolloutEngine(PAGED, max_slots=2, prefill_rows=4, **_ENGINE_KW)
   out = engine.generate(PARAMS, requests, seed=4)
-  assert engine.call_stats["prefill_calls"] == 2 and engine.call_stats["prefill_ahead"] == 3
-  assert engine.call_stats["prefill_rows_padded"] == 2
-  assert engine.call_stats["prefill_tokens"] == sum(map(len, prompts))
-  assert engine.call_stats["pages_in_use_after"] == 0
-  assert engine.call_stats["pages_reserved_after"] == 0
+  assert engine.stats["prefill_calls"] == 2 and engine.stats["prefill_ahead"] == 3
+  assert engine.stats["prefill_rows_padded"] == 2
+  assert engine.stats["prefill_tokens"] == sum(map(len, prompts))
+  assert engine.stats["pages_in_use_after"] == 0
+  assert engine.stats["pages_reserved_after"] == 0
   one_by_one = [engine.generate(PARAMS, [r], seed=4, first_request=i)[0]
                 for i, r in enumerate(requests)]
   assert all(_same(a, b) for a, b in zip(out, one_by_one))
   # A pool without room for a prompt beside a full slot prefills nothing ahead.
   tight = RolloutEngine(PAGED, max_slots=2, prefill_rows=4, num_pages=14, **_ENGINE_KW)
   assert all(_same(a, b) for a, b in zip(out, tight.generate(PARAMS, requests, seed=4)))
-  assert tight.call_stats["prefill_ahead"] == 0 and tight.call_stats["prefill_calls"] > 2
+  assert tight.stats["prefill_ahead"] == 0 and tight.stats["prefill_calls"] > 2
 
 
 def test_decode_widths_run_the_live_slots_compacted_with_the_same_results():
@@ -366,10 +366,10 @@ def test_decode_widths_run_the_live_slots_compacted_with_the_same_results():
   assert bucketed.decode_widths == (8, 16)
   out = bucketed.generate(PARAMS, requests, seed=2)
   assert all(_same(a, b) for a, b in zip(reference, out))
-  stats = bucketed.call_stats
+  stats = bucketed.stats
   assert stats["decode_row_steps"] < 16 * stats["decode_steps"]
-  assert stats["row_utilisation"] > full.call_stats["row_utilisation"]
-  assert full.call_stats["decode_row_steps"] == 16 * full.call_stats["decode_steps"]
+  assert stats["row_utilisation"] > full.stats["row_utilisation"]
+  assert full.stats["decode_row_steps"] == 16 * full.stats["decode_steps"]
   assert stats["pages_in_use_after"] == 0
   with pytest.raises(ValueError, match="`decode_widths`"):
     RolloutEngine(PAGED, max_slots=4, decode_widths=(8,), **_ENGINE_KW)
@@ -393,16 +393,16 @@ def test_shared_prompt_equals_separate_prefills_and_a_tight_pool_waits():
   # share_prompts=False prefills the prompt once per sample: same keys, same results.
   # Prompt lengths 6 and 4: a partial last page (copied per sample) and a full one.
   shared = ENGINE.generate(PARAMS, MIXED, seed=7)
-  stats = dict(ENGINE.call_stats)
+  stats = dict(ENGINE.stats)
   unshared_engine = RolloutEngine(PAGED, max_slots=8, share_prompts=False, **_ENGINE_KW)
   unshared = unshared_engine.generate(PARAMS, MIXED, seed=7)
   assert all(_same(a, b) for a, b in zip(shared, unshared))
   assert stats["prefill_tokens"] == 6 + 11 + 4
-  assert unshared_engine.call_stats["prefill_tokens"] == 3 * 6 + 11 + 2 * 4
+  assert unshared_engine.stats["prefill_tokens"] == 3 * 6 + 11 + 2 * 4
   # A pool of 10 pages holds one or two samples at a time: the rest wait for pages.
   tight = RolloutEngine(PAGED, max_slots=8, num_pages=10, **_ENGINE_KW)
   assert all(_same(a, b) for a, b in zip(shared, tight.generate(PARAMS, MIXED, seed=7)))
-  assert tight.call_stats["peak_pages"] <= 10 and tight.call_stats["pages_in_use_after"] == 0
+  assert tight.stats["peak_pages"] <= 10 and tight.stats["pages_in_use_after"] == 0
 
 
 def test_bad_input_raises_naming_the_argument():
@@ -502,7 +502,7 @@ def test_default_pool_runs_every_slot_at_max_len_with_prompts_of_their_own():
   requests = [Request(p, max_new_tokens=48 - 6, temperature=0.0) for p in prompts]
   assert engine.pages_needed(requests[0]) == 48 // 4 + 1
   out = engine.generate(PARAMS, requests, seed=0)
-  assert engine.call_stats["decode_steps"] == 48 - 6          # one wave, not two
+  assert engine.stats["decode_steps"] == 48 - 6          # one wave, not two
   assert engine.num_pages == 8 * (48 // 4 + 1)
   ref, _ = _sample_greedy(prompts, 48 - 6)
   for c in out:

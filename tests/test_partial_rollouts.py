@@ -77,19 +77,19 @@ def test_budgeted_calls_equal_one_unbounded_call_bitwise_and_return_pages():
   # 7 samples in 8 slots, 4 steps per device call cut to ceil(10 / 7) = 2 steps: 14
   # tokens, nothing finished; the pages of the 7 samples stay.
   assert first == [] and engine.in_flight == 7
-  assert engine.call_stats["generated_tokens"] == 14 and engine.call_stats["in_flight_after"] == 7
-  assert engine.pages_in_use == engine.call_stats["pages_in_use_after"] > 0
+  assert engine.stats["generated_tokens"] == 14 and engine.stats["in_flight_after"] == 7
+  assert engine.pages_in_use == engine.stats["pages_in_use_after"] > 0
   calls, out = 1, list(first)
   while engine.in_flight:
     out += engine.generate(PARAMS_A, [], token_budget=10)
     calls += 1
-    assert engine.call_stats["generated_tokens"] < 10 + 8     # overshoot < live slots
+    assert engine.stats["generated_tokens"] < 10 + 8     # overshoot < live slots
   assert calls == 6 and len(out) == len(whole) == 7
   out.sort(key=lambda c: (c.request, c.sample))
   assert all(_same(a, b) for a, b in zip(whole, out))
   assert all(np.all(c.versions == 0) and len(c.versions) == len(c.tokens) for c in out)
   assert [c.tag for c in out] == [0, 0, 0, 1, 2, 2, 3]
-  assert engine.pages_in_use == 0 and engine.call_stats["pages_reserved_after"] == 0
+  assert engine.pages_in_use == 0 and engine.stats["pages_reserved_after"] == 0
   assert engine._state is None                           # the device pool is freed
 
 
@@ -119,7 +119,7 @@ def test_tokens_carry_the_version_that_sampled_them_and_its_logprobs(slots):
   out = engine.generate(PARAMS_A, MIXED, seed=3, token_budget=20)
   assert engine.in_flight > 0
   out += engine.generate(PARAMS_B, [], version=1)
-  assert engine.call_stats["recomputed_tokens"] > 0 and engine.in_flight == 0
+  assert engine.stats["recomputed_tokens"] > 0 and engine.in_flight == 0
   spans = 0
   for c in out:
     r = MIXED[c.request]
@@ -149,7 +149,7 @@ def test_keep_mode_is_deterministic_and_bitwise_unbounded_when_params_are_unchan
     engine = RolloutEngine(PAGED, max_slots=8, on_new_version="keep", **KW)
     out = engine.generate(PARAMS_A, MIXED, seed=3, token_budget=20)
     out += engine.generate(params_b, [], version=1)
-    assert "recomputed_tokens" not in engine.call_stats
+    assert "recomputed_tokens" not in engine.stats
     return sorted(out, key=lambda c: (c.request, c.sample))
 
   whole = RolloutEngine(PAGED, max_slots=8, **KW).generate(PARAMS_A, MIXED, seed=3)
@@ -183,7 +183,7 @@ def test_refill_after_changes_the_device_calls_not_the_samples():
     engine = RolloutEngine(PAGED, max_slots=3, refill_after=refill_after,
                            **{**KW, "steps_per_call": 16})
     out = engine.generate(PARAMS_A, MIXED, seed=5)
-    return out, engine.call_stats["decode_calls"], engine.call_stats["decode_steps"]
+    return out, engine.stats["decode_calls"], engine.stats["decode_steps"]
 
   (eager, eager_calls, eager_steps), (lazy, lazy_calls, lazy_steps) = run(1), run(2)
   assert len(eager) == 7 and all(_same(a, b) for a, b in zip(eager, lazy))
@@ -223,7 +223,7 @@ def test_prompts_prefilled_ahead_wait_across_calls_and_are_recomputed():
   whole = RolloutEngine(PAGED, max_slots=2, **kw).generate(PARAMS_A, MIXED, seed=3)
   engine = RolloutEngine(PAGED, max_slots=2, **kw)
   out = engine.generate(PARAMS_A, MIXED, seed=3, token_budget=6)
-  assert engine.call_stats["prefill_ahead"] > 0 and engine.waiting > 0
+  assert engine.stats["prefill_ahead"] > 0 and engine.waiting > 0
   out = sorted(out + _drain(engine, PARAMS_A, 6), key=lambda c: (c.request, c.sample))
   assert all(_same(a, b) for a, b in zip(whole, out))
   assert engine.pages_in_use == 0 and engine._state is None
@@ -231,7 +231,7 @@ def test_prompts_prefilled_ahead_wait_across_calls_and_are_recomputed():
   waiting = engine.waiting
   out = sorted(out + engine.generate(PARAMS_A, [], version=1),
                key=lambda c: (c.request, c.sample))
-  assert waiting > 0 and engine.call_stats["recomputed_tokens"] > 0
+  assert waiting > 0 and engine.stats["recomputed_tokens"] > 0
   for a, b in zip(whole, out):
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)

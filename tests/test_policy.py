@@ -11,7 +11,7 @@ V, PAD, EOS = 24, 0, 2
 
 def _policies():
   simple = Policy.reference("tiny", V, 16, PAD, value_head=True, seed=3, temperature=0.7)
-  engine = simple.use_engine(max_slots=4, max_len=16, page_size=4)
+  engine = simple.with_backend(simple.engine_backend(max_slots=4, max_len=16, page_size=4))
   return simple, engine
 
 

@@ -105,7 +105,7 @@ def test_policy_hands_vllm_the_policy_part_and_reports_push_stats():
                          finish_reason="length")
               for i, r in enumerate(requests) for j in range(r.n)]
 
-    def stats(self):
+    def take_stats(self):
       return {"vllm_push_s": 0.5, "vllm_pushes": 1.0}
 
   policy = Policy.reference("tiny", 11, 16, 0, value_head=True)

@@ -147,8 +147,8 @@ class PartialRollouts:
                                     version=version, first_request=sent):
         self.finished[c.tag].append(c)
       calls, sent = calls + 1, sent + len(requests)
-      recompute_s += self.engine.call_stats.get("recompute_s", 0.0)
-      recomputed += self.engine.call_stats.get("recomputed_tokens", 0)
+      recompute_s += self.engine.stats.get("recompute_s", 0.0)
+      recomputed += self.engine.stats.get("recomputed_tokens", 0)
     generate_s = time.perf_counter() - start
     take = sorted(complete())[:p]
     completions = [c for gid in take

@@ -7,7 +7,7 @@ Any model that follows the two protocols can be trained by
 :class:`~jaxrl_llm.rollout.DecodeFns`; a model that also provides the paged protocol
 (:class:`~jaxrl_llm.rollout.PagedDecodeFns`) can generate through the
 continuous-batching :class:`~jaxrl_llm.rollout.RolloutEngine`
-(:meth:`Policy.use_engine`). :meth:`Policy.reference` builds the reference transformer.
+(:meth:`Policy.engine_backend`). :meth:`Policy.reference` builds the reference transformer.
 
 A policy generates through one :class:`~jaxrl_llm.rollout.RolloutBackend` (the
 rectangular sampler by default), given to the constructor or to
@@ -63,7 +63,7 @@ class Policy:
     ref_part: ``params -> the part of them ref_apply_fn needs`` (default: all): the
       reference keeps no value head or critic parameters (see :meth:`ref_params`).
     paged_decode_fns: the model's :class:`~jaxrl_llm.rollout.PagedDecodeFns`, for
-      :meth:`use_engine` (None: the model generates through ``sample`` only).
+      :meth:`engine_backend` (None: the model generates through ``sample`` only).
     rollout_params: ``params -> the parameters decode_fns take`` (default: all), applied
       once per :meth:`generate` (a LoRA policy generates from merged weights).
     trainable: what the train step trains (``make_train_step(..., trainable=)``; None:
@@ -152,8 +152,8 @@ class Policy:
 
   @property
   def backend(self) -> RolloutBackend:
-    """The :class:`~jaxrl_llm.rollout.RolloutBackend` :meth:`generate` uses (fixed:
-    :meth:`with_backend` makes a new policy with another)."""
+    """The :class:`~jaxrl_llm.rollout.RolloutBackend` :meth:`generate` uses
+    (:meth:`with_backend` makes a new policy with another)."""
     return self._backend
 
   @property
@@ -175,18 +175,18 @@ class Policy:
     new._backend = _checked(backend)
     return new
 
-  def use_sampler(self, *, prompt_len: int | None = None) -> Policy:
-    """:meth:`with_backend` of the rectangular sampler over this policy's
-    ``decode_fns`` (:class:`~jaxrl_llm.rollout.SamplerBackend`), its prompts padded to
-    ``prompt_len`` columns (None: each call's longest prompt)."""
-    return self.with_backend(SamplerBackend(self.decode_fns, pad_id=self.pad_id,
-                                            prompt_len=prompt_len))
+  def sampler_backend(self, *, prompt_len: int | None = None) -> SamplerBackend:
+    """The rectangular sampler over this policy's ``decode_fns``
+    (:class:`~jaxrl_llm.rollout.SamplerBackend`), its prompts padded to ``prompt_len``
+    columns (None: each call's longest prompt); for :meth:`with_backend`."""
+    return SamplerBackend(self.decode_fns, pad_id=self.pad_id, prompt_len=prompt_len)
 
-  def use_engine(self, *, max_slots: int, max_len: int, page_size: int = 16,
-                 max_prompt_len: int | None = None, prefill_rows: int = 1) -> Policy:
-    """:meth:`with_backend` of a :class:`~jaxrl_llm.rollout.RolloutEngine` of
-    ``max_slots`` slots (continuous batching, paged KV cache, a group's prompt
-    prefilled once): a new policy (this one is unchanged). ``max_len`` bounds prompt +
+  def engine_backend(self, *, max_slots: int, max_len: int, page_size: int = 16,
+                     max_prompt_len: int | None = None,
+                     prefill_rows: int = 1) -> RolloutEngine:
+    """A :class:`~jaxrl_llm.rollout.RolloutEngine` over this policy's paged decode
+    functions, for :meth:`with_backend`: ``max_slots`` slots (continuous batching,
+    paged KV cache, a group's prompt prefilled once), ``max_len`` bounding prompt +
     completion. ``max_prompt_len`` (when known) sizes the prefill chunk: the smallest
     power of two that holds it, at most 128, so short prompts are not prefilled in
     128-token chunks. ``prefill_rows``: the engine's prompts per prefill call (1: each
@@ -201,25 +201,42 @@ class Policy:
     chunk = _MAX_PREFILL_CHUNK
     if max_prompt_len is not None:
       chunk = min(chunk, 1 << max(max_prompt_len - 1, 0).bit_length())
-    return self.with_backend(RolloutEngine(
-        self.paged_decode_fns, max_slots=max_slots, max_len=max_len, page_size=page_size,
-        prefill_chunk=chunk, prefill_rows=prefill_rows))
+    return RolloutEngine(self.paged_decode_fns, max_slots=max_slots, max_len=max_len,
+                         page_size=page_size, prefill_chunk=chunk,
+                         prefill_rows=prefill_rows)
+
+  def use_engine(self, *, max_slots: int, max_len: int, page_size: int = 16,
+                 max_prompt_len: int | None = None, prefill_rows: int = 1) -> Policy:
+    """Sets this policy's backend to :meth:`engine_backend` (the same arguments) and
+    returns the policy. Kept for code written before backends existed; the RL loop
+    and new code use ``policy.with_backend(policy.engine_backend(...))``, which leaves
+    ``policy`` as it was.
+
+    Raises:
+      ValueError: the model provides no paged protocol (``paged_decode_fns``).
+    """
+    self._backend = self.engine_backend(max_slots=max_slots, max_len=max_len,
+                                        page_size=page_size, max_prompt_len=max_prompt_len,
+                                        prefill_rows=prefill_rows)
+    return self
 
   def use_vllm(self, engine: RolloutBackend) -> Policy:
-    """:meth:`with_backend` of ``engine`` (a :class:`~jaxrl_llm.rollout.vllm.VllmEngine`):
-    a new policy (this one is unchanged). vLLM takes the policy's weights alone
-    (its ``takes_policy_part``: :meth:`ref_params`, no value head, no critic), pushed
-    whenever :meth:`generate` is called with params other than the ones pushed last
-    (so after every train step); a failed push raises
+    """Sets this policy's backend to ``engine`` (a
+    :class:`~jaxrl_llm.rollout.vllm.VllmEngine`) and returns the policy (kept for
+    code written before backends existed; new code: :meth:`with_backend`). vLLM takes
+    the policy's weights alone (its ``takes_policy_part``: :meth:`ref_params`, no
+    value head, no critic), pushed whenever :meth:`generate` is called with params
+    other than the ones pushed last (so after every train step); a failed push raises
     :class:`~jaxrl_llm.rollout.vllm.VllmPushError`, which stops the run before a step
     trains on rollouts of stale weights."""
-    return self.with_backend(engine)
+    self._backend = _checked(engine)
+    return self
 
   def rollout_stats(self) -> dict[str, float]:
-    """The backend's metrics since the last call (:meth:`RolloutBackend.stats`; vLLM:
+    """The backend's metrics since the last call (:meth:`RolloutBackend.take_stats`; vLLM:
     ``vllm_push_s``, the seconds spent pushing weights, and ``vllm_pushes``); empty
     for the JAX backends."""
-    return self._backend.stats()
+    return self._backend.take_stats()
 
   def generate(self, params: Any, tokens: Any, mask: Any, rng: jax.Array | None, *,
                max_new_tokens: int, eos_id: int | Sequence[int] | None,

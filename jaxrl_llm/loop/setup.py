@@ -127,23 +127,23 @@ def _with_engine(policy: Policy, resolved: Resolved, task: Task) -> Policy:
   # Each process of a multi-process run generates its share of the rows.
   rows = (resolved.sampling.prompts_per_step * resolved.sampling.group_size
           // jax.process_count())
-  return policy.use_engine(max_slots=run.rollout_slots or min(rows, _MAX_DEFAULT_SLOTS),
-                           max_len=task.max_prompt_len + task.max_new_tokens,
-                           max_prompt_len=task.max_prompt_len,
-                           prefill_rows=run.rollout_prefill_rows)
+  return policy.with_backend(policy.engine_backend(
+      max_slots=run.rollout_slots or min(rows, _MAX_DEFAULT_SLOTS),
+      max_len=task.max_prompt_len + task.max_new_tokens,
+      max_prompt_len=task.max_prompt_len, prefill_rows=run.rollout_prefill_rows))
 
 
 def _with_vllm(policy: Policy, resolved: Resolved, task: Task) -> Policy:
   """``policy`` generating through a :class:`~jaxrl_llm.rollout.vllm.VllmEngine` on
   ``run.model`` (:func:`make_vllm_engine`)."""
-  return policy.use_vllm(make_vllm_engine(resolved.run.model,
-                                          task.max_prompt_len + task.max_new_tokens))
+  return policy.with_backend(make_vllm_engine(resolved.run.model,
+                                              task.max_prompt_len + task.max_new_tokens))
 
 
 def _with_sampler(policy: Policy, resolved: Resolved, task: Task) -> Policy:
   """``policy`` generating through the rectangular sampler, every call's prompts padded
   to the task's ``max_prompt_len`` (one compilation; the tokenizer's width)."""
-  return policy.use_sampler(prompt_len=task.max_prompt_len)
+  return policy.with_backend(policy.sampler_backend(prompt_len=task.max_prompt_len))
 
 
 # ``run.rollout`` (one of ``_names.ROLLOUT_BACKENDS``) -> the policy with that backend.

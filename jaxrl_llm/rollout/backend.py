@@ -3,7 +3,7 @@ r"""One rollout-backend protocol: what the RL loop asks of whatever generates.
 :class:`RolloutBackend` is the whole interface the loop's
 :class:`~jaxrl_llm.loop.policy.Policy` uses: ``generate(params, requests, *, seed,
 first_request=0) -> list[Completion]`` (the :class:`~jaxrl_llm.rollout.Request` s
-completed ``n`` times each, ordered by request then sample), ``stats()`` (the metrics
+completed ``n`` times each, ordered by request then sample), ``take_stats()`` (the metrics
 since the last call, recorded in each step's row; empty where there are none),
 ``seed_from_key(key)`` (how a JAX key becomes this backend's int ``seed``),
 ``replica()`` (a backend with the same settings and none of the state, for a second
@@ -19,7 +19,7 @@ backend                                   what it is
 :class:`~jaxrl_llm.rollout.RolloutEngine` continuous batching over a paged KV cache
 :class:`~jaxrl_llm.rollout.ReplicatedEngine`  engine replicas, one per device
 :class:`~jaxrl_llm.rollout.vllm.VllmEngine`   in-process vLLM (weights pushed:
-                                          ``takes_policy_part``; ``stats()`` its pushes)
+                                          ``takes_policy_part``; ``take_stats()`` its pushes)
 ========================================  ==========================================
 
 The loop never asks which one it holds. Capabilities beyond the protocol stay with
@@ -47,7 +47,7 @@ Examples:
   >>> graphdef, params = split_model(
   ...     Transformer(TransformerConfig.tiny(32), rngs=nnx.Rngs(0)))
   >>> backend = SamplerBackend(make_decode_fns(graphdef), pad_id=0)
-  >>> isinstance(backend, RolloutBackend), backend.stats(), backend.takes_policy_part
+  >>> isinstance(backend, RolloutBackend), backend.take_stats(), backend.takes_policy_part
   (True, {}, False)
   >>> out = backend.generate(params, [Request([3, 4], n=2, max_new_tokens=4)],
   ...                        seed=backend.seed_from_key(jax.random.PRNGKey(7)))
@@ -99,8 +99,10 @@ class RolloutBackend(Protocol):
     nonzero one)."""
     ...
 
-  def stats(self) -> dict[str, float]:
-    """The backend's metrics since the last call (empty where there are none)."""
+  def take_stats(self) -> dict[str, float]:
+    """The backend's metrics since the last call (empty where there are none). Named
+    ``take_`` because it resets them; an engine's per-call counters are its ``stats``
+    dict, another thing."""
     ...
 
   def seed_from_key(self, key: jax.Array) -> int:
@@ -222,7 +224,7 @@ class SamplerBackend:
     """A backend of the same settings (the sampler keeps no state between calls)."""
     return SamplerBackend(self.fns, pad_id=self.pad_id, prompt_len=self.prompt_len)
 
-  def stats(self) -> dict[str, float]:
+  def take_stats(self) -> dict[str, float]:
     """``{}``: the sampler records no metrics."""
     return {}
 

@@ -27,8 +27,8 @@ fixed number of slots (static shapes: nothing recompiles as requests come and go
   row reads the keys an earlier one wrote, in the same call or an earlier one), and
   the prompts of all the groups admitted at one point are packed R rows per call
   (``ceil(N / R)`` calls for ``N`` prompts of at most ``c`` tokens,
-  ``call_stats["prefill_calls"]``). Rows a round leaves free prefill the next waiting
-  groups ahead of their admission (``call_stats["prefill_ahead"]``; while the pool keeps
+  ``stats["prefill_calls"]``). Rows a round leaves free prefill the next waiting
+  groups ahead of their admission (``stats["prefill_ahead"]``; while the pool keeps
   ``pages_per_slot + 1`` pages free), so a refill of one slot does not pay R - 1
   padding rows while prompts wait. A row's arithmetic depends on nothing but its own
   tokens, positions and pages at that one shape, which is what keeps the guarantee
@@ -56,7 +56,7 @@ fixed number of slots (static shapes: nothing recompiles as requests come and go
   ``(8, 16)`` at 32 slots) adds compiled row counts: a decode call runs its live slots
   compacted into the least width that holds them (their logits rows gathered and
   scattered back: copies), so a heavy-tailed tail of a few long samples stops paying
-  for the empty slots (``call_stats["row_utilisation"]`` against ``slot_utilisation``).
+  for the empty slots (``stats["row_utilisation"]`` against ``slot_utilisation``).
   The bitwise guarantee above then holds only if XLA rounds a row the same at every
   width used, which is a property of the compiler and the machine, not of this code:
   on XLA:CPU (jax 0.10) 8, 16 and 32 rows gave bitwise equal logits (the tiny test
@@ -77,7 +77,7 @@ generation and slime's partial rollouts do: AReaL discards the stale KV cache an
 recomputes it under the new weights, slime resubmits prompt + partial response to a
 server whose prefix cache the weight update invalidated) a call whose ``version``
 differs from the cache's prefills each in-flight group's prompt once and each sample's
-own tokens again under the new ``params`` (``call_stats["recomputed_tokens"]``). So a token
+own tokens again under the new ``params`` (``stats["recomputed_tokens"]``). So a token
 tagged ``v`` is drawn from the model ``v`` given the whole prefix, and its recorded
 log-prob is that model's (teacher-forced) log-prob, up to float rounding (the
 prefill is another computation order than the decode steps). With ``"keep"`` the stale
@@ -154,7 +154,7 @@ class _State:
 class RolloutEngine:
   """Continuous-batching generation over a paged KV cache (module docstring); a
   :class:`~jaxrl_llm.rollout.backend.RolloutBackend` (the whole parameter pytree,
-  :func:`~jaxrl_llm.rollout.backend.draw_seed` seeds, no step metrics: :attr:`call_stats`
+  :func:`~jaxrl_llm.rollout.backend.draw_seed` seeds, no step metrics: :attr:`stats`
   holds the last call's counters).
 
   Args:
@@ -168,7 +168,7 @@ class RolloutEngine:
       ``max_len`` with a prompt of its own (a prompt's partial last page is kept for its
       samples' copies beside each sample's own copy: :meth:`pages_needed` is at most
       ``ceil(max_len / page_size) + 1``). The pool's device memory is allocated once
-      (``num_pages`` x ``call_stats["page_bytes"]``); a smaller pool bounds it. A
+      (``num_pages`` x ``stats["page_bytes"]``); a smaller pool bounds it. A
       request that needs more pages than the whole pool raises ``ValueError``; a
       sample that needs pages now in use waits (it and the samples queued after it)
       until finished slots return them.
@@ -216,7 +216,7 @@ class RolloutEngine:
     ...                       seed=0)
     >>> [(c.request, c.sample, len(c.tokens), c.finish_reason) for c in out]
     [(0, 0, 5, 'length'), (0, 1, 5, 'length'), (1, 0, 3, 'length')]
-    >>> engine.call_stats["pages_in_use_after"]
+    >>> engine.stats["pages_in_use_after"]
     0
   """
 
@@ -260,7 +260,7 @@ class RolloutEngine:
       raise ValueError(f"`decode_widths` must be ints in [1, max_slots = {max_slots}], got "
                        f"{decode_widths!r}.")
     self.decode_widths = tuple(sorted({int(x) for x in widths} | {max_slots}))
-    self.call_stats: dict[str, Any] = {}     # the last generate call's counters
+    self.stats: dict[str, Any] = {}     # the last generate call's counters
     self._state: _State | None = None       # in-flight samples of a partial rollout
     self._calls = 0
     self._vocab: int | None = None           # the logits' width (vocab_size)
@@ -298,8 +298,8 @@ class RolloutEngine:
 
   takes_policy_part = False     # the whole pytree the paged decode functions read
 
-  def stats(self) -> dict[str, float]:
-    """``{}``: no step metrics (the last call's counters: :attr:`call_stats`)."""
+  def take_stats(self) -> dict[str, float]:
+    """``{}``: no step metrics (the last call's counters: the :attr:`stats` dict)."""
     return {}
 
   def seed_from_key(self, key: jax.Array) -> int:
@@ -379,7 +379,7 @@ class RolloutEngine:
                token_budget: int | None = None, version: int = 0,
                first_request: int = 0) -> list[Completion]:
     """Completes every request ``n`` times; returns the completions ordered by
-    ``(call, request, sample)``. ``self.call_stats`` then holds the call's counters: decode
+    ``(call, request, sample)``. ``self.stats`` then holds the call's counters: decode
     steps and device calls, prefill calls and tokens (``prefill_rows_padded``: the
     padding rows of the admission prefill calls; ``prefill_ahead``: groups prefilled
     in rows a round left free, before their admission), ``slot_utilisation`` (tokens
@@ -480,7 +480,7 @@ class RolloutEngine:
     self._state = st if sched.end_call() else None   # an empty engine frees its pool
     steps_total = max(stats["decode_steps"], 1)
     s = self.max_slots
-    self.call_stats = {
+    self.stats = {
         **stats, **timers, "total_s": time.perf_counter() - started,
         "useful_tokens": sum(len(c.tokens) for _, c in done), "generated_tokens": generated,
         "slots": s, "prefill_rows": self.prefill_rows,

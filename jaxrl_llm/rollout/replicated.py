@@ -91,14 +91,15 @@ class ReplicatedEngine:
     self.replicas = [engine.replica() for _ in devices]
     self.max_slots, self.max_len = engine.max_slots, engine.max_len
     self.page_size = engine.page_size
-    self.call_stats: dict[str, Any] = {}     # the last generate call's, merged
+    self.stats: dict[str, Any] = {}     # the last generate call's, merged
 
   # -- the rollout-backend protocol ------------------------------------------------
 
   takes_policy_part = False
 
-  def stats(self) -> dict[str, float]:
-    """``{}``: no step metrics (the last call's merged counters: :attr:`call_stats`)."""
+  def take_stats(self) -> dict[str, float]:
+    """``{}``: no step metrics (the last call's merged counters: the :attr:`stats`
+    dict)."""
     return {}
 
   def seed_from_key(self, key: jax.Array) -> int:
@@ -114,7 +115,7 @@ class ReplicatedEngine:
                version: int = 0, first_request: int = 0) -> list[Completion]:
     """The completions of ``requests`` (``n`` each) ordered by ``(request, sample)``,
     as :meth:`RolloutEngine.generate` on one engine returns them (``first_request``
-    as there: this call's share of a larger batch). ``self.call_stats`` holds
+    as there: this call's share of a larger batch). ``self.stats`` holds
     the replicas' counters summed, ``slot_utilisation`` their mean, ``total_s`` the
     slowest replica's and ``replicas`` their number."""
     requests = list(requests)
@@ -143,7 +144,7 @@ class ReplicatedEngine:
     if errors:
       raise errors[0]
     out = [c for part in results if part is not None for c in part]
-    self.call_stats = self._merged_stats([r.call_stats for r, (a, b)
+    self.stats = self._merged_stats([r.stats for r, (a, b)
                                           in zip(self.replicas, parts) if b > a])
     return sorted(out, key=lambda c: (c.request, c.sample))
 

@@ -318,14 +318,10 @@ class VllmEngine:
 
   takes_policy_part = True      # the policy's weights alone (push converts those)
 
-  def stats(self) -> dict[str, float]:
+  def take_stats(self) -> dict[str, float]:
     """``{"vllm_push_s": seconds pushing weights, "vllm_pushes": count}`` since the
     last call (the RL loop records them in each step's metrics)."""
     return self.push_stats.take()
-
-  def take_stats(self) -> dict[str, float]:
-    """:meth:`stats` (its earlier name, kept)."""
-    return self.stats()
 
   def seed_from_key(self, key: jax.Array) -> int:
     """:func:`~jaxrl_llm.rollout.backend.draw_seed`, as the JAX engine's."""
