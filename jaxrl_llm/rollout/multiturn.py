@@ -319,18 +319,28 @@ def engine_generate(engine: Any, params: Any, *, eos_ids: Sequence[int], seed: i
   must hold an episode's (:func:`run_episodes`' ``max_len``).
 
   Returns:
-    ``generate(prompts, max_new_tokens) -> [(completion.tokens,
+    ``generate(prompts, max_new_tokens, sampling=None) -> [(completion.tokens,
     completion.logprobs)]`` (log-probs of the temperature-scaled full distribution).
+    ``sampling`` (optional): one mapping per prompt of ``Request`` fields that
+    replace ``**sampling``'s for that prompt (the OpenAI-compatible endpoint of
+    :mod:`jaxrl_llm.serve` passes each request's ``temperature`` / ``top_p`` so).
   """
   calls = [0]
   stops = tuple(int(i) for i in eos_ids)
+  defaults = dict(sampling)
 
-  def generate(prompts: list[list[int]], limits: list[int]) -> list[tuple[Any, Any]]:
+  def generate(prompts: list[list[int]], limits: list[int],
+               sampling: Sequence[Mapping[str, Any]] | None = None) -> list[tuple[Any, Any]]:
     call = calls[0]
     calls[0] += 1
     draws = int(np.random.SeedSequence([int(seed), call]).generate_state(1)[0] >> 1)
-    requests = [Request(list(p), max_new_tokens=int(m), eos_ids=stops, **sampling)
-                for p, m in zip(prompts, limits)]
+    own = [{}] * len(prompts) if sampling is None else list(sampling)
+    if len(own) != len(prompts):
+      raise ValueError(f"`sampling` must have one mapping per prompt: got {len(own)} for "
+                       f"{len(prompts)} prompts.")
+    requests = [Request(list(p), max_new_tokens=int(m), eos_ids=stops,
+                        **{**defaults, **dict(s)})
+                for p, m, s in zip(prompts, limits, own)]
     out = sorted(engine.generate(params, requests, seed=draws),
                  key=lambda c: (c.request, c.sample))
     return [(c.tokens, c.logprobs) for c in out]
