@@ -19,10 +19,13 @@ import sys
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from jaxrl_llm._names import GGUF_WRITE_TYPES
 from jaxrl_llm.loop.config import flag
+
+if TYPE_CHECKING:
+  from jaxrl_llm.loop.resolve import Resolved
 
 PLOT_KEYS = (("reward", "train reward"), ("eval_accuracy", "eval accuracy (greedy)"),
              ("kl_ref", "KL to reference"), ("pg_clipfrac", "clip fraction"),
@@ -337,13 +340,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                          "response budget (its longest answer and eos)")
       if args.resume:
         print(f"note: no run in {args.out} yet: starting a new one", file=sys.stderr)
-    from jaxrl_llm.loop.resolve import resolve
-    resolved = resolve(run)  # the run's own checks and the recipe's (before the task)
-    _check_warmup(run, resolved.critic_warmup_steps)
-    if run.dataset is not None:    # FILE:LINE errors, prompt lengths, answers: before JAX
-      from jaxrl_llm.loop.datacheck import check_dataset
-      for warning in check_dataset(run):
-        print(warning, file=sys.stderr)
+    from jaxrl_llm.loop.resolve import resolve_run
+    # The run's own checks and the recipe's, the command's, then the task: once.
+    resolved, task = resolve_run(run, before_task=_command_checks)
     if not launch.joins_a_job():
       _early_note(run)             # before the slow imports
     _use_compile_cache(run.compile_cache)   # before anything compiles
@@ -363,7 +362,7 @@ def cmd_train(args: argparse.Namespace) -> int:
   from jaxrl_llm.models.lora import AdapterError
   from jaxrl_llm.rollout.vllm import VllmLoadError, VllmMissingError, VllmPushError
   try:
-    summary = run_training(run)
+    summary = run_training(resolved, task=task)
   except (rf.RunFolderError, AdapterError) as e:     # --lora-init's tensors: the model's
     print(f"error: {e}", file=sys.stderr)
     return _leave(multi, 2)
@@ -656,6 +655,18 @@ def build_parser() -> argparse.ArgumentParser:
   _add_run_option(p_export, "compile_cache")
   p_export.set_defaults(func=cmd_export)
   return parser
+
+
+def _command_checks(resolved: Resolved) -> None:
+  """The command's checks of a resolved run, before its task is built and JAX is
+  imported: a critic warm-up as long as the run (:func:`_check_warmup`), and a
+  dataset's rows (``FILE:LINE`` errors, prompt lengths, answers: warnings printed)."""
+  run = resolved.run
+  _check_warmup(run, resolved.critic_warmup_steps)
+  if run.dataset is not None:
+    from jaxrl_llm.loop.datacheck import check_dataset
+    for warning in check_dataset(run):
+      print(warning, file=sys.stderr)
 
 
 def _check_warmup(run: Any, warmup: int) -> None:

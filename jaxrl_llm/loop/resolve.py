@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from jaxrl_llm._names import MODEL_PRESETS
@@ -88,12 +89,115 @@ class OptimizerSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+  """Where a step's completions come from and how they are generated.
+
+  Attributes:
+    backend: ``"engine"`` (the continuous-batching engine), ``"simple"`` (the
+      rectangular sampler) or ``"vllm"`` (``--rollout``).
+    slots: the engine's slots (None: all completions of a step, at most 256).
+    prefill_rows: prompts the engine prefills together per device call.
+    partial: partial rollouts: groups stay in flight across steps.
+    token_budget: with ``partial``, tokens per engine call (None: one device call at
+      full slots).
+    partial_kv: with ``partial``, the in-flight samples' KV cache when the weights
+      change (``"recompute"`` or ``"keep"``).
+    asynchronous: a rollout thread generates ahead of the trainer (``--async``).
+    max_staleness: with ``asynchronous``, the most policy versions a batch may lag.
+    devices: with ``asynchronous``, the last this many devices generate (0: every
+      device is shared).
+  """
+  backend: str
+  slots: int | None
+  prefill_rows: int
+  partial: bool
+  token_budget: int | None
+  partial_kv: str
+  asynchronous: bool
+  max_staleness: int
+  devices: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+  """The run's LoRA adapters (:mod:`jaxrl_llm.models.lora`).
+
+  Attributes:
+    rank: the adapters' rank R.
+    alpha: the scale numerator (None: R, scale 1).
+    targets: the weights that get adapters (a comma list, or ``all``).
+    base_dtype: the frozen base's storage (``bf16``, ``int8``, ``nf4``).
+    init: a PEFT adapter folder the adapters start from (None: B = 0).
+  """
+  rank: int
+  alpha: float | None
+  targets: str
+  base_dtype: str
+  init: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSettings:
+  """The trainer's mesh axes (-1: all remaining devices) and the packing of its batch.
+
+  Attributes:
+    data: the data-parallel axis size.
+    fsdp: the FSDP axis size.
+    tensor: the tensor-parallel axis size.
+    pack: train on packed rows (:mod:`jaxrl_llm.packing`).
+    pack_tokens: with ``pack``, a packed row's width (None: the padded batch's).
+  """
+  data: int
+  fsdp: int
+  tensor: int
+  pack: bool
+  pack_tokens: int | None
+
+  @property
+  def sizes(self) -> tuple[int, int, int]:
+    """``(data, fsdp, tensor)``."""
+    return self.data, self.fsdp, self.tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class IOSettings:
+  """What the run writes and when: its folder, cadences and metric sinks.
+
+  Attributes:
+    out: the run folder.
+    resume: continue the run in ``out``.
+    overwrite: replace the run in ``out``.
+    eval_every: steps between greedy evaluations.
+    eval_size: held-out prompts per evaluation.
+    save_every: steps between checkpoints.
+    progress: print a progress line.
+    max_consecutive_skips: skipped train steps in a row that stop the run.
+    tensorboard: also write TensorBoard event files.
+    wandb_project: also log to this Weights & Biases project.
+    record: the run as ``config.json`` holds it.
+    identity: the fields a resume must match (:meth:`RunConfig.identity`).
+  """
+  out: str
+  resume: bool
+  overwrite: bool
+  eval_every: int
+  eval_size: int
+  save_every: int
+  progress: bool
+  max_consecutive_skips: int
+  tensorboard: bool
+  wandb_project: str | None
+  record: Mapping[str, Any]
+  identity: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class Resolved:
   """A run with its recipe applied: what the loop reads.
 
   Attributes:
-    run: the run configuration (plain data; its "None: the recipe's" fields are read
-      through the resolved parts below, never directly).
+    run: the run configuration (plain data, kept as the record of the run; its fields
+      are read through the resolved parts below, never directly).
     recipe: the run's recipe.
     budget: the response budget (tokens per completion) and whether the task is a
       dataset.
@@ -101,6 +205,17 @@ class Resolved:
     optimizer: the optimizer settings.
     sampling: the rollout's settings.
     critic_warmup_steps: first steps that train only the value function.
+    steps: train steps.
+    seed: the seed of the initialisation, the prompts and the sampling.
+    trains_on: what the run trains on (the ``--dataset`` file, else the ``--task``).
+    model: the model (a preset, or a checkpoint's path or name).
+    remat: rematerialise the transformer blocks (None: by model kind).
+    critic: the separate critic's source (``--critic``; None: the value head).
+    critic_init: a run folder whose value parameters initialise this run's.
+    rollout: how completions are generated.
+    lora: the LoRA adapters (None: full fine-tuning).
+    mesh: the trainer's mesh and batch packing.
+    io: the run folder, cadences and sinks.
   """
   run: RunConfig
   recipe: Recipe
@@ -109,6 +224,17 @@ class Resolved:
   optimizer: OptimizerSettings
   sampling: SamplingSettings
   critic_warmup_steps: int
+  steps: int
+  seed: int
+  trains_on: str
+  model: str
+  remat: bool | None
+  critic: str | None
+  critic_init: str | None
+  rollout: RolloutSettings
+  lora: LoraSettings | None
+  mesh: MeshSettings
+  io: IOSettings
 
   @property
   def estimator(self) -> AdvantageEstimatorSpec:
@@ -118,7 +244,17 @@ class Resolved:
   @property
   def separate_critic(self) -> bool:
     """Whether the value model is a separate critic (``--critic`` with a value model)."""
-    return self.run.critic is not None and self.train.use_value
+    return self.critic is not None and self.train.use_value
+
+  def check_devices(self, device_count: int, process_count: int = 1) -> None:
+    """One-line ``ValueError`` unless the run fits ``device_count`` devices
+    (:meth:`RunConfig.check_devices`) and, with several processes, a
+    ``process_count``-process job
+    (:func:`~jaxrl_llm.loop.processes.check_multiprocess`)."""
+    if process_count > 1:
+      from jaxrl_llm.loop.processes import check_multiprocess
+      check_multiprocess(self.run, self, process_count, device_count)
+    self.run.check_devices(device_count)
 
 
 def response_budget(run: RunConfig, task: Task | None = None) -> Budget:
@@ -206,12 +342,61 @@ def resolve(run: RunConfig, task: Task | None = None) -> Resolved:
       recipe's train step would ignore or fail on).
   """
   run.validate()
+  return _resolve(run, response_budget(run, task), task)
+
+
+def resolve_run(run: RunConfig, *,
+                before_task: Callable[[Resolved], None] | None = None
+                ) -> tuple[Resolved, Task]:
+  """``(resolved, task)``: the run validated and resolved once, and its task built
+  (:func:`~jaxrl_llm.loop.task_setup.make_task`, without JAX), what
+  :func:`~jaxrl_llm.loop.run.run_training` takes.
+
+  ``before_task(resolved)`` runs after the run's checks and before the task is built
+  (the command's own checks: a dataset's rows, before its task reads them).
+
+  Examples:
+    >>> resolved, task = resolve_run(RunConfig(task="sort", algo="dapo"))
+    >>> task.name, resolved.sampling.dynamic_sampling, resolved.io.out
+    ('sort', True, 'runs/default')
+  """
+  resolved = resolve(run)
+  if before_task is not None:
+    before_task(resolved)
+  from jaxrl_llm.loop.task_setup import make_task
+  task = make_task(run)
+  if task.max_new_tokens != resolved.budget.max_new_tokens:  # a task with its own budget
+    return _resolve(run, response_budget(run, task), task), task
+  start = _logprob_start(run, task)
+  if start is not None:
+    resolved = dataclasses.replace(resolved, train=dataclasses.replace(
+        resolved.train, logprob_start=start))
+  return resolved, task
+
+
+def _logprob_start(run: RunConfig, task: Task | None) -> int | None:
+  """The column the train step's log-probs start at: the task's prompt width for a
+  checkpoint's unpacked batch (unless ``--logprob-start`` is given); None: every
+  column.
+
+  Every rollout path lays a batch out as prompts left-padded to the task's
+  max_prompt_len, then the responses: the loss reads no column before it. A
+  checkpoint's step then skips the LM head on the prompt (0.8x the update on
+  SmolLM2); the built-in models keep the full program, so their runs stay
+  bit-identical (the smaller gradient program sums in another order: 1 ulp)."""
+  if (task is not None and is_pretrained(run) and not run.pack
+      and "logprob_start" not in run.train):
+    return task.max_prompt_len
+  return None
+
+
+def _resolve(run: RunConfig, budget: Budget, task: Task | None) -> Resolved:
+  """:func:`resolve` of a validated run: the recipe's checks and the parts."""
   if run.rollout == "vllm" and not os.path.isfile(os.path.join(run.model, "config.json")):
     raise ValueError(f"--rollout vllm needs --model PATH, a Hugging Face model folder "
                      f"(got {run.model!r}): vLLM loads the architecture from it (for a GGUF "
                      "model, write one with save_pretrained(from_gguf(FILE), DIR))")
   recipe = get_recipe(run.algo)
-  budget = response_budget(run, task)
   if recipe.group and run.group_size < 2:
     raise ValueError(f"--algo {run.algo} is a group estimator and needs --group-size "
                      f">= 2 (got {run.group_size}): with one sample per prompt the "
@@ -222,33 +407,13 @@ def resolve(run: RunConfig, task: Task | None = None) -> Resolved:
     raise ValueError(f"--overlong-buffer {buffer} is longer than the task's response "
                      f"budget of {budget.max_new_tokens} tokens")
   dynamic = effective(run, "dynamic_sampling", budget)
-  if dynamic and (run.partial_rollouts or run.async_rollouts):
-    mode = "--partial-rollouts" if run.partial_rollouts else "--async"
-    raise ValueError(f"{mode} generates the batches outside the step; dynamic sampling "
-                     "(--algo dapo) draws extra rollouts in the step: pass "
-                     f"--no-dynamic-sampling or drop {mode}")
-  if dynamic and run.group_size < 2:
-    raise ValueError("--dynamic-sampling drops groups whose rewards are all equal and "
-                     f"needs --group-size >= 2 (got {run.group_size})")
+  _check_sampling(run, dynamic)
   config = _train_config(run, recipe, budget)
-  if (task is not None and is_pretrained(run) and not run.pack
-      and "logprob_start" not in run.train):
-    # Every rollout path lays a batch out as prompts left-padded to the task's
-    # max_prompt_len, then the responses: the loss reads no column before it. A
-    # checkpoint's step then skips the LM head on the prompt (0.8x the update on
-    # SmolLM2); the built-in models keep the full program, so their runs stay
-    # bit-identical (the smaller gradient program sums in another order: 1 ulp).
-    config = dataclasses.replace(config, logprob_start=task.max_prompt_len)
+  start = _logprob_start(run, task)
+  if start is not None:
+    config = dataclasses.replace(config, logprob_start=start)
   _check_step_settings(run, recipe, config, warmup)
-  batch = run.prompts_per_step * run.group_size
-  chunks = config.num_minibatches * config.num_microbatches
-  if batch % chunks:
-    raise ValueError(
-        f"the batch of --prompts-per-step {run.prompts_per_step} x --group-size "
-        f"{run.group_size} = {batch} sequences does not split into "
-        f"--num-minibatches {config.num_minibatches} x --num-microbatches "
-        f"{config.num_microbatches} = {chunks} equal parts; choose sizes whose "
-        "product divides it")
+  _check_batch_split(run, config)
   lr, value_lr = effective(run, "lr"), effective(run, "value_lr", budget)
   warmup_updates = warmup * config.num_epochs * config.num_minibatches
   split = run.critic is not None or (
@@ -261,7 +426,58 @@ def resolve(run: RunConfig, task: Task | None = None) -> Resolved:
           prompts_per_step=run.prompts_per_step, group_size=run.group_size,
           dynamic_sampling=bool(dynamic), max_sampling_draws=run.max_sampling_draws,
           overlong_buffer=buffer, overlong_penalty=run.overlong_penalty),
-      critic_warmup_steps=warmup)
+      critic_warmup_steps=warmup, **_sections(run))
+
+
+def _sections(run: RunConfig) -> dict:
+  """The :class:`Resolved` fields read from the run as set (no recipe)."""
+  lora = None if run.lora_rank is None else LoraSettings(
+      rank=run.lora_rank, alpha=run.lora_alpha, targets=run.lora_targets,
+      base_dtype=run.lora_base_dtype, init=run.lora_init)
+  return dict(
+      steps=run.steps, seed=run.seed, trains_on=str(run.dataset or run.task),
+      model=run.model, remat=run.remat, critic=run.critic, critic_init=run.critic_init,
+      rollout=RolloutSettings(
+          backend=run.rollout, slots=run.rollout_slots,
+          prefill_rows=run.rollout_prefill_rows, partial=run.partial_rollouts,
+          token_budget=run.token_budget, partial_kv=run.partial_kv,
+          asynchronous=run.async_rollouts, max_staleness=run.max_staleness,
+          devices=run.rollout_devices),
+      lora=lora,
+      mesh=MeshSettings(data=run.mesh_data, fsdp=run.mesh_fsdp, tensor=run.mesh_tensor,
+                        pack=run.pack, pack_tokens=run.pack_tokens),
+      io=IOSettings(
+          out=run.out, resume=run.resume, overwrite=run.overwrite,
+          eval_every=run.eval_every, eval_size=run.eval_size, save_every=run.save_every,
+          progress=run.progress, max_consecutive_skips=run.max_consecutive_skips,
+          tensorboard=run.tensorboard, wandb_project=run.wandb_project,
+          record=dataclasses.asdict(run), identity=run.identity()))
+
+
+def _check_sampling(run: RunConfig, dynamic: bool) -> None:
+  """Refuses dynamic sampling where the rollouts are drawn outside the step, or with
+  groups of one."""
+  if dynamic and (run.partial_rollouts or run.async_rollouts):
+    mode = "--partial-rollouts" if run.partial_rollouts else "--async"
+    raise ValueError(f"{mode} generates the batches outside the step; dynamic sampling "
+                     "(--algo dapo) draws extra rollouts in the step: pass "
+                     f"--no-dynamic-sampling or drop {mode}")
+  if dynamic and run.group_size < 2:
+    raise ValueError("--dynamic-sampling drops groups whose rewards are all equal and "
+                     f"needs --group-size >= 2 (got {run.group_size})")
+
+
+def _check_batch_split(run: RunConfig, config: TrainConfig) -> None:
+  """Refuses a batch that does not split into the minibatches and microbatches."""
+  batch = run.prompts_per_step * run.group_size
+  chunks = config.num_minibatches * config.num_microbatches
+  if batch % chunks:
+    raise ValueError(
+        f"the batch of --prompts-per-step {run.prompts_per_step} x --group-size "
+        f"{run.group_size} = {batch} sequences does not split into "
+        f"--num-minibatches {config.num_minibatches} x --num-microbatches "
+        f"{config.num_microbatches} = {chunks} equal parts; choose sizes whose "
+        "product divides it")
 
 
 def _train_config(run: RunConfig, recipe: Recipe, budget: Budget) -> TrainConfig:
@@ -333,5 +549,6 @@ def _check_step_settings(run: RunConfig, recipe: Recipe, config: TrainConfig,
                      f"{computed}; use --kl-mode loss")
 
 
-__all__ = ["Resolved", "SamplingSettings", "OptimizerSettings", "resolve", "effective",
+__all__ = ["IOSettings", "LoraSettings", "MeshSettings", "OptimizerSettings", "Resolved",
+           "RolloutSettings", "SamplingSettings", "effective", "resolve", "resolve_run",
            "response_budget"]

@@ -27,7 +27,7 @@ from jaxrl_llm.loop.config import (
   read_run_config,
 )
 from jaxrl_llm.loop.policy import Policy
-from jaxrl_llm.loop.resolve import Resolved, resolve
+from jaxrl_llm.loop.resolve import LoraSettings, Resolved, resolve
 from jaxrl_llm.loop.task_setup import make_task
 from jaxrl_llm.tasks.base import Task
 
@@ -52,8 +52,8 @@ def model_file(model: str) -> str:
   return path
 
 
-def _load(run: RunConfig, task: Task, *, value_head: bool, path: str | None = None):
-  """``(graphdef, params)`` of ``path`` (default ``run.model``): a checkpoint or a
+def _load(resolved: Resolved, task: Task, *, value_head: bool, path: str | None = None):
+  """``(graphdef, params)`` of ``path`` (default the run's model): a checkpoint or a
   preset."""
   from flax import nnx
 
@@ -61,19 +61,19 @@ def _load(run: RunConfig, task: Task, *, value_head: bool, path: str | None = No
   from jaxrl_llm.models.sources import load_checkpoint
   from jaxrl_llm.models.transformer import abstract_model
   tok = task.tokenizer
-  path = run.model if path is None else path
+  path = resolved.model if path is None else path
   if not is_checkpoint(path):
     cfg = get_config(path, tok.vocab_size, value_head=value_head,
                      max_seq_len=max(task.max_prompt_len + task.max_new_tokens, 8))
-    if run.remat:
+    if resolved.remat:
       cfg = dataclasses.replace(cfg, remat=True)
-    return split_model(Transformer(cfg, rngs=nnx.Rngs(run.seed)))
+    return split_model(Transformer(cfg, rngs=nnx.Rngs(resolved.seed)))
   model = load_checkpoint(model_file(path), value_head=value_head)
   if tok.vocab_size > model.config.vocab_size:
-    raise ValueError(f"the tokenizer of {run.model!r} has {tok.vocab_size} tokens, more "
-                     f"than the vocab_size {model.config.vocab_size} of {path!r}.")
+    raise ValueError(f"the tokenizer of {resolved.model!r} has {tok.vocab_size} tokens, "
+                     f"more than the vocab_size {model.config.vocab_size} of {path!r}.")
   graphdef, params = split_model(model)
-  if run.remat or (run.remat is None and run.lora_rank is None):   # RunConfig.remat
+  if resolved.remat or (resolved.remat is None and resolved.lora is None):  # RunConfig.remat
     # The same parameters under a graph whose blocks are rematerialised.
     graphdef = split_model(abstract_model(dataclasses.replace(model.config, remat=True)))[0]
   return graphdef, params
@@ -88,13 +88,14 @@ def load_models(resolved: Resolved, task: Task) -> tuple[Any, Any, Any]:
   a value head; otherwise ``critic_graphdef`` is None and the policy carries the value
   head when the recipe has a value model.
   """
-  run, separate = resolved.run, resolved.separate_critic
-  graphdef, params = _load(run, task, value_head=resolved.train.use_value and not separate)
+  separate = resolved.separate_critic
+  graphdef, params = _load(resolved, task,
+                           value_head=resolved.train.use_value and not separate)
   if not separate:
     return graphdef, params, None
   from jaxrl_llm.models.critic import actor_critic_params
-  critic_path = run.model if run.critic == "policy" else run.critic
-  critic_graphdef, critic_params = _load(run, task, value_head=True, path=critic_path)
+  critic_path = resolved.model if resolved.critic == "policy" else resolved.critic
+  critic_graphdef, critic_params = _load(resolved, task, value_head=True, path=critic_path)
   return graphdef, actor_critic_params(params, critic_params), critic_graphdef
 
 
@@ -180,13 +181,13 @@ def _policy(resolved: Resolved, task: Task) -> Policy:
   from jaxrl_llm.models import make_apply_fn, make_decode_fns, make_paged_decode_fns
   from jaxrl_llm.rollout import DecodeFns, PagedDecodeFns
   tok = task.tokenizer
-  run, config, separate = resolved.run, resolved.train, resolved.separate_critic
-  if run.lora_rank is not None:
-    return _lora_policy(resolved, task)
-  if not separate and not is_checkpoint(run.model):
-    return Policy.reference(run.model, tok.vocab_size,
+  config, separate = resolved.train, resolved.separate_critic
+  if resolved.lora is not None:
+    return _lora_policy(resolved, resolved.lora, task)
+  if not separate and not is_checkpoint(resolved.model):
+    return Policy.reference(resolved.model, tok.vocab_size,
                             task.max_prompt_len + task.max_new_tokens, tok.pad_id,
-                            value_head=config.use_value, seed=run.seed,
+                            value_head=config.use_value, seed=resolved.seed,
                             temperature=config.temperature,
                             logprob_start=config.logprob_start)
   graphdef, params, critic_graphdef = load_models(resolved, task)
@@ -213,23 +214,32 @@ def _policy(resolved: Resolved, task: Task) -> Policy:
 
 
 def lora_model(run: RunConfig, graphdef: Any, params: Any) -> tuple[Any, Any]:
-  """``(graphdef, params)`` of the model ``(graphdef, params)`` with the run's LoRA
-  adapters (:func:`jaxrl_llm.models.lora.apply_lora`; seeded by ``run.seed``)."""
+  """``(graphdef, params)`` of the model ``(graphdef, params)`` with the LoRA adapters
+  of the run config ``run`` (:func:`jaxrl_llm.models.lora.apply_lora`; seeded by
+  ``run.seed``)."""
+  assert run.lora_rank is not None
+  lora = LoraSettings(rank=run.lora_rank, alpha=run.lora_alpha, targets=run.lora_targets,
+                      base_dtype=run.lora_base_dtype, init=run.lora_init)
+  return _with_lora(lora, run.seed, graphdef, params)
+
+
+def _with_lora(lora: LoraSettings, seed: int, graphdef: Any, params: Any
+               ) -> tuple[Any, Any]:
+  """:func:`lora_model` of the resolved ``lora`` settings."""
   from flax import nnx
 
   from jaxrl_llm.models import split_model
   from jaxrl_llm.models.lora import apply_lora
-  assert run.lora_rank is not None
-  model = apply_lora(nnx.merge(graphdef, params), rank=run.lora_rank, alpha=run.lora_alpha,
-                     targets=run.lora_targets, base_dtype=run.lora_base_dtype, seed=run.seed)
+  model = apply_lora(nnx.merge(graphdef, params), rank=lora.rank, alpha=lora.alpha,
+                     targets=lora.targets, base_dtype=lora.base_dtype, seed=seed)
   return split_model(model)
 
 
-def _lora_policy(resolved: Resolved, task: Task) -> Policy:
+def _lora_policy(resolved: Resolved, lora: LoraSettings, task: Task) -> Policy:
   """The run's policy with LoRA adapters: the train forward adds them, the KL
   reference is the same parameters with the adapters off (the base is shared), and
   generation runs on merged weights. A separate critic is trained in full. With
-  ``run.lora_init`` the adapters start from that PEFT folder
+  ``lora.init`` the adapters start from that PEFT folder
   (:func:`jaxrl_llm.models.lora.load_lora_adapters`)."""
   from flax import nnx
 
@@ -241,16 +251,16 @@ def _lora_policy(resolved: Resolved, task: Task) -> Policy:
     lora_trainable,
     merge_lora,
   )
-  run, config = resolved.run, resolved.train
+  config = resolved.train
   graphdef, params, critic_graphdef = load_models(resolved, task)
   separate = critic_graphdef is not None
-  graphdef, policy_params = lora_model(run, graphdef,
+  graphdef, policy_params = _with_lora(lora, resolved.seed, graphdef,
                                        params[POLICY] if separate else params)
-  if run.lora_init is not None:      # the adapters' start (step 0; --resume restores)
+  if lora.init is not None:      # the adapters' start (step 0; --resume restores)
     from jaxrl_llm.models import split_model
     from jaxrl_llm.models.lora import load_lora_adapters
     graphdef, policy_params = split_model(load_lora_adapters(
-        nnx.merge(graphdef, policy_params), run.lora_init, flag="--lora-init"))
+        nnx.merge(graphdef, policy_params), lora.init, flag="--lora-init"))
   base = base_graphdef(nnx.merge(graphdef, policy_params))
   part = (lambda p: p[POLICY]) if separate else (lambda p: p)
   apply = make_apply_fn(graphdef)
@@ -315,10 +325,10 @@ def restore_state(run_dir: str, resolved: Resolved, params: Any, *,
   from jaxrl_llm.checkpoint import Checkpointer
   from jaxrl_llm.train import init_train_state
   template = init_train_state(params, resolved.optimizer.build(), resolved.train,
-                              rng=jax.random.PRNGKey(resolved.run.seed), trainable=trainable)
+                              rng=jax.random.PRNGKey(resolved.seed), trainable=trainable)
   with Checkpointer(os.path.join(run_dir, rf.CHECKPOINTS_DIR)) as ckpt:
     state, extra = ckpt.restore(template, check=functools.partial(
-        step_problem, identity=resolved.run.identity()))
+        step_problem, identity=dict(resolved.io.identity)))
   return state, int(extra["step"])
 
 
@@ -367,10 +377,11 @@ def restore_params(run_dir: str, template: Any) -> tuple[Any, int]:
   return params, int(extra["step"])
 
 
-def warm_start_value_params(run: RunConfig, params: Any) -> Any:
+def warm_start_value_params(run: RunConfig | str, params: Any) -> Any:
   """``params`` with its value parameters taken from the newest checkpoint of the run
-  folder ``run.critic_init`` (NeMo-RL's ``warm_start_value_checkpoint``: a critic
-  warmed up once, offline, serves many runs).
+  folder ``run`` (a folder, or a run config's ``critic_init``; NeMo-RL's
+  ``warm_start_value_checkpoint``: a critic warmed up once, offline, serves many
+  runs).
 
   The value parameters are those of :func:`jaxrl_llm.models.critic.value_param_labels`:
   the separate critic, or the shared-trunk value head. The source run is rebuilt from
@@ -384,7 +395,7 @@ def warm_start_value_params(run: RunConfig, params: Any) -> Any:
   from jaxrl_llm.models.critic import CRITIC, value_param_labels
   from jaxrl_llm.run_folder import RunFolderError
 
-  folder = str(run.critic_init)
+  folder = run if isinstance(run, str) else str(run.critic_init)
   _, _, _, restored, _ = restore_latest(folder, params_only=True)
   name = lambda path: jax.tree_util.keystr(path)
   source = {name(path): leaf for path, leaf in
