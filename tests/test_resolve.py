@@ -42,14 +42,16 @@ def test_resolve_run_resolves_once_and_builds_the_task():
   assert resolved.lora == LoraSettings(rank=4, alpha=8.0, targets="q,k,v,o,gate,up,down",
                                        base_dtype="bf16", init=None)
   assert resolved.mesh == MeshSettings(data=1, fsdp=2, tensor=1, pack=True,
-                                       pack_tokens=32)
+                                       pack_tokens=32) == run.section("mesh")
   assert resolved.mesh.sizes == (1, 2, 1)
   io = resolved.io
   assert isinstance(io, IOSettings)
   assert (io.out, io.resume, io.overwrite, io.eval_every, io.eval_size, io.save_every,
           io.progress, io.max_consecutive_skips) == ("runs/x", False, False, 5, 16, 3,
                                                      True, 20)
-  assert dict(io.record) == dataclasses.asdict(run) and dict(io.identity) == run.identity()
+  assert io == run.section("io")
+  assert dict(resolved.record) == dataclasses.asdict(run)
+  assert dict(resolved.identity) == run.identity()
   assert (resolved.steps, resolved.seed, resolved.trains_on, resolved.model) == (
       7, 3, "sort", "tiny")
   assert resolve(RunConfig()).lora is None
@@ -122,8 +124,8 @@ def test_a_run_folder_written_before_the_sections_reads_and_resumes(tmp_path, ca
   resolved, task = resolve_run(resumed)
   assert resolved.io.resume and resolved.io.out == str(folder) and task.name == "reverse"
   from jaxrl_llm.loop.run import _check_run_folder
-  _check_run_folder(resolved.io)                        # this run's folder: accepted
+  _check_run_folder(resolved.io, resolved.identity)     # this run's folder: accepted
   other = resolve_run(dataclasses.replace(resumed, algo="ppo"))[0]
   from jaxrl_llm.run_folder import RunFolderError
   with pytest.raises(RunFolderError, match=r"different config \(fields \['algo'\]\)"):
-    _check_run_folder(other.io)
+    _check_run_folder(other.io, other.identity)

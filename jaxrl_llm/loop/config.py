@@ -4,8 +4,12 @@
 A run is a recipe (``algo``), a task, a model size and a budget, plus the
 :class:`~jaxrl_llm.train.TrainConfig` fields the user set (``train``). Each field is
 declared once, with its default, range and help (:func:`jaxrl_llm.train.config.setting`);
-the command's flags and the checks here are generated from those declarations. A
-``None`` here that stands for "the recipe's" is filled in by
+the command's flags and the checks here are generated from those declarations. The
+fields are grouped into sections (:mod:`jaxrl_llm.settings`: task, recipe, model,
+critic, budget, dapo, mesh, io, rollout, lora), each a frozen view
+(``run.section("lora").rank`` is ``run.lora_rank``) with its own checks; the run stays
+flat (its keywords, flags, ``dataclasses.asdict`` and ``config.json``). A ``None``
+here that stands for "the recipe's" is filled in by
 :func:`jaxrl_llm.loop.resolve.resolve`, the one reader of recipes, never here.
 """
 
@@ -24,9 +28,9 @@ from jaxrl_llm._names import (
   DEFAULT_TASK,
   LORA_BASE_DTYPES,
   LORA_TARGET_NAMES,
-  MODEL_PRESETS,
   ROLLOUT_BACKENDS,
 )
+from jaxrl_llm.settings import check_bounds, flag, section_view, validate_sections
 from jaxrl_llm.train.config import TrainConfig, document_fields, setting
 
 # Fields that may differ between a run and its resumption.
@@ -34,16 +38,6 @@ RESUMABLE_FIELDS = ("steps", "out", "resume", "resume_or_start", "overwrite",
                     "eval_every", "save_every", "progress", "mesh_data", "mesh_fsdp",
                     "mesh_tensor", "rollout_devices", "max_consecutive_skips", "tensorboard",
                     "wandb_project", "compile_cache", "remat")
-
-
-def flag(name: str) -> str:
-  """The command-line flag of a config field (``value_lr`` -> ``--value-lr``).
-
-  Examples:
-    >>> flag("value_lr")
-    '--value-lr'
-  """
-  return "--" + name.replace("_", "-")
 
 
 def _task_names() -> list:
@@ -304,115 +298,29 @@ class RunConfig:
 
   def validate(self) -> None:
     """Raises ``ValueError`` with a one-line message for a bad setting of the run's
-    own fields (the recipe-dependent checks are :func:`~jaxrl_llm.loop.resolve.resolve`'s)."""
-    tasks = _task_names()
-    if self.dataset is not None and self.task is not None:
-      raise ValueError(f"--task {self.task} and --dataset are exclusive: a --dataset run "
-                       "trains on the dataset")
-    source = _task_source(self.task)
-    if self.dataset is None and self.task not in tasks and source is None:
-      from jaxrl_llm.tasks import TASK_SOURCES
-      raise ValueError(f"unknown task {self.task!r}; valid tasks: {', '.join(tasks)}, or "
-                       f"{', '.join(s.doc for s in TASK_SOURCES.values())}")
-    self._validate_task_settings(source)
-    from jaxrl_llm.loop.recipes import get_recipe
-    get_recipe(self.algo)                  # an unknown algo, listing the valid ones
-    from jaxrl_llm.model_files import PACKAGED_MODELS, checkpoint_path
-    if self.model not in MODEL_PRESETS and checkpoint_path(self.model) is None:
-      raise ValueError(f"unknown model {self.model!r}; valid models: "
-                       f"{', '.join((*MODEL_PRESETS, *PACKAGED_MODELS))}, a Hugging Face "
-                       "model folder (with config.json) or a .gguf file")
-    if self.critic is not None and self.critic != "policy" and checkpoint_path(
-        self.critic) is None:
-      raise ValueError(f"--critic {self.critic!r} must be 'policy', a Hugging Face model "
-                       "folder (with config.json), a .gguf file or a packaged model")
-    if self.dataset is None and source is None and self.model not in MODEL_PRESETS:
-      raise ValueError("--model PATH (a Hugging Face checkpoint) needs --dataset or a task "
-                       "source's --task (rg:...): the built-in tasks use their own "
-                       "character tokenizer")
-    if self.dataset is not None:
-      from jaxrl_llm.tasks import REWARDS
-      for name, path in (("--dataset", self.dataset), ("--eval-dataset", self.eval_dataset)):
-        if path is not None and not os.path.isfile(path):
-          raise ValueError(f"{name} {path!r} is not a file")
-      if self.reward not in REWARDS:
-        raise ValueError(f"unknown reward {self.reward!r}; valid rewards: "
-                         f"{', '.join(sorted(REWARDS))}")
-    for f in dataclasses.fields(self):
-      _check_run_field(f, getattr(self, f.name))
-    if self.critic_init is not None:
-      from jaxrl_llm.run_folder import restorable_problem
-      problem = restorable_problem(self.critic_init)
-      if problem:
-        raise ValueError(f"--critic-init {self.critic_init!r}: {problem}")
-    for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
-      size = getattr(self, name)
-      if size == 0 or size < -1:
-        raise ValueError(f"--{name[5:]} must be >= 1 or -1 (all remaining devices), "
-                         f"got {size}")
-    if [self.mesh_data, self.mesh_fsdp, self.mesh_tensor].count(-1) > 1:
-      raise ValueError("only one of --data, --fsdp, --tensor may be -1")
-    import importlib.util
-    for name, wanted, module, install in (
-        ("--tensorboard", self.tensorboard, "tensorboardX", "'jaxrl_llm[tensorboard]'"),
-        ("--wandb-project", self.wandb_project, "wandb", "wandb"),
-        ("--reward math_verify", self.dataset is not None and self.reward == "math_verify",
-         "math_verify", "'jaxrl_llm[math_verify]'")):
-      if wanted and importlib.util.find_spec(module) is None:
-        raise ValueError(f"{name} needs {module}, which is not installed: pip install "
-                         f"{install}")
-    if self.remat and self.lora_rank is not None:
-      raise ValueError("--remat is not supported with --lora-rank yet (the adapters are "
-                       "applied by qwix inside the blocks)")
-    if self.resume and self.overwrite:
-      raise ValueError("--resume and --overwrite are exclusive")
-    if self.partial_rollouts and self.rollout != "engine":
-      raise ValueError(f"--partial-rollouts needs --rollout engine (got --rollout "
-                       f"{self.rollout}): in-flight samples live in the engine's slots")
-    if not self.partial_rollouts and self._changed("partial_kv"):
-      raise ValueError(f"--partial-kv {self.partial_kv} is a setting of "
-                       "--partial-rollouts; add --partial-rollouts")
-    if self.async_rollouts and self.rollout == "vllm":
-      raise ValueError("--async generates on a JAX engine of its own; with --rollout vllm "
-                       "the vLLM engine lives in the trainer's process (use --rollout engine)")
-    if self.rollout_devices and not self.async_rollouts:
-      raise ValueError(f"--rollout-devices {self.rollout_devices} is a setting of --async; "
-                       "add --async")
-    if self.rollout_devices and self.rollout != "engine":
-      raise ValueError(f"--rollout-devices needs --rollout engine (got --rollout "
-                       f"{self.rollout})")
-    if self.async_rollouts and self.partial_rollouts:
-      raise ValueError("--async and --partial-rollouts are exclusive (choose one)")
-    if self._changed("max_staleness") and not self.async_rollouts:
-      raise ValueError(f"--max-staleness {self.max_staleness} is a setting of --async; "
-                       "add --async")
-    if self.pack_tokens is not None and not self.pack:
-      raise ValueError("--pack-tokens is the row budget of --pack; add --pack")
-    self._validate_lora()
-    if self.token_budget is not None and not self.partial_rollouts:
-      raise ValueError("--token-budget is the budget of --partial-rollouts; add "
-                       "--partial-rollouts")
+    own fields: each section's checks (:func:`jaxrl_llm.settings.validate_sections`;
+    the recipe-dependent checks are :func:`~jaxrl_llm.loop.resolve.resolve`'s).
 
-  def _validate_task_settings(self, source: Any) -> None:
-    """The settings of the task: --task-config (a task source's), --eval-dataset and
-    --holdout (a --dataset's)."""
-    if source is not None:
-      from jaxrl_llm.tasks import parse_task_config
-      source[0].check(source[1], parse_task_config(self.task_config))
-    elif self.task_config:
-      what = "--dataset" if self.dataset is not None else f"--task {self.task}"
-      raise ValueError(f"--task-config {self.task_config[0]} is a setting of a task "
-                       f"source's --task (rg:NAME); {what} takes none")
-    for name in ("eval_dataset", "holdout"):
-      if getattr(self, name) is not None and self.dataset is None:
-        raise ValueError(f"{flag(name)} is a setting of --dataset (a --task has its own "
-                         "held-out split); add --dataset")
-    if self.eval_dataset is not None and self.holdout is not None:
-      raise ValueError("--eval-dataset and --holdout are exclusive: evaluate on a file, "
-                       "or on rows held out of --dataset")
-    if self.holdout is not None and self.holdout >= 1 and self.holdout != int(self.holdout):
-      raise ValueError(f"--holdout must be a fraction in (0, 1) or a whole count of rows, "
-                       f"got {self.holdout:g}")
+    Examples:
+      >>> try:
+      ...   RunConfig(partial_kv="keep").validate()
+      ... except ValueError as e:
+      ...   print(e)
+      --partial-kv keep is a setting of --partial-rollouts; add --partial-rollouts
+    """
+    validate_sections(self, _CATALOG)
+
+  def section(self, name: str) -> Any:
+    """The frozen view of the section ``name`` (:data:`jaxrl_llm.settings.SECTIONS`):
+    this run's fields of that section, under their section names.
+
+    Examples:
+      >>> RunConfig(lora_rank=4).section("lora").rank
+      4
+      >>> RunConfig().section("mesh").sizes
+      (1, 1, 1)
+    """
+    return section_view(self, name)
 
   @property
   def takes_max_new_tokens(self) -> bool:
@@ -438,48 +346,6 @@ class RunConfig:
       False
     """
     return self.dataset is not None and self.eval_dataset is None and self.holdout is None
-
-  def _changed(self, name: str) -> bool:
-    """Whether field ``name`` differs from its declared default."""
-    field = next(f for f in dataclasses.fields(self) if f.name == name)
-    return getattr(self, name) != field.default
-
-  def _validate_lora(self) -> None:
-    if self.lora_rank is None:
-      for name in ("lora_alpha", "lora_targets", "lora_base_dtype", "lora_init"):
-        if self._changed(name):
-          raise ValueError(f"{flag(name)} is a setting of --lora-rank; add --lora-rank")
-      return
-    names = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
-    names = list(LORA_TARGET_NAMES) if names == ["all"] else names
-    bad = [t for t in names if t.removesuffix("_proj") not in LORA_TARGET_NAMES]
-    if bad or not names:
-      raise ValueError(f"--lora-targets {self.lora_targets!r}: {bad or 'nothing'} matches "
-                       f"no module; valid targets: {','.join(LORA_TARGET_NAMES)} or all")
-    if self.partial_rollouts:
-      raise ValueError("--partial-rollouts is not supported with --lora-rank yet (its "
-                       "engine would run the base weights)")
-    if self.lora_init is not None:
-      from jaxrl_llm.models.lora import (
-        lora_spec,
-        lora_spec_mismatch,
-        read_lora_config,
-        read_lora_tensors,
-      )
-      adapter = read_lora_config(self.lora_init, base_dtype=self.lora_base_dtype,
-                                 flag="--lora-init")
-      read_lora_tensors(self.lora_init, flag="--lora-init")   # readable, finite: early
-      ours = lora_spec(self.lora_rank, self.lora_alpha, self.lora_targets,
-                       self.lora_base_dtype)
-      differ = lora_spec_mismatch(ours, adapter)
-      if differ is not None:
-        name, mine, theirs = differ
-
-        def show(x: Any) -> str:
-          return ",".join(x) if isinstance(x, tuple) else f"{x:g}"
-        raise ValueError(f"--lora-init {self.lora_init!r}: the adapter has {name} "
-                         f"{show(theirs)}, the run {flag('lora_' + name)} {show(mine)}; "
-                         f"pass {flag('lora_' + name)} {show(theirs)}")
 
   def check_devices(self, device_count: int) -> None:
     """Raises ``ValueError`` unless the mesh flags fit ``device_count`` devices and the
@@ -540,6 +406,53 @@ class RunConfig:
 document_fields(RunConfig)
 
 
+class _Catalog:
+  """What a run's checks read from the floors above :mod:`jaxrl_llm.settings` (a
+  :class:`~jaxrl_llm.settings.Catalog`): the tasks, rewards and recipes, and a LoRA
+  adapter folder; each imported when a check asks."""
+
+  def task_names(self) -> list[str]:
+    return _task_names()
+
+  def task_source(self, name: str | None) -> Any:
+    return _task_source(name)
+
+  def task_sources_doc(self) -> str:
+    from jaxrl_llm.tasks import TASK_SOURCES
+    return ", ".join(s.doc for s in TASK_SOURCES.values())
+
+  def check_task_config(self, source: Any, task_config: list[str]) -> None:
+    from jaxrl_llm.tasks import parse_task_config
+    source[0].check(source[1], parse_task_config(task_config))
+
+  def reward_names(self) -> list[str]:
+    from jaxrl_llm.tasks import REWARDS
+    return sorted(REWARDS)
+
+  def check_algo(self, name: str) -> None:
+    from jaxrl_llm.loop.recipes import get_recipe
+    get_recipe(name)                  # an unknown algo, listing the valid ones
+
+  def lora_adapter_mismatch(self, run: Any) -> tuple[str, Any, Any] | None:
+    """``(setting, the run's, the adapter's)`` of the first LoRA setting in which
+    the ``--lora-init`` adapter differs from the run; None when they agree (its
+    folder's own faults raise, naming the flag)."""
+    from jaxrl_llm.models.lora import (
+      lora_spec,
+      lora_spec_mismatch,
+      read_lora_config,
+      read_lora_tensors,
+    )
+    adapter = read_lora_config(run.lora_init, base_dtype=run.lora_base_dtype,
+                               flag="--lora-init")
+    read_lora_tensors(run.lora_init, flag="--lora-init")   # readable, finite: early
+    ours = lora_spec(run.lora_rank, run.lora_alpha, run.lora_targets, run.lora_base_dtype)
+    return lora_spec_mismatch(ours, adapter)
+
+
+_CATALOG = _Catalog()
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
   """How this process joins a multi-host job (``jax.distributed``): the same command
@@ -590,7 +503,7 @@ class LaunchConfig:
       --coordinator 10.0.0.1:1234 needs --num-processes and --process-id (got ...)
     """
     for f in dataclasses.fields(self):
-      _check_run_field(f, getattr(self, f.name))
+      check_bounds(f, getattr(self, f.name))
     given = (self.coordinator, self.num_processes, self.process_id)
     if self.multihost_auto and any(v is not None for v in given):
       raise ValueError("--multihost-auto lets JAX find the job; drop --coordinator, "
@@ -759,24 +672,6 @@ def _json_text(value: Any, limit: int = 40) -> str:
   except (TypeError, ValueError):
     text = repr(value)
   return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _check_run_field(f: dataclasses.Field, x: Any) -> None:
-  """Checks value ``x`` of RunConfig field ``f`` against its declared bounds (a
-  one-line ``ValueError`` naming the flag)."""
-  meta = f.metadata
-  if x is None:
-    return
-  if meta.get("min_int") is not None:
-    if f.default is None and (not isinstance(x, int) or isinstance(x, bool)):
-      raise ValueError(f"{flag(f.name)} must be an int >= {meta['min_int']} (got {x!r})")
-    if x < meta["min_int"]:
-      kind = "an int " if f.default is None else ""
-      raise ValueError(f"{flag(f.name)} must be {kind}>= {meta['min_int']} (got {x})")
-  low = meta.get("low")
-  if low is not None and (x < low or (x == low and not meta.get("low_inclusive"))):
-    op = ">=" if meta.get("low_inclusive") else ">"
-    raise ValueError(f"{flag(f.name)} must be {op} {low:g} (got {x})")
 
 
 __all__ = ["DEFAULT_TASK", "LaunchConfig", "RESUMABLE_FIELDS", "RunConfig",

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from jaxrl_llm._names import MODEL_PRESETS
 from jaxrl_llm.loop.config import RunConfig, flag
 from jaxrl_llm.loop.recipes import Budget, Recipe, get_recipe, value_of
+from jaxrl_llm.settings import IOSettings, LoraSettings, MeshSettings, RolloutSettings, view
 from jaxrl_llm.train.config import TrainConfig
 from jaxrl_llm.train.registry import (
   ADVANTAGE_ESTIMATOR_REGISTRY,
@@ -89,109 +90,6 @@ class OptimizerSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutSettings:
-  """Where a step's completions come from and how they are generated.
-
-  Attributes:
-    backend: ``"engine"`` (the continuous-batching engine), ``"simple"`` (the
-      rectangular sampler) or ``"vllm"`` (``--rollout``).
-    slots: the engine's slots (None: all completions of a step, at most 256).
-    prefill_rows: prompts the engine prefills together per device call.
-    partial: partial rollouts: groups stay in flight across steps.
-    token_budget: with ``partial``, tokens per engine call (None: one device call at
-      full slots).
-    partial_kv: with ``partial``, the in-flight samples' KV cache when the weights
-      change (``"recompute"`` or ``"keep"``).
-    asynchronous: a rollout thread generates ahead of the trainer (``--async``).
-    max_staleness: with ``asynchronous``, the most policy versions a batch may lag.
-    devices: with ``asynchronous``, the last this many devices generate (0: every
-      device is shared).
-  """
-  backend: str
-  slots: int | None
-  prefill_rows: int
-  partial: bool
-  token_budget: int | None
-  partial_kv: str
-  asynchronous: bool
-  max_staleness: int
-  devices: int
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraSettings:
-  """The run's LoRA adapters (:mod:`jaxrl_llm.models.lora`).
-
-  Attributes:
-    rank: the adapters' rank R.
-    alpha: the scale numerator (None: R, scale 1).
-    targets: the weights that get adapters (a comma list, or ``all``).
-    base_dtype: the frozen base's storage (``bf16``, ``int8``, ``nf4``).
-    init: a PEFT adapter folder the adapters start from (None: B = 0).
-  """
-  rank: int
-  alpha: float | None
-  targets: str
-  base_dtype: str
-  init: str | None
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshSettings:
-  """The trainer's mesh axes (-1: all remaining devices) and the packing of its batch.
-
-  Attributes:
-    data: the data-parallel axis size.
-    fsdp: the FSDP axis size.
-    tensor: the tensor-parallel axis size.
-    pack: train on packed rows (:mod:`jaxrl_llm.packing`).
-    pack_tokens: with ``pack``, a packed row's width (None: the padded batch's).
-  """
-  data: int
-  fsdp: int
-  tensor: int
-  pack: bool
-  pack_tokens: int | None
-
-  @property
-  def sizes(self) -> tuple[int, int, int]:
-    """``(data, fsdp, tensor)``."""
-    return self.data, self.fsdp, self.tensor
-
-
-@dataclasses.dataclass(frozen=True)
-class IOSettings:
-  """What the run writes and when: its folder, cadences and metric sinks.
-
-  Attributes:
-    out: the run folder.
-    resume: continue the run in ``out``.
-    overwrite: replace the run in ``out``.
-    eval_every: steps between greedy evaluations.
-    eval_size: held-out prompts per evaluation.
-    save_every: steps between checkpoints.
-    progress: print a progress line.
-    max_consecutive_skips: skipped train steps in a row that stop the run.
-    tensorboard: also write TensorBoard event files.
-    wandb_project: also log to this Weights & Biases project.
-    record: the run as ``config.json`` holds it.
-    identity: the fields a resume must match (:meth:`RunConfig.identity`).
-  """
-  out: str
-  resume: bool
-  overwrite: bool
-  eval_every: int
-  eval_size: int
-  save_every: int
-  progress: bool
-  max_consecutive_skips: int
-  tensorboard: bool
-  wandb_project: str | None
-  record: Mapping[str, Any]
-  identity: Mapping[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
 class Resolved:
   """A run with its recipe applied: what the loop reads.
 
@@ -216,6 +114,11 @@ class Resolved:
     lora: the LoRA adapters (None: full fine-tuning).
     mesh: the trainer's mesh and batch packing.
     io: the run folder, cadences and sinks.
+    record: the run as ``config.json`` holds it.
+    identity: the fields a resume must match (:meth:`RunConfig.identity`).
+
+  ``rollout``, ``lora``, ``mesh`` and ``io`` are the run's sections
+  (:mod:`jaxrl_llm.settings`: ``run.section("rollout")``).
   """
   run: RunConfig
   recipe: Recipe
@@ -235,6 +138,8 @@ class Resolved:
   lora: LoraSettings | None
   mesh: MeshSettings
   io: IOSettings
+  record: Mapping[str, Any]
+  identity: Mapping[str, Any]
 
   @property
   def estimator(self) -> AdvantageEstimatorSpec:
@@ -431,27 +336,13 @@ def _resolve(run: RunConfig, budget: Budget, task: Task | None) -> Resolved:
 
 def _sections(run: RunConfig) -> dict:
   """The :class:`Resolved` fields read from the run as set (no recipe)."""
-  lora = None if run.lora_rank is None else LoraSettings(
-      rank=run.lora_rank, alpha=run.lora_alpha, targets=run.lora_targets,
-      base_dtype=run.lora_base_dtype, init=run.lora_init)
   return dict(
       steps=run.steps, seed=run.seed, trains_on=str(run.dataset or run.task),
       model=run.model, remat=run.remat, critic=run.critic, critic_init=run.critic_init,
-      rollout=RolloutSettings(
-          backend=run.rollout, slots=run.rollout_slots,
-          prefill_rows=run.rollout_prefill_rows, partial=run.partial_rollouts,
-          token_budget=run.token_budget, partial_kv=run.partial_kv,
-          asynchronous=run.async_rollouts, max_staleness=run.max_staleness,
-          devices=run.rollout_devices),
-      lora=lora,
-      mesh=MeshSettings(data=run.mesh_data, fsdp=run.mesh_fsdp, tensor=run.mesh_tensor,
-                        pack=run.pack, pack_tokens=run.pack_tokens),
-      io=IOSettings(
-          out=run.out, resume=run.resume, overwrite=run.overwrite,
-          eval_every=run.eval_every, eval_size=run.eval_size, save_every=run.save_every,
-          progress=run.progress, max_consecutive_skips=run.max_consecutive_skips,
-          tensorboard=run.tensorboard, wandb_project=run.wandb_project,
-          record=dataclasses.asdict(run), identity=run.identity()))
+      rollout=view(RolloutSettings, run),
+      lora=None if run.lora_rank is None else view(LoraSettings, run),
+      mesh=view(MeshSettings, run), io=view(IOSettings, run),
+      record=dataclasses.asdict(run), identity=run.identity())
 
 
 def _check_sampling(run: RunConfig, dynamic: bool) -> None:
@@ -551,4 +442,4 @@ def _check_step_settings(run: RunConfig, recipe: Recipe, config: TrainConfig,
 
 __all__ = ["IOSettings", "LoraSettings", "MeshSettings", "OptimizerSettings", "Resolved",
            "RolloutSettings", "SamplingSettings", "effective", "resolve", "resolve_run",
-           "response_budget"]
+           "response_budget"]   # the four sections re-exported from jaxrl_llm.settings

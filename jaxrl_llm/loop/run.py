@@ -39,7 +39,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -121,14 +121,15 @@ def _train_devices(rollout_devices: int) -> list[jax.Device]:
   return devices[:len(devices) - rollout_devices]
 
 
-def _check_run_folder(io: IOSettings) -> None:
-  """Refuses a folder that holds another run; writes nothing."""
+def _check_run_folder(io: IOSettings, identity: Mapping[str, Any]) -> None:
+  """Refuses a folder that holds another run (``identity``: this run's); writes
+  nothing."""
   cfg_path = os.path.join(io.out, rf.CONFIG_FILE)
   if os.path.exists(cfg_path) and not io.overwrite:
     saved_identity = read_run_config(cfg_path).identity()
-    if saved_identity != io.identity:
-      diff = sorted(k for k in set(saved_identity) | set(io.identity)
-                    if saved_identity.get(k) != io.identity.get(k))
+    if saved_identity != identity:
+      diff = sorted(k for k in set(saved_identity) | set(identity)
+                    if saved_identity.get(k) != identity.get(k))
       raise rf.RunFolderError(f"{io.out} holds a run with a different config (fields "
                            f"{diff}); resume it with the saved config (--resume alone), "
                            "choose another --out, or pass --overwrite to replace it.")
@@ -138,15 +139,16 @@ def _check_run_folder(io: IOSettings) -> None:
   rf.probe_run_folder(io.out)
 
 
-def _write_run_folder(io: IOSettings) -> None:
-  """Creates the run folder and writes ``config.json`` (atomically): the run starts."""
+def _write_run_folder(io: IOSettings, record: Mapping[str, Any]) -> None:
+  """Creates the run folder and writes ``config.json`` (``record``, atomically): the
+  run starts."""
   if io.overwrite and os.path.exists(io.out):
     shutil.rmtree(io.out)
   try:
     os.makedirs(io.out, exist_ok=True)
   except OSError as e:
     raise rf.io_error("writing", io.out, e) from None
-  rf.write_json(os.path.join(io.out, rf.CONFIG_FILE), dict(io.record))
+  rf.write_json(os.path.join(io.out, rf.CONFIG_FILE), dict(record))
 
 
 # ----------------------------------------------------------------------------- loop
@@ -276,7 +278,7 @@ def _build(resolved: Resolved, task: Task, policy: Policy | None, t_entry: float
   metrics resumed: :func:`_open`)."""
   procs = Processes()
   resolved.check_devices(jax.device_count(), procs.count)
-  _check_run_folder(resolved.io)
+  _check_run_folder(resolved.io, resolved.identity)
   config = resolved.train
   if policy is None:
     policy = make_policy(resolved, task)
@@ -321,25 +323,26 @@ def _packer(resolved: Resolved) -> Callable | None:
 def _open(r: _Run, stack: contextlib.ExitStack) -> None:
   """Writes the run folder (process 0: every process checked it first), opens the
   checkpointer, resumes, and opens the metrics and the sinks."""
-  io, procs = r.resolved.io, r.procs
+  resolved, procs = r.resolved, r.procs
+  io = resolved.io
   procs.barrier("jaxrl_llm/run_built")  # every process checked the folder before any writes
   if procs.primary:
-    _write_run_folder(io)                   # everything built: the run starts here
+    _write_run_folder(io, resolved.record)  # everything built: the run starts here
   procs.barrier("jaxrl_llm/run_folder_written")
   r.metrics_path = os.path.join(io.out, rf.METRICS_FILE)
   r.ckpt = Checkpointer(os.path.join(io.out, "checkpoints"), max_to_keep=2,
                         log=_say if procs.primary else _silent,
-                        stamp={"run": dict(io.identity),           # checked on --resume
+                        stamp={"run": dict(resolved.identity),     # checked on --resume
                                "signal_watch": r.watch.state})
   stack.push(functools.partial(_close_checkpointer, io.out, r))
-  r.start, r.history, r.state = _resume(io, r.ckpt, r.metrics_path, r.state, procs,
-                                        r.watch)
+  r.start, r.history, r.state = _resume(io, resolved.identity, r.ckpt, r.metrics_path,
+                                        r.state, procs, r.watch)
   r.step = r.warm_step = r.start
   r.metrics = rf.MetricsWriter(r.metrics_path) if procs.primary else _NoMetrics()
   stack.callback(r.metrics.close)
   from jaxrl_llm.loop.sinks import BackgroundSinks, make_sinks
   # The sinks take the whole run record (W&B keeps it as the run's config).
-  r.sinks = make_sinks(r.resolved.run, warn=_say) if procs.primary else BackgroundSinks([])
+  r.sinks = make_sinks(resolved.run, warn=_say) if procs.primary else BackgroundSinks([])
   stack.callback(r.sinks.close)
 
 
@@ -569,8 +572,9 @@ def step_skipped(row: dict, config: TrainConfig) -> bool:
   return row.get("skipped", 0) >= updates - 0.5    # a float count (a mean times updates)
 
 
-def _resume(io: IOSettings, ckpt: Checkpointer, metrics_path: str, state,
-            procs: Processes | None = None, watch: SignalWatch | None = None):
+def _resume(io: IOSettings, identity: Mapping[str, Any], ckpt: Checkpointer,
+            metrics_path: str, state, procs: Processes | None = None,
+            watch: SignalWatch | None = None):
   """``(start step, kept metrics rows, state)``: the newest checkpoint that verifies.
 
   The metrics rows after that step (computed again by this run), a torn last line and
@@ -585,7 +589,7 @@ def _resume(io: IOSettings, ckpt: Checkpointer, metrics_path: str, state,
   start, keep_upto = 0, -1
   if io.resume and ckpt.all_steps():
     state, extra = ckpt.restore(state, check=functools.partial(
-        step_problem, identity=dict(io.identity)))     # the folder's step, of this run
+        step_problem, identity=dict(identity)))     # the folder's step, of this run
     start = keep_upto = int(extra["step"])
     say(f"resuming from step {start} ({ckpt.directory}/{ckpt.restored_step})")
     if watch is not None:

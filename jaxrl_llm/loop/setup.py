@@ -217,10 +217,7 @@ def lora_model(run: RunConfig, graphdef: Any, params: Any) -> tuple[Any, Any]:
   """``(graphdef, params)`` of the model ``(graphdef, params)`` with the LoRA adapters
   of the run config ``run`` (:func:`jaxrl_llm.models.lora.apply_lora`; seeded by
   ``run.seed``)."""
-  assert run.lora_rank is not None
-  lora = LoraSettings(rank=run.lora_rank, alpha=run.lora_alpha, targets=run.lora_targets,
-                      base_dtype=run.lora_base_dtype, init=run.lora_init)
-  return _with_lora(lora, run.seed, graphdef, params)
+  return _with_lora(run.section("lora"), run.seed, graphdef, params)
 
 
 def _with_lora(lora: LoraSettings, seed: int, graphdef: Any, params: Any
@@ -230,6 +227,7 @@ def _with_lora(lora: LoraSettings, seed: int, graphdef: Any, params: Any
 
   from jaxrl_llm.models import split_model
   from jaxrl_llm.models.lora import apply_lora
+  assert lora.rank is not None
   model = apply_lora(nnx.merge(graphdef, params), rank=lora.rank, alpha=lora.alpha,
                      targets=lora.targets, base_dtype=lora.base_dtype, seed=seed)
   return split_model(model)
@@ -328,7 +326,7 @@ def restore_state(run_dir: str, resolved: Resolved, params: Any, *,
                               rng=jax.random.PRNGKey(resolved.seed), trainable=trainable)
   with Checkpointer(os.path.join(run_dir, rf.CHECKPOINTS_DIR)) as ckpt:
     state, extra = ckpt.restore(template, check=functools.partial(
-        step_problem, identity=dict(resolved.io.identity)))
+        step_problem, identity=dict(resolved.identity)))
   return state, int(extra["step"])
 
 
