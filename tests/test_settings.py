@@ -32,6 +32,8 @@ def test_every_run_field_is_in_exactly_one_section_with_its_type():
       seen.append(field)
   assert sorted(seen) == sorted(f.name for f in dataclasses.fields(RunConfig))
   assert len(seen) == len(set(seen))
+  for section in SECTIONS.values():     # names before the ranges, combinations after
+    assert section.rules.count(settings.BOUNDS) == 1, section.name
   assert list(SECTIONS) == ["task", "recipe", "model", "critic", "budget", "dapo", "mesh",
                             "io", "rollout", "lora"]
 
