@@ -121,23 +121,23 @@ def make_policy(resolved: Resolved, task: Task) -> Policy:
 
 def _with_engine(policy: Policy, resolved: Resolved, task: Task) -> Policy:
   """``policy`` generating through a :class:`~jaxrl_llm.rollout.RolloutEngine` of
-  ``run.rollout_slots`` slots (default: a process's rows of a step, at most
+  ``rollout.slots`` slots (default: a process's rows of a step, at most
   :data:`_MAX_DEFAULT_SLOTS`)."""
   import jax
-  run = resolved.run
+  rollout = resolved.rollout
   # Each process of a multi-process run generates its share of the rows.
   rows = (resolved.sampling.prompts_per_step * resolved.sampling.group_size
           // jax.process_count())
   return policy.with_backend(policy.engine_backend(
-      max_slots=run.rollout_slots or min(rows, _MAX_DEFAULT_SLOTS),
+      max_slots=rollout.slots or min(rows, _MAX_DEFAULT_SLOTS),
       max_len=task.max_prompt_len + task.max_new_tokens,
-      max_prompt_len=task.max_prompt_len, prefill_rows=run.rollout_prefill_rows))
+      max_prompt_len=task.max_prompt_len, prefill_rows=rollout.prefill_rows))
 
 
 def _with_vllm(policy: Policy, resolved: Resolved, task: Task) -> Policy:
   """``policy`` generating through a :class:`~jaxrl_llm.rollout.vllm.VllmEngine` on
-  ``run.model`` (:func:`make_vllm_engine`)."""
-  return policy.with_backend(make_vllm_engine(resolved.run.model,
+  the run's model (:func:`make_vllm_engine`)."""
+  return policy.with_backend(make_vllm_engine(resolved.model,
                                               task.max_prompt_len + task.max_new_tokens))
 
 
