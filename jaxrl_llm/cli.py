@@ -39,7 +39,7 @@ ALIASES = {"mesh_data": ("--data",), "mesh_fsdp": ("--fsdp",), "mesh_tensor": ("
 METAVARS = {"compile_cache": "DIR|off", "task_config": "KEY=VALUE",
             "holdout": "N|FRACTION", "eval_dataset": "FILE", "dataset": "FILE"}
 # The subcommands (build_parser adds each; train is the default).
-COMMANDS = ("train", "eval", "plot", "export")
+COMMANDS = ("train", "eval", "plot", "export", "serve")
 TRAIN_PREFIX = "train__"
 # What the start line and the summary say of a --dataset run evaluated on its own rows.
 EVAL_ON_TRAIN_ROWS = ("eval on training rows: pass --eval-dataset FILE or --holdout "
@@ -468,6 +468,61 @@ def cmd_eval(args: argparse.Namespace) -> int:
   return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+  """Serves a run's latest checkpoint on an OpenAI-compatible endpoint
+  (:func:`jaxrl_llm.serve.serve`) until Ctrl-C or SIGTERM; every call's tokens are
+  recorded, and with ``--record FILE`` written as JSON lines (one multi-turn
+  trajectory a line: ``tokens``, ``loss_mask``, ``behaviour_logprobs``) at exit."""
+  from jaxrl_llm import run_folder as rf
+  if not os.path.isdir(args.out):
+    return _fail("serve", f"{args.out} does not exist; pass the run folder of a "
+                 "training run with --out")
+  problem = rf.restorable_problem(args.out)
+  if problem:
+    return _fail("serve", problem)
+  for option, value in (("--slots", args.slots), ("--max-len", args.max_len)):
+    if value < 1:
+      return _fail("serve", f"{option} must be >= 1 (got {value})")
+  _use_compile_cache(args.compile_cache)
+  from jaxrl_llm.checkpoint import CheckpointError
+  from jaxrl_llm.envs.chat import chat_format
+  from jaxrl_llm.loop.setup import restore_latest
+  from jaxrl_llm.rollout.multiturn import engine_generate
+  from jaxrl_llm.serve import serve
+  try:
+    _, task, policy, params, step = restore_latest(args.out, params_only=True)
+    chat = chat_format(task.tokenizer)
+    engine = policy.engine_backend(max_slots=args.slots, max_len=args.max_len)
+    generate = engine_generate(engine, policy.rollout_view(params), eos_ids=chat.stop_ids,
+                               seed=args.seed)
+    server = serve(generate, chat, max_len=args.max_len, host=args.host, port=args.port,
+                   model_name=args.model_name, tool_parser=args.tool_parser)
+  except (ValueError, OSError, CheckpointError) as e:
+    return _fail("serve", str(e))
+  import time
+  with server, rf.GracefulStop(announce=False) as stop:
+    print(f"jaxrl-llm serve: {args.out} (step {step}) at {server.base_url} as model "
+          f"{args.model_name!r}; Ctrl-C stops", file=sys.stderr, flush=True)
+    while not stop.requested:
+      time.sleep(0.2)
+  episodes = server.recorder.take()
+  if args.record:
+    _write_episodes(args.record, episodes)
+  print(f"jaxrl-llm serve: stopped; {len(episodes)} trajectories recorded"
+        + (f" in {args.record}" if args.record else ""), file=sys.stderr)
+  return 0
+
+
+def _write_episodes(path: str, episodes: Sequence[Any]) -> None:
+  """The recorded trajectories as JSON lines (atomically)."""
+  from jaxrl_llm import run_folder as rf
+  lines = [json.dumps({"tokens": e.tokens.tolist(), "loss_mask": e.loss_mask.tolist(),
+                       "behaviour_logprobs": e.behaviour_logprobs.tolist(),
+                       "prompt_len": e.prompt_len, "turn_spans": e.turn_spans,
+                       "messages": e.messages}) for e in episodes]
+  rf.atomic_write_text(path, "".join(line + "\n" for line in lines))
+
+
 def cmd_export(args: argparse.Namespace) -> int:
   _use_compile_cache(args.compile_cache)
   from jaxrl_llm.checkpoint import CheckpointError
@@ -654,6 +709,29 @@ def build_parser() -> argparse.ArgumentParser:
                         "norms stay f32)")
   _add_run_option(p_export, "compile_cache")
   p_export.set_defaults(func=cmd_export)
+  p_serve = sub.add_parser(
+      "serve", help="serve a run's latest checkpoint on an OpenAI-compatible endpoint",
+      description="Serve the trained policy of a run on /v1/chat/completions, "
+      "/v1/completions and /v1/models (the responses carry the prompt and sampled token "
+      "ids); every call's tokens and log-probs are recorded as trajectories.")
+  p_serve.add_argument("--out", default=_run_default("out"), help="the run folder")
+  p_serve.add_argument("--host", default="127.0.0.1",
+                       help="the address to listen on (default: this machine only)")
+  p_serve.add_argument("--port", type=int, default=8000, help="0: any free port")
+  p_serve.add_argument("--model-name", default="jaxrl-llm",
+                       help="the model's name in requests and /v1/models")
+  p_serve.add_argument("--max-len", type=int, default=1024,
+                       help="the context: prompt + new tokens of a request")
+  p_serve.add_argument("--slots", type=int, default=8,
+                       help="the engine's concurrent sequences")
+  p_serve.add_argument("--tool-parser", default="hermes",
+                       help="how tool calls are read from the text (hermes: Qwen2.5/Qwen3; "
+                       "llama3_json: Llama 3.1)")
+  p_serve.add_argument("--seed", type=int, default=_run_default("seed"))
+  p_serve.add_argument("--record", default=None, metavar="FILE",
+                       help="write the recorded trajectories as JSON lines here at exit")
+  _add_run_option(p_serve, "compile_cache")
+  p_serve.set_defaults(func=cmd_serve)
   return parser
 
 

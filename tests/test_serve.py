@@ -634,3 +634,59 @@ def test_a_three_call_agent_on_the_built_in_model_records_exact_behaviour_logpro
   assert ep.turns == 3 and mask.sum() == sum(len(t) for t in turns) >= 3
   np.testing.assert_allclose(np.asarray(logp)[mask], batch["rollout_logp"][mask], atol=1e-4)
   assert np.all(batch["rollout_logp"][~mask] == 0)
+
+
+# ------------------------------------------------------------ the `jaxrl-llm serve` command
+
+
+def test_serve_command_mistakes_are_one_line_before_jax(tmp_path, capsys):
+  from jaxrl_llm.cli import main
+  assert main(["serve", "--out", str(tmp_path / "nowhere")]) == 2
+  assert capsys.readouterr().err.strip().splitlines() == [
+      f"error: serve: {tmp_path / 'nowhere'} does not exist; pass the run folder of a "
+      "training run with --out"]
+
+
+@pytest.mark.slow
+def test_serve_command_serves_a_run_records_and_stops_on_sigint(tmp_path):
+  """``jaxrl-llm serve --out RUN`` (a 1-step built-in run): the openai client's
+  completion carries the prompt and sampled ids, SIGINT stops the server in one line,
+  and ``--record`` holds that call as one trajectory (loss mask 1 on the sampled ids,
+  their behaviour log-probs)."""
+  import os
+  import signal
+  import subprocess
+  import sys
+
+  import openai
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  run, record = tmp_path / "run", tmp_path / "calls.jsonl"
+  subprocess.run([sys.executable, "-m", "jaxrl_llm", "train", "--steps", "1",
+                  "--eval-size", "4", "--no-progress", "--out", str(run)],
+                 env=env, check=True, capture_output=True, timeout=300)
+  server = subprocess.Popen(
+      [sys.executable, "-m", "jaxrl_llm", "serve", "--out", str(run), "--port", "0",
+       "--max-len", "32", "--slots", "2", "--record", str(record)],
+      env=env, stderr=subprocess.PIPE, text=True)
+  try:
+    line = server.stderr.readline()
+    assert " at http://127.0.0.1:" in line and line.startswith("jaxrl-llm serve: "), line
+    url = line.split(" at ")[1].split()[0]
+    client = openai.OpenAI(base_url=url, api_key="unused")
+    out = client.completions.create(model="jaxrl-llm", prompt="1+2=", max_tokens=4,
+                                    temperature=0)
+    choice = out.choices[0].model_extra
+    assert choice["prompt_token_ids"] == [4, 13, 5, 16]          # "1+2=" in the run's vocab
+    assert len(choice["token_ids"]) == 4
+    server.send_signal(signal.SIGINT)
+    assert server.wait(timeout=60) == 0
+    rest = server.stderr.read().strip().splitlines()
+  finally:
+    server.kill()
+  assert rest == [f"jaxrl-llm serve: stopped; 1 trajectories recorded in {record}"]
+  (traj,) = [json.loads(line) for line in record.open()]
+  assert traj["tokens"] == choice["prompt_token_ids"] + choice["token_ids"]
+  assert traj["loss_mask"] == [0] * 4 + [1] * 4 and traj["prompt_len"] == 4
+  assert all(lp < 0 for lp in traj["behaviour_logprobs"][4:])

@@ -232,6 +232,16 @@ class Policy:
     self._backend = _checked(engine)
     return self
 
+  def rollout_view(self, params: Any) -> Any:
+    """The parameters this policy's backend generates from, given the trained ones:
+    ``rollout_params(params)`` (a LoRA policy's merged weights), then the policy's
+    weights alone where the backend ``takes_policy_part`` (vLLM). What
+    :meth:`generate` hands its backend; a caller driving the backend itself (the
+    endpoint of ``jaxrl-llm serve``, multi-turn episodes) passes it this."""
+    if self._rollout_params is not None:
+      params = self._rollout_params(params)
+    return self.ref_params(params) if self._backend.takes_policy_part else params
+
   def rollout_stats(self) -> dict[str, float]:
     """The backend's metrics since the last call (:meth:`RolloutBackend.take_stats`; vLLM:
     ``vllm_push_s``, the seconds spent pushing weights, and ``vllm_pushes``); empty
@@ -258,10 +268,7 @@ class Policy:
     ``first_request=a`` draws what one call over the whole batch draws for them
     (multi-host rollouts).
     """
-    if self._rollout_params is not None:
-      params = self._rollout_params(params)
-    if self._backend.takes_policy_part:
-      params = self.ref_params(params)
+    params = self.rollout_view(params)
     tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, np.float32)
     eos_ids = None if eos_id is None else tuple(np.atleast_1d(eos_id).tolist())
     requests = [Request(row[keep > 0].tolist(), n=n, max_new_tokens=max_new_tokens,
