@@ -3,6 +3,8 @@ engine (``RolloutEngine``: paged KV cache, shared prompts, batch-invariant draws
 a ``RolloutBackend`` (the one protocol the RL loop generates through: ``backend.py``),
 and multi-turn episodes over environments, token in and token out (``run_episodes``)."""
 
+from typing import TYPE_CHECKING
+
 from jaxrl_llm.rollout.backend import RolloutBackend, SamplerBackend
 from jaxrl_llm.rollout.dapo import (
     DynamicSamplingStats,
@@ -27,3 +29,9 @@ __all__ = ["Completion", "DecodeFns", "PagedDecodeFns", "ReplicatedEngine", "Req
            "DynamicSamplingStats", "dynamic_sampling", "overlong_penalty",
            "zero_variance_groups",
            "Episode", "engine_generate", "episodes_to_batch", "run_episodes"]
+
+if TYPE_CHECKING:     # mypy's static check: every backend class implements the protocol
+  from jaxrl_llm.rollout.vllm import VllmEngine
+
+  _BACKENDS: tuple[type[RolloutBackend], ...] = (
+      SamplerBackend, RolloutEngine, ReplicatedEngine, VllmEngine)

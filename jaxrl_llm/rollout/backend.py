@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -298,13 +298,5 @@ def _completions(out: SampleOutput, requests: Sequence[Request]) -> list[Complet
       row += 1
   return result
 
-
-if TYPE_CHECKING:     # mypy's static check: every backend class implements the protocol
-  from jaxrl_llm.rollout.engine import RolloutEngine
-  from jaxrl_llm.rollout.replicated import ReplicatedEngine
-  from jaxrl_llm.rollout.vllm import VllmEngine
-
-  _BACKENDS: tuple[type[RolloutBackend], ...] = (
-      SamplerBackend, RolloutEngine, ReplicatedEngine, VllmEngine)
 
 __all__ = ["RolloutBackend", "SamplerBackend", "draw_seed", "key_seed", "seed_key"]
