@@ -1,7 +1,8 @@
 """The rollout engine's host-side scheduler (jaxrl_llm/rollout/scheduler.py), with no
 model: admission order, page reservation and copy-on-write, finishing, shared-prompt
 groups, sampling settings, requests that wait or cannot fit, partial rollouts and the
-recompute plan, prefill packing. Every value is pinned (page ids included: the pool
+recompute plan, prefill packing, the prefix cache (reuse, reference counts, LRU
+eviction, a key per parameters). Every value is pinned (page ids included: the pool
 hands out free pages in a fixed order)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxrl_llm.rollout.paged_cache import PagePool, PrefixCache
 from jaxrl_llm.rollout.scheduler import (
     Completion,
     Request,
@@ -257,3 +259,145 @@ def test_prefill_packing_shapes():
   assert [b.ends for b in shrunk] == [((1, 1),), (), ((0, 0),)]
   assert shrunk[2].positions[0].tolist() == [8, -1, -1, -1]
   assert shrink_prefill([(np.arange(1, 3), 0, [0])] * 5, 16, 4, 1)[0].tokens.shape == (16, 4)
+
+
+# ----------------------------------------------------------------- the prefix cache
+
+
+def run_alone(sched: Scheduler, call: int, request: Request, tokens: list[int]):
+  """Submits ``request`` and decodes it to ``tokens`` (one slot free, no budget);
+  returns the call's admissions and its completion."""
+  sched.submit(call, [request], KEY)
+  admissions, done = [], []
+  while sched.has_work():
+    plan = sched.schedule(n_eos=1, version=0)
+    admissions += plan.admissions
+    slot = sched.slots[plan.decode.slots[0]]
+    _, finished = sched.apply(plan, output([tokens[len(slot.tokens):][:4]]))
+    done += finished
+  sched.end_call()
+  return admissions, done[0][1]
+
+
+def test_prefix_cache_keeps_full_pages_and_a_continuation_prefills_only_the_rest():
+  sched = make(prefix_cache=True, max_len=20)
+  sched.set_cache_key((0, 1))
+  # 6 prompt + 5 generated tokens; the last one was never fed: 10 in the cache, so the
+  # 2 full pages (0: tokens 0-3, the shared prompt page; 2: 4-7, the slot's own copy of
+  # the prompt's partial page) stay cached, one reference each; page 1 is free again.
+  (admission,), first = run_alone(sched, 0, Request([1, 2, 3, 4, 5, 6], max_new_tokens=5),
+                                  [7, 8, 9, 10, 11])
+  assert (admission.prefill_tokens, admission.reused_tokens, admission.hits) == (6, 0, 0)
+  assert first.tokens.tolist() == [7, 8, 9, 10, 11] and first.cached_tokens == 0
+  assert len(sched.cache) == 2 and sched.pool.refs[:4].tolist() == [1, 0, 1, 0]
+  # The next turn: the sequence, then [12, 13]. Its first 8 tokens are cached (the
+  # third block [9 10 11 12] is not: only 10 tokens were); 5 are prefilled at 8..12.
+  sched.submit(1, [Request(list(range(1, 14)), max_new_tokens=3)], KEY)
+  plan = sched.schedule(n_eos=1, version=0)
+  (admission,) = plan.admissions
+  assert (admission.prefill_tokens, admission.reused_tokens, admission.hits) == (5, 8, 1)
+  (batch,) = admission.batches
+  assert batch.tokens[0, :6].tolist() == [9, 10, 11, 12, 13, 0]
+  assert batch.positions[0, :6].tolist() == [8, 9, 10, 11, 12, -1]
+  assert batch.table.tolist() == [[0, 2, 1, 3, 0]]        # cached pages first
+  # Cached pages 0 and 2: the cache's reference and the slot's; page 3 (the prompt's
+  # partial page) went back once copied to the slot's page 4.
+  assert sched.slots[0].shared == [0, 2, 1] and sched.slots[0].own == [4]
+  assert sched.pool.refs[:6].tolist() == [2, 1, 2, 0, 1, 0]
+  _, done = sched.apply(plan, output([[14, 15, 16]]))
+  assert done[0][1].cached_tokens == 8
+  # 13 + 3 - 1 = 15 tokens in the cache: 3 full pages, the first two already there.
+  assert len(sched.cache) == 3 and sched.pool.in_use == 3
+  assert sched.pool.refs[:6].tolist() == [1, 1, 1, 0, 0, 0]
+  # At least the prompt's last token is prefilled (its logits start the turn), even
+  # when every full page of it is cached.
+  sched.submit(2, [Request(list(range(1, 9)), max_new_tokens=2)], KEY)
+  (admission,) = sched.schedule(n_eos=1, version=0).admissions
+  assert (admission.prefill_tokens, admission.reused_tokens) == (4, 4)
+
+
+def test_prefix_cache_off_reuses_nothing_and_keeps_no_pages():
+  sched = make(max_len=20)
+  assert sched.cache is None and sched.set_cache_key((0, 1)) == 0
+  (admission,), _ = run_alone(sched, 0, Request([1, 2, 3, 4, 5, 6], max_new_tokens=5),
+                              [7, 8, 9, 10, 11])
+  sched.submit(1, [Request(list(range(1, 14)), max_new_tokens=3)], KEY)
+  (again,) = sched.schedule(n_eos=1, version=0).admissions
+  assert (admission.prefill_tokens, again.prefill_tokens, again.reused_tokens) == (6, 13, 0)
+  assert sched.pool.refs[:5].tolist() == [1, 1, 1, 0, 1]   # the new prompt's pages only
+
+
+def test_prefix_cache_tree_refcounts_and_least_recently_used_eviction():
+  pool = PagePool(10)
+  cache = PrefixCache(pool, page_size=2)
+  x, y = pool.allocate(3), pool.allocate(2)                 # pages 0-2 and 3-4
+  assert cache.insert(np.array([1, 2, 3, 4, 5, 6]), x) == 3
+  # y's first block [1 2] is cached already (page 0): its page 3 is not taken.
+  assert cache.insert(np.array([1, 2, 7, 8]), y) == 1
+  pool.decref(x + y)
+  assert pool.refs[:5].tolist() == [1, 1, 1, 0, 1] and len(cache) == 4
+  # Lookups compare ids, block by block, up to `limit` blocks.
+  assert cache.match(np.array([1, 2, 3, 4, 9]), limit=2) == [0, 1]
+  assert cache.match(np.array([1, 2, 7, 8]), limit=1) == [0]
+  assert cache.match(np.array([2, 1, 3, 4]), limit=2) == []
+  # Recency, least recent first: [5 6] (x's insert), [7 8] (y's insert), then the
+  # matched path [3 4], [1 2] (a path's tail before its head). A page someone else
+  # reads is never evicted, nor one with cached children.
+  pool.incref([1])
+  assert cache.evict(4) == 2 and pool.refs[:5].tolist() == [1, 2, 0, 0, 0]
+  assert cache.evictions == 2
+  pool.decref([1])
+  assert cache.evict(1) == 1 and cache.match(np.array([1, 2, 3, 4]), limit=2) == [0]
+  assert cache.clear() == 1 and pool.in_use == 0 and len(cache) == 0
+
+
+def test_a_full_pool_evicts_cached_pages_before_refusing_admission():
+  # 6 pages. A: 4 prompt + 9 generated tokens, 12 in the cache: 3 pages stay cached.
+  # B (unrelated) needs 2 prompt pages + 2 own = 4 > the 3 free: without a cache it
+  # runs at once, so with one it must too: A's least recent page (its tail) goes.
+  outs = {}
+  for cached in (False, True):
+    sched = make(num_pages=6, prefix_cache=cached)
+    run_alone(sched, 0, Request([1, 2, 3, 4], max_new_tokens=9), list(range(5, 14)))
+    assert sched.pool.in_use == (3 if cached else 0)
+    sched.submit(1, [Request([20, 21, 22, 23, 24], max_new_tokens=8)], KEY)
+    plan = sched.schedule(n_eos=1, version=0)
+    outs[cached] = [a.slot for adm in plan.admissions for a in adm.admits]
+    if cached:
+      assert sched.cache.evictions == 1 and len(sched.cache) == 2
+      # 2 cached + B's shared page and its 2 own; its prompt's partial page, copied,
+      # is free again.
+      assert sched.pool.in_use == 5 and sched.pool.available == 1
+  assert outs == {False: [0], True: [0]}
+  # What is left of A is still found: its first 8 tokens.
+  sched.apply(plan, output([[30] * 4]))
+  sched.apply(sched.schedule(n_eos=1, version=0), output([[31] * 4]))
+  sched.end_call()
+  sched.submit(2, [Request(list(range(1, 12)), max_new_tokens=2)], KEY)
+  (admission,) = sched.schedule(n_eos=1, version=0).admissions
+  assert admission.reused_tokens == 8
+
+
+def test_prefix_cache_is_never_read_under_another_key():
+  sched = make(prefix_cache=True, max_len=20)
+  prompt, turn = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11]
+  sched.set_cache_key((0, 1))
+  run_alone(sched, 0, Request(prompt, max_new_tokens=5), turn)
+  assert sched.set_cache_key((0, 1)) == 0 and len(sched.cache) == 2
+  # A new version (or new parameters) empties the cache; the pages go back.
+  assert sched.set_cache_key((1, 1)) == 2 and len(sched.cache) == 0
+  assert sched.pool.in_use == 0
+  (admission,), _ = run_alone(sched, 1, Request(prompt + turn, max_new_tokens=2), [1, 2])
+  assert admission.reused_tokens == 0 and len(sched.cache) == 3
+  # A sample admitted under one key and finished under another is not cached (its
+  # keys/values are the old parameters'), unless its cache was recomputed.
+  for recompute, cached in ((False, 0), (True, 3)):
+    sched.set_cache_key((2, 1))
+    sched.submit(5, [Request([40, 41, 42, 43, 44, 45], max_new_tokens=8)], KEY)
+    sched.apply(sched.schedule(n_eos=1, version=2), output([[1, 2, 3, 4]]))
+    sched.set_cache_key((3, 1))
+    if recompute:
+      sched.recompute()
+    sched.apply(sched.schedule(n_eos=1, version=3), output([[5, 6, 7, 8]]))
+    assert not sched.has_work() and len(sched.cache) == cached
+    sched.end_call()

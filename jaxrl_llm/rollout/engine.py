@@ -112,6 +112,7 @@ import collections
 import dataclasses
 import functools
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -226,7 +227,8 @@ class RolloutEngine:
                policy: str = "longest_first", share_prompts: bool = True,
                on_new_version: str = "recompute", refill_after: int = 1,
                prefill_rows: int = 1,
-               decode_widths: Sequence[int] | None = None) -> None:
+               decode_widths: Sequence[int] | None = None,
+               prefix_cache: bool = False) -> None:
     for name, value in (("max_slots", max_slots), ("max_len", max_len),
                         ("page_size", page_size), ("steps_per_call", steps_per_call),
                         ("prefill_chunk", prefill_chunk), ("refill_after", refill_after),
@@ -238,6 +240,8 @@ class RolloutEngine:
     if on_new_version not in ON_NEW_VERSION:
       raise ValueError(f"`on_new_version` must be one of {ON_NEW_VERSION}, got "
                        f"{on_new_version!r}.")
+    if not isinstance(prefix_cache, bool):
+      raise ValueError(f"`prefix_cache` must be a bool, got {prefix_cache!r}.")
     self.fns = decode_fns
     self.max_slots = max_slots
     self.max_len = max_len
@@ -260,6 +264,8 @@ class RolloutEngine:
       raise ValueError(f"`decode_widths` must be ints in [1, max_slots = {max_slots}], got "
                        f"{decode_widths!r}.")
     self.decode_widths = tuple(sorted({int(x) for x in widths} | {max_slots}))
+    self.prefix_cache = prefix_cache
+    self._params_seen = _Identity()          # which parameters the cached pages are of
     self.stats: dict[str, Any] = {}     # the last generate call's counters
     self._state: _State | None = None       # in-flight samples of a partial rollout
     self._calls = 0
@@ -289,7 +295,8 @@ class RolloutEngine:
                     steps_per_call=self.steps_per_call, prefill_chunk=self.prefill_chunk,
                     policy=self.policy, share_prompts=self.share_prompts,
                     on_new_version=self.on_new_version, refill_after=self.refill_after,
-                    prefill_rows=self.prefill_rows, decode_widths=self.decode_widths)
+                    prefill_rows=self.prefill_rows, decode_widths=self.decode_widths,
+                    prefix_cache=self.prefix_cache)
     copy = RolloutEngine(self.fns, **{**settings, **overrides})
     copy._vocab = self._vocab
     return copy
@@ -362,12 +369,13 @@ class RolloutEngine:
 
   @property
   def pages_in_use(self) -> int:
-    """Pages held by in-flight samples (0 when nothing is in flight)."""
+    """Pages held by in-flight samples and the prefix cache (0 when nothing is in
+    flight or cached)."""
     return 0 if self._state is None else self._state.sched.pool.in_use
 
   def reset(self) -> int:
-    """Drops every in-flight sample (returns their pages, frees the device pool);
-    returns how many were dropped. Their tokens are lost: a caller that aborts a
+    """Drops every in-flight sample and the prefix cache (returns their pages, frees
+    the device pool); returns how many samples were dropped. Their tokens are lost: a caller that aborts a
     partial rollout (a resumed run, a run that ends) submits the requests again."""
     dropped = self.in_flight
     self._state = None
@@ -458,6 +466,10 @@ class RolloutEngine:
       sched.submit(call, requests, np.asarray(jax.random.key_data(jax.random.key(seed))),
                    first_request)
     filtered, n_eos = sched.sampling_mode()     # one decode compilation for the call
+    evicted = 0 if sched.cache is None else sched.cache.evictions
+    if sched.cache is not None:      # a new version or new parameters empty the cache
+      stats.update(prefix_reused_tokens=0, prefix_hits=0, prefix_dropped_pages=(
+          sched.set_cache_key((version, self._params_seen(params)))))
     if (version != st.kv_version and self.on_new_version == "recompute"
         and sched.has_cache()):
       self._recompute(params, st, stats, timers)
@@ -477,7 +489,12 @@ class RolloutEngine:
       new, finished = sched.apply(plan, output)
       generated += new
       done += finished
-    self._state = st if sched.end_call() else None   # an empty engine frees its pool
+    keep = sched.end_call()
+    if sched.cache is not None:      # the cache keeps the pool (and the counts)
+      keep = keep or len(sched.cache) > 0
+      stats["prefix_evictions"] = sched.cache.evictions - evicted
+      stats["prefix_cached_pages"] = len(sched.cache)
+    self._state = st if keep else None   # an empty engine frees its pool
     steps_total = max(stats["decode_steps"], 1)
     s = self.max_slots
     self.stats = {
@@ -501,7 +518,7 @@ class RolloutEngine:
                       steps_per_call=self.steps_per_call, prefill_chunk=self.prefill_chunk,
                       prefill_rows=self.prefill_rows, decode_widths=self.decode_widths,
                       policy=self.policy, share_prompts=self.share_prompts,
-                      refill_after=self.refill_after)
+                      refill_after=self.refill_after, prefix_cache=self.prefix_cache)
     return _State(sched, self.fns.init_pages(params, self.num_pages, self.page_size),
                   version)
 
@@ -537,6 +554,9 @@ class RolloutEngine:
       stats["prefill_ahead"] += admission.ahead
       stats["prefill_rows_padded"] += sum(batch.padded for batch in admission.batches)
       stats["prefill_tokens"] += admission.prefill_tokens
+      if self.prefix_cache:
+        stats["prefix_reused_tokens"] += admission.reused_tokens
+        stats["prefix_hits"] += admission.hits
       jax.block_until_ready(logits)
       timers["prefill_s"] += time.perf_counter() - start
     for admit in admission.admits:
@@ -579,6 +599,40 @@ class RolloutEngine:
       self._set_logits(st, slot, row)
     stats["recomputed_tokens"] = plan.tokens
     timers["recompute_s"] = time.perf_counter() - start
+
+
+class _Identity:
+  """Tells whether a parameter pytree is the one seen last, leaf by leaf (``is``):
+  calling it returns a generation number that changes whenever a leaf is another
+  object. Leaves are held by weak reference (a strong one for the few objects that
+  take none, e.g. Python scalars), so the old parameters' memory is never kept alive
+  and a dead leaf's ``id`` reused by a new array can never pass for it.
+
+  >>> seen = _Identity()
+  >>> a = {"w": np.ones(2)}
+  >>> seen(a), seen(dict(a)), seen({"w": np.ones(2)})
+  (1, 1, 2)
+  """
+
+  def __init__(self) -> None:
+    self._refs: list[Any] | None = None
+    self.generation = 0
+
+  def __call__(self, params: Any) -> int:
+    leaves = jax.tree.leaves(params)
+    if self._refs is None or len(self._refs) != len(leaves) or any(
+        ref() is not leaf for ref, leaf in zip(self._refs, leaves)):
+      self._refs = [_ref(leaf) for leaf in leaves]
+      self.generation += 1
+    return self.generation
+
+
+def _ref(obj: Any) -> Any:
+  """A weak reference to ``obj``, or a callable returning it if it takes none."""
+  try:
+    return weakref.ref(obj)
+  except TypeError:
+    return lambda: obj
 
 
 def _admit(pages, logits_state, slot, row, src, dst):

@@ -42,9 +42,18 @@ backend batches them), then the environments step (in a thread pool with
 [(sampled_ids, sampled_logprobs), ...]`` (one pair per prompt, in order; each
 ``prompts[i]`` a list of ids, ``max_new_tokens[i]`` its most new tokens, stopping at
 the chat format's ``stop_ids``): :func:`engine_generate` wraps
-:class:`~jaxrl_llm.rollout.engine.RolloutEngine`; a unit test passes a fake. Each
-turn prefills the whole sequence again (KV continuation across turns is the engine's
-next step).
+:class:`~jaxrl_llm.rollout.engine.RolloutEngine`; a unit test passes a fake.
+
+**KV continuation.** Every round hands ``generate`` each episode's whole sequence; with
+the engine's prefix cache (``RolloutEngine(..., prefix_cache=True)``, or
+``engine_generate(..., prefix_cache=True)``) the keys/values of the episode's previous
+turn stay in the engine's pages, found again by their exact token ids, so turn k+1
+prefills only what follows them: the environment's reply, the last sampled token
+(never fed to the model) and the part of the sequence in its last, partly filled page
+(less than a page). Each pair ``generate`` returns may say how many leading prompt
+tokens the backend read from its cache (a :class:`SampledTurn`'s ``cached_tokens``;
+0 for a plain pair); the episode counts them (``Episode.reused_tokens``) against the
+prompt tokens prefilled (``Episode.prefill_tokens``).
 
 :func:`episodes_to_batch` turns episodes into train rows: right-padded ``tokens``,
 ``attention_mask``, ``loss_mask``, ``rollout_logp`` and per-token ``advantages``
@@ -121,6 +130,11 @@ class Episode:
     infos: each step's ``info``.
     env: the environment's name.
     seed: its reset seed.
+    prefill_tokens: the prompt tokens the backend prefilled over the episode's turns
+      (the whole sequence each turn, less what it reused).
+    reused_tokens: the prompt tokens it read from its prefix cache instead (KV
+      continuation: ``prefill_tokens + reused_tokens`` is the sum of the sequence's
+      lengths when each turn was asked).
   """
 
   tokens: np.ndarray
@@ -134,6 +148,8 @@ class Episode:
   infos: list[Mapping[str, Any]]
   env: str
   seed: int
+  prefill_tokens: int = 0
+  reused_tokens: int = 0
 
   @property
   def reward(self) -> float:
@@ -163,6 +179,8 @@ class _Live:
   rewards: list[float] = dataclasses.field(default_factory=list)
   infos: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
   finish: str | None = None
+  prefilled: int = 0
+  reused: int = 0
 
   def append(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
     self.tokens += [int(i) for i in ids]
@@ -174,7 +192,7 @@ class _Live:
     return Episode(np.asarray(self.tokens, np.int32), np.asarray(self.mask, np.int32),
                    np.asarray(self.logp, np.float32), self.prompt_len, self.spans,
                    self.rewards, self.finish, self.messages, self.infos, self.name,
-                   self.seed)
+                   self.seed, self.prefilled, self.reused)
 
 
 def _check_positive(name: str, value: Any, low: int = 1) -> int:
@@ -199,6 +217,17 @@ def _check_turn(out: Any, i: int, limit: int) -> tuple[list[int], list[float]]:
                      f"for prompt {i}; it must return as many of each, 1 to "
                      f"max_new_tokens={limit}.")
   return ids.tolist(), logprobs.tolist()
+
+
+def _cached_tokens(out: Any, i: int, prompt_len: int) -> int:
+  """The leading prompt tokens the backend reused for prompt ``i`` (a
+  :class:`SampledTurn`'s ``cached_tokens``; 0 for a plain pair), checked."""
+  cached = getattr(out, "cached_tokens", 0)
+  if (not isinstance(cached, (int, np.integer)) or isinstance(cached, bool)
+      or not 0 <= cached < prompt_len):
+    raise ValueError(f"`generate` said it reused {cached!r} cached tokens of prompt {i}; "
+                     f"it must be an int in [0, {prompt_len}).")
+  return int(cached)
 
 
 def _start(env: Env, seed: int, chat: ChatFormat, max_len: int) -> _Live:
@@ -297,6 +326,10 @@ def run_episodes(generate: Generate, chat: Any, envs: Sequence[Env],
         raise ValueError(f"`generate` returned {len(outs)} completions for {len(live)} "
                          "prompts.")
       turns = [_check_turn(out, i, limit) for i, (out, limit) in enumerate(zip(outs, limits))]
+      for i, (x, out) in enumerate(zip(live, outs)):
+        cached = _cached_tokens(out, i, len(x.tokens))
+        x.prefilled += len(x.tokens) - cached
+        x.reused += cached
       step = lambda x, turn: _advance(x, turn, chat, max_turns=max_turns, max_len=max_len)
       if pool is None:
         for x, turn in zip(live, turns):
@@ -310,21 +343,49 @@ def run_episodes(generate: Generate, chat: Any, envs: Sequence[Env],
   return [x.episode() for x in lives]
 
 
+class SampledTurn(tuple):
+  """A ``(sampled_ids, sampled_logprobs)`` pair of a :data:`Generate` that also says
+  how many leading prompt tokens the backend read from its prefix cache
+  (``cached_tokens``): it unpacks as the pair.
+
+  >>> turn = SampledTurn([4, 2], [-0.5, -1.0], cached_tokens=16)
+  >>> ids, logprobs = turn
+  >>> ids, turn.cached_tokens
+  ([4, 2], 16)
+  """
+
+  cached_tokens: int
+
+  def __new__(cls, ids: Any, logprobs: Any, cached_tokens: int = 0) -> SampledTurn:
+    turn = super().__new__(cls, (ids, logprobs))
+    turn.cached_tokens = int(cached_tokens)
+    return turn
+
+
 def engine_generate(engine: Any, params: Any, *, eos_ids: Sequence[int], seed: int = 0,
-                    **sampling: Any) -> Generate:
+                    prefix_cache: bool | None = None, **sampling: Any) -> Generate:
   """A :data:`Generate` over a :class:`~jaxrl_llm.rollout.engine.RolloutEngine`: each
   call completes every prompt once (``Request(prompt, max_new_tokens=...,
   eos_ids=eos_ids, **sampling)``, e.g. ``temperature``, ``top_k``, ``top_p``), with
   the draws' seed of call ``c`` derived from ``(seed, c)``. The engine's ``max_len``
   must hold an episode's (:func:`run_episodes`' ``max_len``).
 
+  ``prefix_cache``: None (default) uses ``engine`` as it is; True or False generates
+  with a replica of it with that setting (:meth:`RolloutEngine.replica`: its
+  compilations, a cache of its own) when it differs. With the prefix cache, each turn
+  continues the episode's sequence from the pages of its previous turn (the module
+  docstring, "KV continuation").
+
   Returns:
-    ``generate(prompts, max_new_tokens, sampling=None) -> [(completion.tokens,
-    completion.logprobs)]`` (log-probs of the temperature-scaled full distribution).
-    ``sampling`` (optional): one mapping per prompt of ``Request`` fields that
-    replace ``**sampling``'s for that prompt (the OpenAI-compatible endpoint of
-    :mod:`jaxrl_llm.serve` passes each request's ``temperature`` / ``top_p`` so).
+    ``generate(prompts, max_new_tokens, sampling=None) -> [SampledTurn(
+    completion.tokens, completion.logprobs, completion.cached_tokens)]`` (pairs,
+    log-probs of the temperature-scaled full distribution). ``sampling`` (optional):
+    one mapping per prompt of ``Request`` fields that replace ``**sampling``'s for
+    that prompt (the OpenAI-compatible endpoint of :mod:`jaxrl_llm.serve` passes each
+    request's ``temperature`` / ``top_p`` so).
   """
+  if prefix_cache is not None and prefix_cache != engine.prefix_cache:
+    engine = engine.replica(prefix_cache=prefix_cache)
   calls = [0]
   stops = tuple(int(i) for i in eos_ids)
   defaults = dict(sampling)
@@ -343,7 +404,7 @@ def engine_generate(engine: Any, params: Any, *, eos_ids: Sequence[int], seed: i
                 for p, m, s in zip(prompts, limits, own)]
     out = sorted(engine.generate(params, requests, seed=draws),
                  key=lambda c: (c.request, c.sample))
-    return [(c.tokens, c.logprobs) for c in out]
+    return [SampledTurn(c.tokens, c.logprobs, c.cached_tokens) for c in out]
 
   return generate
 
@@ -402,5 +463,5 @@ def episodes_to_batch(episodes: Sequence[Episode], *, pad_id: int,
           "scores": scores, "turns": np.asarray([e.turns for e in episodes], np.int32)}
 
 
-__all__ = ["Episode", "FINISH_REASONS", "Generate", "engine_generate", "episodes_to_batch",
-           "run_episodes"]
+__all__ = ["Episode", "FINISH_REASONS", "Generate", "SampledTurn", "engine_generate",
+           "episodes_to_batch", "run_episodes"]

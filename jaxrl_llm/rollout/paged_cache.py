@@ -6,7 +6,9 @@ by their request (while samples remain to be admitted) and once by every slot th
 reads them; a slot's own pages are referenced by that slot only. ``reserve`` books
 pages for a slot's future tokens (admission control: an admitted slot never waits
 for a page), ``take`` turns reserved pages into allocated ones as tokens arrive, so
-pages in use follow the tokens in flight.
+pages in use follow the tokens in flight. A :class:`PrefixCache` (the engine's
+``prefix_cache=True``) keeps finished sequences' full pages, one reference each, for
+later prompts that start with the same tokens.
 
 Examples:
   >>> pool = PagePool(4)
@@ -20,6 +22,10 @@ Examples:
 """
 
 from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -89,4 +95,129 @@ class PagePool:
     return page
 
 
-__all__ = ["PagePool"]
+@dataclasses.dataclass(eq=False)
+class _Node:
+  """A cached page: the keys/values of one full block of ``page_size`` tokens, after
+  the blocks of its ancestors (a node is identified by the whole prefix up to it)."""
+
+  page: int
+  block: bytes                                    # the block's int32 token ids
+  parent: _Node | None
+  children: dict[bytes, _Node] = dataclasses.field(default_factory=dict)
+
+
+class PrefixCache:
+  """Full KV pages of finished sequences, found again by the exact token ids before
+  them: automatic prefix caching (vLLM's, at page granularity; SGLang's radix tree of
+  pages).
+
+  The cache is a tree of pages: a node holds the page of one full block of
+  ``page_size`` tokens, and its key in its parent is that block's int32 ids (bytes),
+  so the path from the root to a node spells the exact tokens ``[0, (depth + 1)
+  page_size)`` whose keys/values the page holds. Lookups compare ids, never a hash:
+  a page is reused only for the very tokens, at the very positions, it was computed
+  for. A sequence's last, partly filled page is not cached.
+
+  Reference counts are the :class:`PagePool`'s: the cache holds one reference to each
+  of its pages, every reader (a prompt, a slot) its own. A page only the cache holds
+  (count 1) and that has no cached child is evictable; :meth:`evict` frees them in
+  least-recently-used order (a lookup or an insert uses a whole path from the root,
+  its deepest page first: a path's tail goes before its head, and a parent never goes
+  before its children). Keys/values depend on the parameters too: the caller empties
+  the cache (:meth:`clear`) when they change (the scheduler's ``set_cache_key``).
+
+  Examples:
+    >>> pool = PagePool(6)
+    >>> cache = PrefixCache(pool, page_size=2)
+    >>> seq = np.array([5, 6, 7, 8, 9], np.int32)
+    >>> pages = pool.allocate(3)                 # a finished sequence's pages 0, 1, 2
+    >>> cache.insert(seq, pages[:2])             # its 2 full blocks [5 6] [7 8]
+    2
+    >>> pool.decref(pages); pool.in_use          # the sequence let go: 2 pages cached
+    2
+    >>> cache.match(np.array([5, 6, 7, 8, 1, 2], np.int32), limit=3)
+    [0, 1]
+    >>> cache.match(np.array([5, 6, 7, 0], np.int32), limit=3)
+    [0]
+    >>> cache.evict(1), cache.match(seq, limit=2), pool.in_use   # the tail goes first
+    (1, [0], 1)
+  """
+
+  def __init__(self, pool: PagePool, page_size: int) -> None:
+    self.pool, self.page_size = pool, page_size
+    self.root: dict[bytes, _Node] = {}
+    self._lru: collections.OrderedDict[_Node, None] = collections.OrderedDict()
+    self.evictions = 0                            # pages evicted so far
+
+  def __len__(self) -> int:
+    """Pages cached."""
+    return len(self._lru)
+
+  def _blocks(self, tokens: np.ndarray, count: int) -> list[bytes]:
+    ps = self.page_size
+    ids = np.asarray(tokens, np.int32)
+    return [ids[b * ps:(b + 1) * ps].tobytes() for b in range(count)]
+
+  def _touch(self, path: list[_Node]) -> None:
+    for node in reversed(path):                   # the deepest is the least recent
+      self._lru.move_to_end(node)
+
+  def match(self, tokens: np.ndarray, limit: int) -> list[int]:
+    """The pages of the longest cached prefix of ``tokens``, at most ``limit`` full
+    blocks (marked used; no reference taken)."""
+    path: list[_Node] = []
+    children = self.root
+    for block in self._blocks(tokens, min(limit, len(tokens) // self.page_size)):
+      node = children.get(block)
+      if node is None:
+        break
+      path.append(node)
+      children = node.children
+    self._touch(path)
+    return [node.page for node in path]
+
+  def insert(self, tokens: np.ndarray, pages: Sequence[int]) -> int:
+    """Caches ``pages[b]`` as the keys/values of block ``b`` of ``tokens`` (the first
+    ``len(pages)`` full blocks), taking a reference to each page it adds; a block
+    already cached keeps its page (``pages[b]`` is then not taken). Returns the pages
+    added."""
+    path: list[_Node] = []
+    parent, children, added = None, self.root, 0
+    for block, page in zip(self._blocks(tokens, len(pages)), pages):
+      node = children.get(block)
+      if node is None:
+        node = children[block] = _Node(int(page), block, parent)
+        self.pool.incref([node.page])
+        self._lru[node] = None
+        added += 1
+      path.append(node)
+      parent, children = node, node.children
+    self._touch(path)
+    return added
+
+  def evict(self, count: int) -> int:
+    """Frees up to ``count`` cached pages that nothing else holds, least recently used
+    first (a page with cached children waits for them); returns how many."""
+    freed = 0
+    for node in list(self._lru):                  # children come before their parent
+      if freed >= count:
+        break
+      if node.children or self.pool.refs[node.page] != 1:
+        continue
+      siblings = self.root if node.parent is None else node.parent.children
+      del siblings[node.block], self._lru[node]
+      self.pool.decref([node.page])
+      freed += 1
+    self.evictions += freed
+    return freed
+
+  def clear(self) -> int:
+    """Drops every cached page (the cache's reference; pages others still read stay
+    theirs); returns how many."""
+    count = len(self._lru)
+    self.pool.decref([node.page for node in self._lru])
+    self.root, self._lru = {}, collections.OrderedDict()
+    return count
+
+
+__all__ = ["PagePool", "PrefixCache"]

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.rollout.paged_cache import PagePool
+from jaxrl_llm.rollout.paged_cache import PagePool, PrefixCache
 
 POLICIES = ("longest_first", "fifo")
 
@@ -127,6 +127,8 @@ class Completion:
       token (a partial rollout continued over calls spans several); None when built by
       hand.
     tag: the :attr:`Request.tag` of its request.
+    cached_tokens: the leading prompt tokens whose keys/values came from the engine's
+      prefix cache (not prefilled for this request; 0 without ``prefix_cache``).
   """
 
   request: int
@@ -137,6 +139,7 @@ class Completion:
   finish_reason: str
   versions: np.ndarray | None = None
   tag: Any = None
+  cached_tokens: int = 0
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -165,6 +168,8 @@ class Group:
   prompt: np.ndarray
   waiting: int                    # samples not yet admitted
   pages: list[int] = dataclasses.field(default_factory=list)
+  reused: int = 0                 # leading prompt tokens whose pages came from the cache
+  kv_key: Any = None              # the cache key its prompt pages were computed under
 
 
 @dataclasses.dataclass
@@ -179,6 +184,7 @@ class Slot:
   own: list[int]                  # pages this slot writes
   reserved: int                   # own pages still to take
   position: int                   # next position to write = tokens in the cache
+  kv_key: Any = None              # the cache key its pages were computed under
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
   filtered: list = dataclasses.field(default_factory=list)
@@ -284,6 +290,8 @@ class Admission:
   batches: tuple[PrefillBatch, ...]
   admits: tuple[Admit, ...]
   closed: tuple[GroupKey, ...]
+  reused_tokens: int = 0          # prompt tokens of ``prefill`` read from the prefix cache
+  hits: int = 0                   # groups of ``prefill`` that found a cached prefix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +340,8 @@ class Scheduler:
   def __init__(self, *, max_slots: int, page_size: int, num_pages: int, max_len: int,
                steps_per_call: int = 16, prefill_chunk: int = 128, prefill_rows: int = 1,
                decode_widths: Sequence[int] = (), policy: str = "longest_first",
-               share_prompts: bool = True, refill_after: int = 1) -> None:
+               share_prompts: bool = True, refill_after: int = 1,
+               prefix_cache: bool = False) -> None:
     if policy not in POLICIES:
       raise ValueError(f"`policy` must be one of {POLICIES}, got {policy!r}.")
     self.max_slots, self.page_size, self.steps_per_call = max_slots, page_size, steps_per_call
@@ -347,6 +356,8 @@ class Scheduler:
     self.requests: dict[int, list[Request]] = {}
     self.key_data: dict[int, np.ndarray] = {}   # call -> [2] uint32 key data of its seed
     self.first_request: dict[int, int] = {}     # call -> key index of its request 0
+    self.cache = PrefixCache(self.pool, page_size) if prefix_cache else None
+    self.cache_key: Any = None                  # what the cached pages were computed under
 
   # -- requests in ------------------------------------------------------------------
 
@@ -419,11 +430,12 @@ class Scheduler:
   def _admission_round(self) -> tuple[Admission | None, bool]:
     """Admits waiting samples into the free slots, in queue order, while the pool
     holds their pages (a sample's own pages reserved, its copy of the prompt's partial
-    last page taken); the groups it opens get their prompt pages, and rows their
-    prefill leaves free prefill the next groups ahead (:meth:`_prefill_ahead`); a
-    group whose last sample got in then drops its hold on its prompt pages. Returns
-    the round (None if it admitted nothing) and whether to try another (a sample did
-    not fit, and that release freed pages)."""
+    last page taken; cached pages evicted for them if need be); the groups it opens get
+    their prompt pages (:meth:`_open`), and rows their prefill leaves free prefill the
+    next groups ahead (:meth:`_prefill_ahead`); a group whose last sample got in then
+    drops its hold on its prompt pages. Returns the round (None if it admitted
+    nothing) and whether to try another (a sample did not fit, and that release freed
+    pages)."""
     ps, pool = self.page_size, self.pool
     admits: list[Admit] = []
     opened: list[Group] = []
@@ -437,20 +449,21 @@ class Scheduler:
       group = self._group(c, i, j)
       full, partial = p // ps, p % ps != 0
       own_need = ceil_div(p + max_new - 1, ps) - full
-      prompt_need = 0 if group.pages else ceil_div(p, ps)
-      if pool.available < own_need + prompt_need:
+      opening = not group.pages
+      if not (self._open(group, self._lookup(group), own_need) if opening
+              else self._make_room(own_need)):
         blocked = True
         break
       self.queue.popleft()
-      if not group.pages:
-        group.pages = pool.allocate(prompt_need)
+      if opening:
         opened.append(group)
       shared = group.pages[:full]
       pool.incref(shared)
       pool.reserve(own_need)
       own = [pool.take()] if partial and own_need else []
       admits.append(Admit(index, group.key, *((group.pages[full], own[0]) if own else (0, 0))))
-      self.slots[index] = Slot(c, i, j, group, shared, own, own_need - len(own), p)
+      self.slots[index] = Slot(c, i, j, group, shared, own, own_need - len(own), p,
+                               kv_key=group.kv_key)
       group.waiting -= 1
       if group.waiting == 0:             # the last sample is in: release it below
         closed.append(group)
@@ -461,22 +474,29 @@ class Scheduler:
     again = bool(blocked and closed and self.queue)
     if not admits:
       return None, again
-    prefill = opened + ahead
-    batches = pack_prefill([(g.prompt, 0, g.pages) for g in prefill], self.prefill_rows,
-                           self.prefill_chunk, self.pages_per_slot)
-    return Admission(tuple(g.key for g in prefill), sum(len(g.prompt) for g in prefill),
-                     len(ahead), tuple(batches), tuple(admits),
-                     tuple(g.key for g in closed)), again
+    return self._admission(opened + ahead, len(ahead), admits, closed), again
+
+  def _admission(self, prefill: list[Group], ahead: int, admits: list[Admit],
+                 closed: list[Group]) -> Admission:
+    """The round's :class:`Admission`: the prefill of each group's uncached tail."""
+    batches = pack_prefill([(g.prompt[g.reused:], g.reused, g.pages) for g in prefill],
+                           self.prefill_rows, self.prefill_chunk, self.pages_per_slot)
+    reused = sum(g.reused for g in prefill)
+    return Admission(tuple(g.key for g in prefill),
+                     sum(len(g.prompt) for g in prefill) - reused, ahead, tuple(batches),
+                     tuple(admits), tuple(g.key for g in closed), reused,
+                     sum(g.reused > 0 for g in prefill))
 
   def _prefill_ahead(self, opened: list[Group]) -> list[Group]:
     """The next waiting groups without a prefill (queue order) that fit in the rows
     ``opened`` leaves free in its last ``[R, prefill_chunk]`` call, their prompt pages
     taken: padding rows do their prefill instead of nothing, so the next admissions
     find it done. A group is taken while the pool keeps ``pages_per_slot + 1`` pages
-    free after its prompt's (so the first waiting sample always fits once the slots
-    are empty: no deadlock); the first that does not fit ends the walk."""
-    c, rows, ps = self.prefill_chunk, self.prefill_rows, self.page_size
-    free = -sum(ceil_div(len(g.prompt), c) for g in opened) % rows
+    free after its prompt's, without evicting cached pages (so the first waiting
+    sample always fits once the slots are empty: no deadlock); the first that does not
+    fit ends the walk."""
+    c, rows = self.prefill_chunk, self.prefill_rows
+    free = -sum(ceil_div(len(g.prompt) - g.reused, c) for g in opened) % rows
     ahead: list[Group] = []
     for call, i, j in self.queue:
       if not free:
@@ -484,13 +504,57 @@ class Scheduler:
       group = self._group(call, i, j)
       if group.pages:
         continue
-      need, pieces = ceil_div(len(group.prompt), ps), ceil_div(len(group.prompt), c)
-      if pieces > free or self.pool.available - need < self.pages_per_slot + 1:
+      matched = self._lookup(group)
+      pieces = ceil_div(len(group.prompt) - len(matched) * self.page_size, c)
+      if pieces > free or not self._open(group, matched, self.pages_per_slot + 1,
+                                         evict=False):
         break
-      group.pages = self.pool.allocate(need)
       ahead.append(group)
       free -= pieces
     return ahead
+
+  # -- the prefix cache ---------------------------------------------------------------
+
+  def set_cache_key(self, key: Any) -> int:
+    """What the keys/values computed from now on depend on besides their tokens (the
+    engine's parameters: their version and identity). Another key than the cache's
+    empties the prefix cache (a page is never read under other parameters than it was
+    computed with); pages of samples in flight stay theirs, and a slot or prompt
+    computed under another key is not cached when it finishes. Returns the pages
+    dropped."""
+    dropped = 0
+    if key != self.cache_key and self.cache is not None:
+      dropped = self.cache.clear()
+    self.cache_key = key
+    return dropped
+
+  def _lookup(self, group: Group) -> list[int]:
+    """The cached pages of ``group``'s prompt: the longest cached prefix of full
+    pages, leaving at least its last token to prefill (its logits are needed)."""
+    if self.cache is None:
+      return []
+    return self.cache.match(group.prompt, (len(group.prompt) - 1) // self.page_size)
+
+  def _make_room(self, count: int, evict: bool = True) -> bool:
+    """Whether ``count`` pages are available, after evicting cached pages (LRU) for
+    them if ``evict``."""
+    short = count - self.pool.available
+    if short > 0 and evict and self.cache is not None:
+      self.cache.evict(short)
+    return self.pool.available >= count
+
+  def _open(self, group: Group, matched: list[int], extra: int, evict: bool = True) -> bool:
+    """Gives ``group`` its prompt pages, the ``matched`` cached ones first and new
+    ones for the rest, if the pool then still holds ``extra`` pages (evicting other
+    cached pages for them if ``evict``); False, nothing taken, if not."""
+    self.pool.incref(matched)
+    need = ceil_div(len(group.prompt), self.page_size) - len(matched)
+    if not self._make_room(need + extra, evict):
+      self.pool.decref(matched)
+      return False
+    group.pages = matched + self.pool.allocate(need)
+    group.reused, group.kv_key = len(matched) * self.page_size, self.cache_key
+    return True
 
   def _decode_batch(self, live: list[int], n_eos: int, version: int,
                     budget_left: int | None) -> DecodeBatch:
@@ -563,8 +627,13 @@ class Scheduler:
     return generated, finished
 
   def _finish(self, index: int, reason: str) -> tuple[int, Completion]:
-    slot = self.slots[index]
-    assert slot is not None
+    """Frees slot ``index`` (its full pages cached first, with a prefix cache and
+    pages computed under the cache's key: all its tokens but the last, which was never
+    fed) and returns its completion."""
+    slot = self._slot(index)
+    if self.cache is not None and slot.kv_key == self.cache_key:
+      seq = np.concatenate([slot.group.prompt, np.asarray(slot.tokens, np.int32)])
+      self.cache.insert(seq, (slot.shared + slot.own)[:(slot.position - 1) // self.page_size])
     self.pool.decref(slot.shared + slot.own)
     self.pool.unreserve(slot.reserved)
     self.slots[index] = None
@@ -572,7 +641,7 @@ class Scheduler:
         slot.request, slot.sample, np.asarray(slot.tokens, np.int32),
         np.asarray(slot.logprobs, np.float32), np.asarray(slot.filtered, np.float32),
         reason, np.asarray(slot.versions, np.int32),
-        self.requests[slot.call][slot.request].tag)
+        self.requests[slot.call][slot.request].tag, slot.group.reused)
 
   def end_call(self) -> bool:
     """Forgets the requests of calls with nothing left in flight; returns whether
@@ -590,7 +659,8 @@ class Scheduler:
     """The plan that prefills the in-flight cache again: the prompts of the groups in
     flight (each once: whole while samples wait, else its full pages), then each live
     slot's own part (prompt tail + generated tokens), both in
-    :func:`shrink_prefill` batches of at most ``max_slots`` rows."""
+    :func:`shrink_prefill` batches of at most ``max_slots`` rows. The engine runs it
+    after :meth:`set_cache_key` of the new parameters: the pages are then theirs."""
     by_group: dict[int, tuple[Group, list[int]]] = {}
     for index, slot in enumerate(self.slots):
       if slot is not None:
@@ -615,6 +685,8 @@ class Scheduler:
         seq = np.concatenate([group.prompt, np.asarray(slot.tokens, np.int32)])
         first = min(full * ps, slot.position - 1)
         tails.append((index, (seq[first:slot.position], first, slot.shared + slot.own)))
+        slot.kv_key = self.cache_key          # recomputed under the current parameters
+      group.kv_key = self.cache_key
     args = self.max_slots, self.prefill_chunk, self.pages_per_slot
     return Recompute(tuple(owners), tuple(shrink_prefill(prompts, *args)),
                      tuple(index for index, _ in tails),
