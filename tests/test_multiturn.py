@@ -25,6 +25,7 @@ from jaxrl_llm.envs import (
 )
 from jaxrl_llm.rollout.multiturn import (
     FINISH_REASONS,
+    SampledTurn,
     engine_generate,
     episodes_to_batch,
     run_episodes,
@@ -204,6 +205,28 @@ def test_episode_argument_and_environment_errors():
     run_episodes(too_long, CHAR, [Chatter()], **kw)
   with pytest.raises(ValueError, match="returned 0 completions for 1 prompts"):
     run_episodes(lambda p, n: [], CHAR, [Chatter()], **kw)
+
+
+def test_episodes_count_the_prompt_tokens_a_backend_prefilled_and_reused():
+  # A fake backend that says it reused all of each prompt but its last 3 tokens.
+  tok = CHAR.tokenizer
+
+  def generate(prompts, limits):
+    ids = tok.encode("ok") + [tok.eos_id]
+    return [SampledTurn(ids, [-0.5] * 3, cached_tokens=len(p) - 3) for p in prompts]
+
+  [ep] = run_episodes(generate, CHAR, [Chatter()], max_turns=3, max_new_tokens=4, max_len=80)
+  asked = [ep.prompt_len] + [start for start, _ in ep.turn_spans[1:]]
+  assert ep.turns == 3 and (ep.prefill_tokens, ep.reused_tokens) == (9, sum(asked) - 9)
+  # Plain pairs: everything prefilled.
+  [ep] = run_episodes(lambda p, n: [tuple(t) for t in generate(p, n)], CHAR, [Chatter()],
+                      max_turns=3, max_new_tokens=4, max_len=80)
+  assert (ep.prefill_tokens, ep.reused_tokens) == (sum(asked), 0)
+  for bad in (-1, 9):              # the opening is 9 tokens
+    lying = lambda p, n, bad=bad: [SampledTurn([tok.eos_id], [0.0], bad) for _ in p]
+    with pytest.raises(ValueError, match=f"reused {bad!r} cached tokens of prompt 0; it "
+                       r"must be an int in \[0, 9\)"):
+      run_episodes(lying, CHAR, [Chatter()], max_turns=3, max_new_tokens=4, max_len=80)
 
 
 def test_environments_stepped_in_threads_give_the_same_episodes():
@@ -484,3 +507,48 @@ def test_behaviour_logprobs_of_a_three_turn_episode_equal_teacher_forced_ones():
                        seeds=[1, 2], max_turns=3, max_new_tokens=8, max_len=128)
   for a, b in zip(eps, again):
     np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_kv_continuation_prefills_only_the_new_tokens_with_teacher_forced_logprobs():
+  # The engine's prefix cache: turn k+1 reads the keys/values of the sequence up to
+  # turn k's last sampled token from its pages (full pages of 8) and prefills the rest:
+  # the last page's part, that token and the reply. Episodes, log-probs within float
+  # rounding of those re-prefilled each turn, and teacher-forced within 1e-4.
+  from flax import nnx
+
+  from jaxrl_llm.models import (
+      Transformer,
+      TransformerConfig,
+      make_apply_fn,
+      make_paged_decode_fns,
+      split_model,
+  )
+  from jaxrl_llm.rollout import RolloutEngine
+  from jaxrl_llm.train import policy_forward
+  tok = CHAR.tokenizer
+  graphdef, params = split_model(Transformer(TransformerConfig.tiny(tok.vocab_size),
+                                             rngs=nnx.Rngs(0)))
+  engine = RolloutEngine(make_paged_decode_fns(graphdef), max_slots=4, max_len=128,
+                         page_size=8)
+  runs = {}
+  for cached in (False, True):
+    generate = engine_generate(engine, params, eos_ids=CHAR.stop_ids, seed=3,
+                               temperature=1.0, prefix_cache=cached)
+    runs[cached] = run_episodes(generate, CHAR, [Chatter(), Chatter()], seeds=[1, 2],
+                                max_turns=3, max_new_tokens=8, max_len=128)
+  assert not engine.prefix_cache                 # a replica had the cache
+  for plain, ep in zip(runs[False], runs[True]):
+    assert ep.turns == 3 and ep.finish_reason == "done"
+    np.testing.assert_array_equal(ep.tokens, plain.tokens)
+    np.testing.assert_allclose(ep.behaviour_logprobs, plain.behaviour_logprobs, atol=2e-6)
+    asked = [ep.prompt_len] + [start for start, _ in ep.turn_spans[1:]]
+    reused = sum((end - 1) // 8 * 8 for _, end in ep.turn_spans[:-1])
+    assert (plain.prefill_tokens, plain.reused_tokens) == (sum(asked), 0)
+    assert (ep.prefill_tokens, ep.reused_tokens) == (sum(asked) - reused, reused)
+    # Each later turn prefilled under a page, its last sampled token and the reply.
+    replies = [start - end for (_, end), (start, _) in zip(ep.turn_spans, ep.turn_spans[1:])]
+    assert ep.prefill_tokens - ep.prompt_len <= sum(replies) + 2 * 8
+  batch = episodes_to_batch(runs[True], pad_id=tok.pad_id, group_size=2)
+  logp, _, _ = policy_forward(make_apply_fn(graphdef), params, batch, temperature=1.0)
+  mask = batch["loss_mask"] == 1
+  np.testing.assert_allclose(np.asarray(logp)[mask], batch["rollout_logp"][mask], atol=1e-4)

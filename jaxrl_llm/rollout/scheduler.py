@@ -16,6 +16,12 @@ vLLM's scheduler, one step at a time:
    slots, and returns the :class:`Completion` s of the slots that finished (their
    pages freed at once).
 
+With ``prefix_cache=True`` a finishing slot leaves its full pages to a
+:class:`~jaxrl_llm.rollout.paged_cache.PrefixCache`, a group opens on the pages of its
+prompt's longest cached prefix and prefills the rest (:class:`Admission`'s
+``reused_tokens``), admission evicts cached pages (LRU) before a sample would wait, and
+:meth:`Scheduler.set_cache_key` empties the cache when the parameters change.
+
 Admission, page reservation and finishing are therefore testable without a model
 (``tests/test_scheduler.py``). Everything here is decided by host state only, never by
 a device result, so a plan may take pages that the device calls before it in the same
