@@ -169,3 +169,31 @@ def test_lora_memory_cli_tiny_fsdp_rows_are_batch_sharded(tmp_path):
     assert four["args_gib"] < one["args_gib"]
     assert 0 < four["temp_gib"] <= 1.05 * one["temp_gib"], (mode, four, one)
   assert "longest measured T within 24 GiB/device: 256" in proc.stdout
+
+
+def test_agents_fake_environment_replies_with_fixed_lengths():
+  from benchmarks.agents import FixedReplyEnv
+  from jaxrl_llm.envs import CHAT_CHARS, PlainChat
+  from jaxrl_llm.tasks.tokenizer import CharTokenizer
+  chat = PlainChat(CharTokenizer(CHAT_CHARS))
+  env = FixedReplyEnv(prompt=64, reply=48)
+  assert len(chat.prompt_ids(env.reset(3))) == 64
+  turn = chat.tokenizer.encode("abcd")                # a turn cut at its limit
+  for _ in range(3):
+    step = env.step("abcd")
+    assert not step.done and len(chat.continuation_ids(step.messages, turn)) == 48
+
+
+@pytest.mark.slow
+def test_agents_benchmark_quick(tmp_path):
+  # KV continuation vs re-prefilling, at smoke sizes, in this process.
+  from benchmarks.agents import main
+  (row,) = main(["--quick", "--json", str(tmp_path / "agents.json")])
+  assert (row["episodes"], row["turns"], row["length"]) == (2, 3, 52)
+  # 2 x (16 + 32 + 48) prompt tokens asked; continuing, each later turn prefills the
+  # reply (12), the last sampled token and the 3 tokens of the last partial page.
+  assert row["reprefill_prefill_tokens"] == 192 and row["reprefill_reused_tokens"] == 0
+  assert row["continue_prefill_tokens"] == 2 * (16 + 16 + 16)
+  assert row["continue_reused_tokens"] == 192 - 96 and row["same_episodes"] == 2
+  assert row["reprefill_s"] > 0 and row["continue_s"] > 0
+  assert json.loads((tmp_path / "agents.json").read_text())["rows"][0]["model"] == "tiny"

@@ -378,6 +378,35 @@ def test_a_full_pool_evicts_cached_pages_before_refusing_admission():
   assert admission.reused_tokens == 8
 
 
+def test_eviction_keeps_the_cached_prefixes_of_waiting_prompts_for_last():
+  # One slot, 8 pages. B then A leave 2 cached pages each (B's are the least recent).
+  # X (5 pages) and B's next turn wait; X goes first and needs 1 page more than the 4
+  # free: A's tail goes, not B's, which B's next turn is about to read.
+  sched = make(max_slots=1, num_pages=8, prefix_cache=True)
+  run_alone(sched, 0, Request([21, 22, 23, 24], max_new_tokens=5), [5, 6, 7, 8, 9])
+  run_alone(sched, 1, Request([1, 2, 3, 4], max_new_tokens=5), [5, 6, 7, 8, 9])
+  b_next = [21, 22, 23, 24, 5, 6, 7, 8, 9, 30]
+  sched.submit(2, [Request([40, 41, 42, 43, 44], max_new_tokens=10),
+                   Request(b_next, max_new_tokens=2)], KEY)
+  plan = sched.schedule(n_eos=1, version=0)
+  assert sched.cache.evictions == 1 and plan.admissions[0].admits[0].group == (2, 0, 0)
+  assert sched.cache.match(np.array([1, 2, 3, 4, 5, 6, 7, 8]), 2, touch=False) == [2]
+  for _ in range(3):
+    sched.apply(plan, output([[50] * 4]))
+    plan = sched.schedule(n_eos=1, version=0)
+  assert plan.admissions[0].reused_tokens == 8 and plan.admissions[0].prefill_tokens == 2
+  # The cache alone: kept paths go last, the last one first, each from its tail.
+  pool = PagePool(8)
+  cache = PrefixCache(pool, page_size=1)
+  for seq in ([1, 2], [3, 4], [5, 6]):
+    pages = pool.allocate(2)
+    cache.insert(np.array(seq), pages)
+    pool.decref(pages)
+  assert cache.evict(3, keep=[[0, 1], [4, 5]]) == 3
+  assert (cache.match(np.array([1, 2]), 2), cache.match(np.array([3, 4]), 2),
+          cache.match(np.array([5, 6]), 2)) == ([0, 1], [], [4])
+
+
 def test_prefix_cache_is_never_read_under_another_key():
   sched = make(prefix_cache=True, max_len=20)
   prompt, turn = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11]

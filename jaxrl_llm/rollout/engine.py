@@ -102,7 +102,8 @@ its sequence so far plus the environment's reply then prefills the reply, the la
 sampled token and the part of the sequence in its last, partly filled page (not
 cached). Pages are reference-counted (the cache holds one reference, every prompt and
 slot that reads a page another); a page only the cache holds is evicted, least
-recently used first (a path's tail before its head), whenever an admission needs
+recently used first (a path's tail before its head; the cached prefixes of the prompts
+waiting in the queue last, the queue's tail first), whenever an admission needs
 pages: the cache never makes a sample wait that would run without it (at
 ``prefill_rows=1`` a call that reuses nothing makes the very device calls of the
 engine without it; free prefill rows do not evict cached pages to prefill prompts

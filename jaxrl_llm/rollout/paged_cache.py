@@ -123,7 +123,9 @@ class PrefixCache:
   (count 1) and that has no cached child is evictable; :meth:`evict` frees them in
   least-recently-used order (a lookup or an insert uses a whole path from the root,
   its deepest page first: a path's tail goes before its head, and a parent never goes
-  before its children). Keys/values depend on the parameters too: the caller empties
+  before its children), keeping for last the pages that prompts about to be admitted
+  will read (Belady's rule for what is known: a waiting prompt's pages are read before
+  anything a later call may ask for). Keys/values depend on the parameters too: the caller empties
   the cache (:meth:`clear`) when they change (the scheduler's ``set_cache_key``).
 
   Examples:
@@ -146,7 +148,7 @@ class PrefixCache:
   def __init__(self, pool: PagePool, page_size: int) -> None:
     self.pool, self.page_size = pool, page_size
     self.root: dict[bytes, _Node] = {}
-    self._lru: collections.OrderedDict[_Node, None] = collections.OrderedDict()
+    self._lru: collections.OrderedDict[int, _Node] = collections.OrderedDict()  # by page
     self.evictions = 0                            # pages evicted so far
 
   def __len__(self) -> int:
@@ -160,11 +162,11 @@ class PrefixCache:
 
   def _touch(self, path: list[_Node]) -> None:
     for node in reversed(path):                   # the deepest is the least recent
-      self._lru.move_to_end(node)
+      self._lru.move_to_end(node.page)
 
-  def match(self, tokens: np.ndarray, limit: int) -> list[int]:
+  def match(self, tokens: np.ndarray, limit: int, touch: bool = True) -> list[int]:
     """The pages of the longest cached prefix of ``tokens``, at most ``limit`` full
-    blocks (marked used; no reference taken)."""
+    blocks (marked used if ``touch``; no reference taken)."""
     path: list[_Node] = []
     children = self.root
     for block in self._blocks(tokens, min(limit, len(tokens) // self.page_size)):
@@ -173,7 +175,8 @@ class PrefixCache:
         break
       path.append(node)
       children = node.children
-    self._touch(path)
+    if touch:
+      self._touch(path)
     return [node.page for node in path]
 
   def insert(self, tokens: np.ndarray, pages: Sequence[int]) -> int:
@@ -188,36 +191,48 @@ class PrefixCache:
       if node is None:
         node = children[block] = _Node(int(page), block, parent)
         self.pool.incref([node.page])
-        self._lru[node] = None
+        self._lru[node.page] = node
         added += 1
       path.append(node)
       parent, children = node, node.children
     self._touch(path)
     return added
 
-  def evict(self, count: int) -> int:
-    """Frees up to ``count`` cached pages that nothing else holds, least recently used
-    first (a page with cached children waits for them); returns how many."""
+  def _drop(self, node: _Node) -> bool:
+    """Evicts ``node`` if nothing else holds its page and it has no cached child."""
+    if node.children or self.pool.refs[node.page] != 1:
+      return False
+    siblings = self.root if node.parent is None else node.parent.children
+    del siblings[node.block], self._lru[node.page]
+    self.pool.decref([node.page])
+    self.evictions += 1
+    return True
+
+  def evict(self, count: int, keep: Sequence[Sequence[int]] = ()) -> int:
+    """Frees up to ``count`` cached pages that nothing else holds (a page with cached
+    children waits for them); returns how many. Least recently used first, except the
+    pages of the paths ``keep`` (the cached prefixes of prompts about to be admitted,
+    soonest first): those go last, the last path's first, each from its tail."""
+    kept = {page for path in keep for page in path}
     freed = 0
-    for node in list(self._lru):                  # children come before their parent
+    for page in list(self._lru):                  # children come before their parent
       if freed >= count:
-        break
-      if node.children or self.pool.refs[node.page] != 1:
-        continue
-      siblings = self.root if node.parent is None else node.parent.children
-      del siblings[node.block], self._lru[node]
-      self.pool.decref([node.page])
-      freed += 1
-    self.evictions += freed
+        return freed
+      if page not in kept and self._drop(self._lru[page]):
+        freed += 1
+    for path in reversed(keep):
+      for page in reversed(path):
+        if freed >= count or page not in self._lru or not self._drop(self._lru[page]):
+          break
+        freed += 1
     return freed
 
   def clear(self) -> int:
     """Drops every cached page (the cache's reference; pages others still read stay
     theirs); returns how many."""
     count = len(self._lru)
-    self.pool.decref([node.page for node in self._lru])
+    self.pool.decref(list(self._lru))
     self.root, self._lru = {}, collections.OrderedDict()
     return count
-
 
 __all__ = ["PagePool", "PrefixCache"]

@@ -542,12 +542,28 @@ class Scheduler:
     return self.cache.match(group.prompt, (len(group.prompt) - 1) // self.page_size)
 
   def _make_room(self, count: int, evict: bool = True) -> bool:
-    """Whether ``count`` pages are available, after evicting cached pages (LRU) for
-    them if ``evict``."""
+    """Whether ``count`` pages are available, after evicting cached pages for them if
+    ``evict``: least recently used first, the cached prefixes of the prompts waiting
+    in the queue last (:meth:`PrefixCache.evict`)."""
     short = count - self.pool.available
     if short > 0 and evict and self.cache is not None:
-      self.cache.evict(short)
+      self.cache.evict(short, keep=self._waiting_prefixes())
     return self.pool.available >= count
+
+  def _waiting_prefixes(self) -> list[list[int]]:
+    """The cached pages each waiting group without pages will map, in queue order."""
+    assert self.cache is not None
+    seen, paths = set(), []
+    for c, i, j in self.queue:
+      key = (c, i, 0) if self.share_prompts else (c, i, j)
+      group = self.groups.get(key)
+      if key in seen or (group is not None and group.pages):
+        continue
+      seen.add(key)
+      prompt = self.requests[c][i].prompt
+      paths.append(self.cache.match(np.asarray(prompt, np.int32),
+                                    (len(prompt) - 1) // self.page_size, touch=False))
+    return paths
 
   def _open(self, group: Group, matched: list[int], extra: int, evict: bool = True) -> bool:
     """Gives ``group`` its prompt pages, the ``matched`` cached ones first and new
