@@ -503,7 +503,7 @@ def notes(table_rows, long_rows, results, target, metric="accuracy"):
 
 
 FULL = {"steps": 120, "prompts": 32, "group": 8, "eval_every": 10, "eval_size": 256}
-# --quick uses the test-suite's training sizes (tests/test_trainer.py SMALL), so its
+# --quick uses the test-suite's training sizes (tests/loop/test_trainer.py SMALL), so its
 # compiled programs come from the shared compilation cache.
 QUICK = {"steps": 4, "prompts": 4, "group": 2, "eval_every": 4, "eval_size": 8}
 

@@ -2,7 +2,7 @@
 sequence-sharded packed PPO / GRPO step against the single-device padded step.
 
 ``python -m tests.packing_worker OUT.json`` runs every case in one process and writes
-the measurements as JSON; ``tests/test_packing.py`` asserts on them.
+the measurements as JSON; ``tests/core/test_packing.py`` asserts on them.
 """
 
 from __future__ import annotations

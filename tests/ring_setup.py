@@ -1,4 +1,4 @@
-"""Inputs and references shared by tests/test_ring.py and tests/ring_worker.py.
+"""Inputs and references shared by tests/parallel/test_ring.py and tests/ring_worker.py.
 
 Nothing here imports jax at module level: the worker must set ``XLA_FLAGS`` first.
 """

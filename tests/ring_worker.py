@@ -2,7 +2,7 @@
 
 ``python -m tests.ring_worker OUT.json`` runs every case in one process (jax imported
 once, with ``XLA_FLAGS`` forcing 8 CPU devices) and writes the measurements as JSON;
-``tests/test_ring.py`` asserts on them. Each case records its own traceback on failure.
+``tests/parallel/test_ring.py`` asserts on them. Each case records its own traceback on failure.
 """
 
 from __future__ import annotations

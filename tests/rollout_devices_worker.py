@@ -1,5 +1,5 @@
 """Rollout device sets on 4 forced CPU devices, run in a subprocess by
-tests/test_async_loop.py: ``python -m tests.rollout_devices_worker OUT.json TMP_DIR``."""
+tests/loop/test_async_loop.py: ``python -m tests.rollout_devices_worker OUT.json TMP_DIR``."""
 
 from __future__ import annotations
 

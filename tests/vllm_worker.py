@@ -1,4 +1,4 @@
-"""The vLLM checks of tests/test_vllm.py, run in their own process (vLLM changes its
+"""The vLLM checks of tests/rollout/test_vllm.py, run in their own process (vLLM changes its
 host process: environment, torch threads, global seeds).
 
 ``python tests/vllm_worker.py FAMILY[,FAMILY...] OUT_JSON``: for each ``FAMILY``

@@ -62,7 +62,7 @@ fixed number of slots (static shapes: nothing recompiles as requests come and go
   on XLA:CPU (jax 0.10) 8, 16 and 32 rows gave bitwise equal logits (the tiny test
   model at 8/16 with XLA's default threads; SmolLM2-135M at 8/16/32 single-threaded),
   while 1, 2, 4 and 64 did not; check it on the target machine before relying on it
-  (``tests/test_engine.py`` pins 8/16 for the CPU). Hence off by default.
+  (``tests/rollout/test_engine.py`` pins 8/16 for the CPU). Hence off by default.
 
 **Partial rollouts** (Kimi k1.5, slime, verl; ``generate(..., token_budget=N,
 version=v)``). A call with a token budget stops once ``N`` tokens were generated and
@@ -121,11 +121,11 @@ prompt is prefilled in other chunks (from the cached position on) and reads keys
 decode steps wrote, so its log-probs are not bitwise those of the same prompt
 prefilled from scratch: in f32 on XLA:CPU they were within 1e-6 on the tiny test
 model and 2e-6 on the ``small`` preset (36 continued requests each, greedy and
-sampled; no token differed; ``tests/test_prefix_cache.py`` pins 2e-6), and within 1e-4 of the
-teacher-forced log-probs like every sampled token. Batch invariance holds as above for
-a given cache content: a request that maps the same cached pages gives bitwise the
-same tokens and log-probs alone or among others (which pages it maps depends on what
-the cache holds: an eviction, or another sequence that cached the same tokens first
+sampled; no token differed; ``tests/rollout/test_prefix_cache.py`` pins 2e-6), and
+within 1e-4 of the teacher-forced log-probs like every sampled token. Batch invariance
+holds as above for a given cache content: a request that maps the same cached pages
+gives bitwise the same tokens and log-probs alone or among others (which pages it maps
+depends on what the cache holds: an eviction, or another sequence that cached the same tokens first
 with keys computed in other chunks, can change it by those ulps).
 
 Log-prob conventions are those of :func:`jaxrl_llm.rollout.sample`:

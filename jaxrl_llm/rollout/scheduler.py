@@ -23,7 +23,7 @@ prompt's longest cached prefix and prefills the rest (:class:`Admission`'s
 :meth:`Scheduler.set_cache_key` empties the cache when the parameters change.
 
 Admission, page reservation and finishing are therefore testable without a model
-(``tests/test_scheduler.py``). Everything here is decided by host state only, never by
+(``tests/rollout/test_scheduler.py``). Everything here is decided by host state only, never by
 a device result, so a plan may take pages that the device calls before it in the same
 plan still read: the engine runs the calls in plan order.
 
