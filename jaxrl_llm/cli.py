@@ -16,6 +16,7 @@ import json
 import os
 import re
 import sys
+import time
 import types
 import typing
 from collections.abc import Sequence
@@ -499,7 +500,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    model_name=args.model_name, tool_parser=args.tool_parser)
   except (ValueError, OSError, CheckpointError) as e:
     return _fail("serve", str(e))
-  import time
   with server, rf.GracefulStop(announce=False) as stop:
     print(f"jaxrl-llm serve: {args.out} (step {step}) at {server.base_url} as model "
           f"{args.model_name!r}; Ctrl-C stops", file=sys.stderr, flush=True)
