@@ -544,6 +544,7 @@ def _step_records(folder, step, value):
     verify.write_text(json.dumps(record))
 
 
+@pytest.mark.slow     # 18-24 s on 2 cores (several runs and resumes)
 def test_a_step_record_that_disagrees_falls_back_or_refuses_in_one_line(capsys, tmp_path):
   """Reliability issue, item 1: ``{"step": 99999}`` in ``checkpoints/2/extra/metadata``
   made ``--resume`` train nothing and exit 0; ``{"step": 1}`` there dropped the metrics

@@ -656,6 +656,7 @@ def _tiny_hf_folder(tmp_path):
   return model_dir, str(data)
 
 
+@pytest.mark.slow     # 18-26 s each on 2 cores (a CLI run on a checkpoint)
 @pytest.mark.parametrize("algo, extra", [
     ("ppo", []), ("grpo", []),
     ("ppo", ["--critic", "policy", "--value-lr", "1e-4"]),   # a separate critic
