@@ -445,12 +445,17 @@ def _fail(command: str, message: str) -> int:
   return 2
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
+def _run_folder_problem(out: str) -> str | None:
+  """Why ``out`` is not a run folder with a checkpoint to restore (None: it is), before
+  JAX is imported: what ``eval`` and ``serve`` check first."""
   from jaxrl_llm import run_folder as rf
-  if not os.path.isdir(args.out):
-    return _fail("eval", f"{args.out} does not exist; pass the run folder of a "
-                 "training run with --out")
-  problem = rf.restorable_problem(args.out)
+  if not os.path.isdir(out):
+    return f"{out} does not exist; pass the run folder of a training run with --out"
+  return rf.restorable_problem(out)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+  problem = _run_folder_problem(args.out)
   if problem:
     return _fail("eval", problem)
   if args.eval_size < 1:
@@ -474,11 +479,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
   (:func:`jaxrl_llm.serve.serve`) until Ctrl-C or SIGTERM; every call's tokens are
   recorded, and with ``--record FILE`` written as JSON lines (one multi-turn
   trajectory a line: ``tokens``, ``loss_mask``, ``behaviour_logprobs``) at exit."""
-  from jaxrl_llm import run_folder as rf
-  if not os.path.isdir(args.out):
-    return _fail("serve", f"{args.out} does not exist; pass the run folder of a "
-                 "training run with --out")
-  problem = rf.restorable_problem(args.out)
+  problem = _run_folder_problem(args.out)
   if problem:
     return _fail("serve", problem)
   for option, value in (("--slots", args.slots), ("--max-len", args.max_len)):
@@ -500,7 +501,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    model_name=args.model_name, tool_parser=args.tool_parser)
   except (ValueError, OSError, CheckpointError) as e:
     return _fail("serve", str(e))
-  with server, rf.GracefulStop(announce=False) as stop:
+  from jaxrl_llm.run_folder import GracefulStop
+  with server, GracefulStop(announce=False) as stop:
     print(f"jaxrl-llm serve: {args.out} (step {step}) at {server.base_url} as model "
           f"{args.model_name!r}; Ctrl-C stops", file=sys.stderr, flush=True)
     while not stop.requested:
