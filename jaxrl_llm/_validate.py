@@ -83,6 +83,22 @@ def is_concrete_number(x: Any) -> TypeGuard[float]:
   return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def check_int(name: str, value: Any, low: int = 1) -> int:
+  """``value`` as an ``int`` >= ``low`` (a Python or NumPy integer, not a bool).
+
+  >>> check_int("max_turns", 3)
+  3
+  >>> check_int("max_turns", 0)
+  Traceback (most recent call last):
+  ...
+  ValueError: `max_turns` must be an int >= 1, got 0.
+  """
+  import numbers
+  if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+    raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+  return int(value)
+
+
 def check_range(name: str, value: Any, *, low: float | None = None, high: float | None = None,
                 low_open: bool = False, high_open: bool = False) -> None:
   """Checks that a concrete number lies in its documented range.

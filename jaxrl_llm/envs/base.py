@@ -56,6 +56,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from jaxrl_llm._validate import check_int
+
 Message = dict[str, Any]
 """One chat message: ``{"role": str, "content": str, ...}`` (a tool turn may carry
 ``"name"``, as the chat templates read it)."""
@@ -189,10 +191,7 @@ def check_max_turns(max_turns: Any) -> int:
   ...
   ValueError: `max_turns` must be an int >= 1, got 0.
   """
-  if (not isinstance(max_turns, (int, np.integer)) or isinstance(max_turns, bool)
-      or max_turns < 1):
-    raise ValueError(f"`max_turns` must be an int >= 1, got {max_turns!r}.")
-  return int(max_turns)
+  return check_int("max_turns", max_turns)
 
 
 def episode_reward(turn_rewards: Sequence[float]) -> float:

@@ -90,6 +90,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_llm._validate import check_int
 from jaxrl_llm.advantages import group_advantages
 from jaxrl_llm.envs.base import (
     Env,
@@ -195,12 +196,6 @@ class _Live:
                    self.seed, self.prefilled, self.reused)
 
 
-def _check_positive(name: str, value: Any, low: int = 1) -> int:
-  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-    raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
-  return int(value)
-
-
 def _check_turn(out: Any, i: int, limit: int) -> tuple[list[int], list[float]]:
   """Episode ``i``'s ``(ids, logprobs)`` from ``generate``, checked."""
   try:
@@ -298,9 +293,9 @@ def run_episodes(generate: Generate, chat: Any, envs: Sequence[Env],
       ``max_new_tokens`` ids each with as many log-probs.
   """
   max_turns = check_max_turns(max_turns)
-  max_new_tokens = _check_positive("max_new_tokens", max_new_tokens)
-  max_len = _check_positive("max_len", max_len, 2)
-  max_workers = _check_positive("max_workers", max_workers)
+  max_new_tokens = check_int("max_new_tokens", max_new_tokens)
+  max_len = check_int("max_len", max_len, 2)
+  max_workers = check_int("max_workers", max_workers)
   chat = chat_format(chat)
   seeds = list(range(len(envs))) if seeds is None else list(seeds)
   if len(seeds) != len(envs):
@@ -441,7 +436,7 @@ def episodes_to_batch(episodes: Sequence[Episode], *, pad_id: int,
   if not episodes:
     raise ValueError("`episodes` is empty.")
   longest = max(len(e.tokens) for e in episodes)
-  length = longest if length is None else _check_positive("length", length)
+  length = longest if length is None else check_int("length", length)
   if longest > length:
     raise ValueError(f"an episode is {longest} tokens, longer than `length`={length}.")
   b = len(episodes)

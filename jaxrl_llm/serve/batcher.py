@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from jaxrl_llm._validate import check_int
 from jaxrl_llm.rollout.multiturn import _check_turn
 
 Turn = tuple[list[int], list[float]]
@@ -87,10 +88,8 @@ class Batcher:
       raise ValueError("`generate` must be callable: generate(prompts, max_new_tokens).")
     if not isinstance(max_wait, (int, float)) or not max_wait >= 0:
       raise ValueError(f"`max_wait` must be a number of seconds >= 0, got {max_wait!r}.")
-    if not isinstance(max_batch, int) or max_batch < 1:
-      raise ValueError(f"`max_batch` must be an int >= 1, got {max_batch!r}.")
     self.generate = generate
-    self.max_wait, self.max_batch = float(max_wait), max_batch
+    self.max_wait, self.max_batch = float(max_wait), check_int("max_batch", max_batch)
     self.sampling = takes_sampling(generate)
     self._queue: queue.Queue = queue.Queue()
     self._lock = threading.Lock()
